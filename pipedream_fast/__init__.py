@@ -1,0 +1,14 @@
+"""pipedream_fast: pipeline-parallel training for PyTorch, after PipeDream.
+
+The flow, one direction only (see ARCHITECTURE.md):
+
+    nn.Module -> LayerChain -> Profile -> Plan -> Schedule IR -> executor | simulator -> trace
+
+The C++ core lives in `pipedream_fast._C`; everything here is the thin Python layer.
+"""
+
+from pipedream_fast.formats import FormatError, Plan, Profile
+
+__version__ = "0.1.0"
+
+__all__ = ["FormatError", "Plan", "Profile", "__version__"]

@@ -1,0 +1,45 @@
+"""`pipedream-fast` command line: one sub-command per module in `pipedream_fast.commands`.
+
+Each command module exposes `register(subparsers)`, which adds its parser and sets
+`func(args) -> int` as the parser default. This file only dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from pipedream_fast.formats import FormatError
+
+# The order here is the order in `--help`: the flow, left to right.
+COMMAND_MODULES = ("profile", "plan", "simulate", "bench")
+
+
+class UsageError(Exception):
+    """Bad command-line input that argparse cannot catch; printed without a traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipedream-fast",
+        description="Profile, plan, simulate and train pipeline-parallel PyTorch models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"pipedream_fast.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, FormatError, FileNotFoundError, ValueError) as err:
+        print(f"pipedream-fast {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
