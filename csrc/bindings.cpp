@@ -1,0 +1,129 @@
+// Python bindings of the core: pipedream_fast._C.
+//
+// Every call that can block or copy many bytes releases the GIL (py::call_guard): arguments
+// are converted before the guard is taken and results after it is dropped, so no Python
+// object is touched without the GIL.
+#include <torch/extension.h>
+
+#include <optional>
+
+#include "activation_queue.h"
+#include "errors.h"
+#include "threaded_producer.h"
+#include "weight_ring.h"
+
+namespace py = pybind11;
+using namespace pipedream_fast;
+
+namespace {
+
+double timeout_or_forever(std::optional<double> timeout) {
+  if (!timeout) return ActivationQueue::kForever;
+  if (*timeout < 0) throw std::invalid_argument("timeout must be >= 0 seconds or None");
+  return *timeout;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pipedream_fast C++ core: activation queues and weight-version rings";
+
+#ifdef PIPEDREAM_FAST_WITH_CUDA
+  m.attr("cuda_enabled") = true;
+#else
+  m.attr("cuda_enabled") = false;
+#endif
+
+  py::register_exception<QueueClosed>(m, "QueueClosed", PyExc_RuntimeError);
+  py::register_exception<QueueTimeout>(m, "QueueTimeout", PyExc_TimeoutError);
+  py::register_exception<VersionError>(m, "VersionError", PyExc_LookupError);
+
+  m.def("now_ns", &now_ns, "Monotonic clock in ns (the clock that stamps Bundle.enqueued_ns).");
+
+  py::class_<Bundle>(m, "Bundle", "Tensors handed between pipeline stages, with their tags.")
+      .def_readonly("tensors", &Bundle::tensors)
+      .def_readonly("microbatch", &Bundle::microbatch)
+      .def_readonly("version", &Bundle::version)
+      .def_readonly("enqueued_ns", &Bundle::enqueued_ns)
+      .def("__repr__", [](const Bundle& b) {
+        return "Bundle(microbatch=" + std::to_string(b.microbatch) +
+               ", version=" + std::to_string(b.version) +
+               ", tensors=" + std::to_string(b.tensors.size()) + ")";
+      });
+
+  py::class_<ActivationQueue, std::shared_ptr<ActivationQueue>>(
+      m, "ActivationQueue",
+      "Bounded, blocking, closable FIFO of tensor bundles. push blocks while full, pop while "
+      "empty; timeouts raise QueueTimeout, a closed queue QueueClosed (pop drains first).")
+      .def(py::init<int64_t, std::string>(), py::arg("capacity"), py::arg("name") = "queue")
+      .def(
+          "push",
+          [](ActivationQueue& q, std::vector<at::Tensor> tensors, int64_t microbatch,
+             int64_t version, std::optional<double> timeout) {
+            const double t = timeout_or_forever(timeout);
+            py::gil_scoped_release no_gil;
+            q.push(Bundle{std::move(tensors), microbatch, version}, t);
+          },
+          py::arg("tensors"), py::arg("microbatch") = -1, py::arg("version") = -1,
+          py::arg("timeout") = py::none())
+      .def(
+          "pop",
+          [](ActivationQueue& q, std::optional<double> timeout) {
+            const double t = timeout_or_forever(timeout);
+            py::gil_scoped_release no_gil;
+            return q.pop(t);
+          },
+          py::arg("timeout") = py::none())
+      .def("try_pop", &ActivationQueue::try_pop)
+      .def("close", &ActivationQueue::close)
+      .def_property_readonly("closed", &ActivationQueue::closed)
+      .def_property_readonly("capacity", &ActivationQueue::capacity)
+      .def_property_readonly("name", &ActivationQueue::name)
+      .def("__len__", &ActivationQueue::size)
+      .def("stats", [](const ActivationQueue& q) {
+        const QueueStats s = q.stats();
+        py::dict d;
+        d["pushed"] = s.pushed;
+        d["popped"] = s.popped;
+        d["push_wait_s"] = static_cast<double>(s.push_wait_ns) * 1e-9;
+        d["pop_wait_s"] = static_cast<double>(s.pop_wait_ns) * 1e-9;
+        d["high_water"] = s.high_water;
+        return d;
+      });
+
+  py::class_<ThreadedProducer>(m, "ThreadedProducer",
+                               "A native thread pushing `count` bundles into a queue.")
+      .def(py::init<std::shared_ptr<ActivationQueue>, std::vector<at::Tensor>, int64_t,
+                    int64_t>(),
+           py::arg("queue"), py::arg("tensors"), py::arg("count"), py::arg("interval_us") = 0)
+      .def("join", &ThreadedProducer::join, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<WeightRing>(
+      m, "WeightRing",
+      "K preallocated weight-version slots of a stage. The parameters are rebound to views "
+      "of one flat buffer per dtype; snapshot() copies them into a free slot in one bulk copy "
+      "per dtype.")
+      .def(py::init<std::vector<at::Tensor>, int64_t, bool>(), py::arg("params"),
+           py::arg("slots"), py::arg("offload") = false)
+      .def(
+          "snapshot",
+          [](WeightRing& r, std::optional<int64_t> version) {
+            if (version && *version < 0) {
+              throw std::invalid_argument("snapshot(version): version must be >= 0");
+            }
+            py::gil_scoped_release no_gil;
+            return r.snapshot(version.value_or(-1));
+          },
+          py::arg("version") = py::none())
+      .def("tensors", &WeightRing::tensors, py::arg("version"))
+      .def("release", &WeightRing::release, py::arg("version"))
+      .def("holds", &WeightRing::holds, py::arg("version"))
+      .def("held_versions", &WeightRing::held_versions)
+      .def("live_tensors", &WeightRing::live_tensors)
+      .def("live_buffers", &WeightRing::live_buffers)
+      .def_property_readonly("capacity", &WeightRing::capacity)
+      .def_property_readonly("free_slots", &WeightRing::free_slots)
+      .def_property_readonly("bytes_per_version", &WeightRing::bytes_per_version)
+      .def_property_readonly("num_params", &WeightRing::num_params)
+      .def_property_readonly("offloaded", &WeightRing::offloaded);
+}
