@@ -32,11 +32,27 @@ def want_cuda() -> bool:
     return torch.cuda.is_available() and CUDA_HOME is not None
 
 
+def pip_cuda_dirs() -> tuple[list[str], list[str]]:
+    """Header and library folders of the CUDA libraries that a pip-installed CUDA torch brings
+    (nvidia-* wheels). A toolkit that ships only nvcc lacks cusparse.h and friends, which
+    ATen's CUDA headers include."""
+    try:
+        import nvidia  # namespace package of the nvidia-* wheels
+    except ImportError:
+        return [], []
+    roots = [os.path.join(base, sub) for base in nvidia.__path__ for sub in sorted(os.listdir(base))]
+    includes = [os.path.join(r, "include") for r in roots if os.path.isdir(os.path.join(r, "include"))]
+    libs = [os.path.join(r, "lib") for r in roots if os.path.isdir(os.path.join(r, "lib"))]
+    return includes, libs
+
+
 def extension():
     sources = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc", "*.cpp")))
-    cxx_flags = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    cxx_flags = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"]
     if want_cuda():
+        include_dirs, library_dirs = pip_cuda_dirs()
         return CUDAExtension("pipedream_fast._C", sources,
+                             include_dirs=include_dirs, library_dirs=library_dirs,
                              define_macros=[("PIPEDREAM_FAST_WITH_CUDA", None)],
                              extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]})
     return CppExtension("pipedream_fast._C", sources, extra_compile_args={"cxx": cxx_flags})
