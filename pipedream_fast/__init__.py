@@ -7,6 +7,8 @@ The flow, one direction only (see ARCHITECTURE.md):
 The C++ core lives in `pipedream_fast._C`; everything here is the thin Python layer.
 """
 
+import torch as _torch  # noqa: F401  (loads libtorch, which the C++ core links against)
+
 from pipedream_fast.formats import FormatError, Plan, Profile
 
 __version__ = "0.1.0"

@@ -1,0 +1,169 @@
+"""`pipedream-fast simulate`: generate a schedule, validate it, run it in virtual time.
+
+    pipedream-fast simulate --schedule pipedream --stages 4 --microbatches 16 --unit-cost
+    pipedream-fast simulate --profile p.json --plan plan.json --microbatches 64 --json
+    pipedream-fast simulate ... --trace run.json --timeline run.png --save-schedule ir.json
+
+With --profile/--plan the stages, replicas and rank layout come from the plan (and the
+schedule too, unless --schedule overrides it); --stages/--replicas may only repeat them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from pipedream_fast.cli import UsageError
+from pipedream_fast.formats import Plan, Profile
+from pipedream_fast.schedules import SCHEDULE_NAMES, make_schedule
+from pipedream_fast.sim import CostModel, ProfileCosts, SimResult, UnitCosts, simulate
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "simulate", help="run a schedule in virtual time: makespan, bubbles, weight delays",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES,
+                   help="schedule to generate (default with --plan: the plan's)")
+    p.add_argument("--stages", type=int, help="pipeline stages (taken from --plan if given)")
+    p.add_argument("--microbatches", type=int, required=True, help="microbatches to run (N)")
+    p.add_argument("--replicas", help="ranks per stage, e.g. 2,1,1 (default 1 each)")
+    p.add_argument("--step-microbatches", type=int,
+                   help="microbatches per optimizer step: gpipe/1f1b/data-parallel (default "
+                        "all N) and 2bw (default: the number of workers)")
+    p.add_argument("--local-steps", type=int, help="localsgd: local steps H between averages")
+    p.add_argument("--model-replicas", type=int,
+                   help="localsgd: model replicas R sharing the pipeline (default: stages)")
+    costs = p.add_argument_group("costs (default --unit-cost)")
+    costs.add_argument("--unit-cost", action="store_true",
+                       help="forward 1, backward 1, communication 0")
+    costs.add_argument("--forward-cost", type=float, help="time of one stage forward")
+    costs.add_argument("--backward-cost", type=float, help="time of one stage backward")
+    costs.add_argument("--comm-cost", type=float, help="time of one transfer or all-reduce")
+    costs.add_argument("--profile", help="Profile JSON (with --plan): costs in ms")
+    costs.add_argument("--plan", help="Plan JSON (with --profile): stages, replicas, ranks")
+    costs.add_argument("--bandwidth", type=float, default=10e9,
+                       help="bytes/s between ranks when the plan has no topology (default 10e9)")
+    costs.add_argument("--latency", type=float, default=0.0, help="ms per message (default 0)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object instead")
+    out.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
+    out.add_argument("--timeline", help="write a pipeline diagram PNG here")
+    out.add_argument("--save-schedule", help="write the schedule IR (JSON) here")
+    p.set_defaults(func=run)
+
+
+def _replicas(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--replicas must be comma-separated integers such as 2,1,1; "
+                         f"got {text!r}") from None
+    if min(values) < 1:
+        raise UsageError(f"--replicas counts must be >= 1, got {text!r}")
+    return values
+
+
+def _costs(args: argparse.Namespace) -> tuple[CostModel, Plan | None]:
+    custom = [args.forward_cost, args.backward_cost, args.comm_cost]
+    if (args.profile is None) != (args.plan is None):
+        raise UsageError("--profile and --plan go together")
+    if args.profile is not None:
+        if args.unit_cost or any(c is not None for c in custom):
+            raise UsageError("choose one cost source: --unit-cost, --forward-cost/"
+                             "--backward-cost/--comm-cost, or --profile with --plan")
+        profile, plan = Profile.load(args.profile), Plan.load(args.plan)
+        return ProfileCosts.from_plan(profile, plan, args.bandwidth, args.latency), plan
+    if args.unit_cost and any(c is not None for c in custom):
+        raise UsageError("--unit-cost fixes forward 1, backward 1, comm 0; drop it to set "
+                         "--forward-cost/--backward-cost/--comm-cost")
+    f = 1.0 if args.forward_cost is None else args.forward_cost
+    b = 1.0 if args.backward_cost is None else args.backward_cost
+    comm = 0.0 if args.comm_cost is None else args.comm_cost
+    if min(f, b, comm) < 0:
+        raise UsageError(f"costs must be >= 0, got forward {f}, backward {b}, comm {comm}")
+    return UnitCosts(f, b, comm), None
+
+
+def _layout(args: argparse.Namespace, plan: Plan | None) -> dict[str, Any]:
+    replicas = _replicas(args.replicas)
+    if plan is None:
+        if args.stages is None:
+            raise UsageError("--stages is required unless --plan gives the stages")
+        if args.schedule is None:
+            raise UsageError("--schedule is required unless --plan names one")
+        return {"name": args.schedule, "num_stages": args.stages, "replicas": replicas}
+    if args.stages is not None and args.stages != plan.num_stages:
+        raise UsageError(f"--stages {args.stages} contradicts the plan, which has "
+                         f"{plan.num_stages} stages; drop --stages or re-plan")
+    plan_replicas = [s.replicas for s in plan.stages]
+    if replicas is not None and replicas != plan_replicas:
+        raise UsageError(f"--replicas {args.replicas} contradicts the plan's replicas "
+                         f"{','.join(map(str, plan_replicas))}; drop --replicas or re-plan")
+    name = args.schedule or plan.schedule
+    if name not in SCHEDULE_NAMES:
+        raise UsageError(f"the plan names schedule {name!r}, which this simulator does not "
+                         f"know; pass --schedule (one of {', '.join(SCHEDULE_NAMES)})")
+    return {"name": name, "num_stages": plan.num_stages,
+            "stage_ranks": [list(s.ranks) for s in plan.stages]}
+
+
+def run(args: argparse.Namespace) -> int:
+    costs, plan = _costs(args)
+    layout = _layout(args, plan)
+    schedule = make_schedule(num_microbatches=args.microbatches, local_steps=args.local_steps,
+                             step_microbatches=args.step_microbatches,
+                             model_replicas=args.model_replicas, **layout)
+    result = simulate(schedule, costs)
+    if args.save_schedule:
+        schedule.save(args.save_schedule)
+    if args.trace:
+        from pipedream_fast.trace import write_simulation_trace
+        write_simulation_trace(result, args.trace)
+    if args.timeline:
+        from pipedream_fast.timeline import draw_timeline
+        draw_timeline(result, args.timeline)
+    if args.json:
+        data = result.to_dict()
+        if plan is not None:
+            data["samples_per_s"] = result.throughput * plan.batch_size * 1e3
+        print(json.dumps(data, indent=2))
+    else:
+        print(summary(result, plan))
+    return 0
+
+
+def summary(result: SimResult, plan: Plan | None = None) -> str:
+    s, unit = result.schedule, result.time_unit
+    params = ", ".join(f"{k} {v}" for k, v in s.params.items() if k != "replicas")
+    lines = [f"schedule {s.name}: {s.num_stages} stages, {s.num_microbatches} microbatches, "
+             f"{s.num_ranks} ranks (replicas {','.join(map(str, s.replicas))})"
+             + (f", {params}" if params else ""),
+             f"makespan    {result.makespan:g} {unit}{'s' if unit == 'unit' else ''}",
+             f"throughput  {result.throughput:.4g} microbatches/{unit}"
+             + (f" = {result.throughput * plan.batch_size * 1e3:.4g} samples/s" if plan else ""),
+             f"idle        {100 * result.idle_fraction:.1f}% of all rank time", "",
+             "rank  stages  busy      idle%   peak versions  peak stashed"]
+    for r in result.ranks:
+        idle = 100 * (1 - r.busy / result.makespan) if result.makespan else 0.0
+        lines.append(f"{r.rank:<5} {','.join(map(str, r.stages)):<7} {r.busy:<9g} "
+                     f"{idle:<7.1f} {r.peak_versions:<14} {r.peak_stashed}")
+    d = result.delays
+    lo, hi = d.steady_range
+    lines.append("")
+    if d.max_delay is None:
+        lines.append(f"weight delay: no steady state (needs microbatches m with {lo} <= m < "
+                     f"{hi}; run more than {2 * s.num_stages} microbatches)")
+    else:
+        lines.append(f"weight delay over steady state (microbatches {lo}..{hi - 1}): "
+                     f"max {d.max_delay}, mean {d.mean_delay:.3g}")
+        per = d.per_stage()
+        lines.append("  per update stage: " + ", ".join(
+            f"{st}: max {v['max']} mean {v['mean']:.3g}" for st, v in per.items()
+            if v["count"]))
+        lines.append("  histogram (delay: count): " + ", ".join(
+            f"{k}: {v}" for k, v in d.histogram().items()))
+    return "\n".join(lines)

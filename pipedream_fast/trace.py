@@ -1,0 +1,124 @@
+"""Chrome / Perfetto traces: one format for the simulator's prediction and the runtime's run.
+
+A `TraceEvent` is one action on one rank with its start and duration in milliseconds. The
+simulator converts its records with `events_from_simulation`; the runtime appends a
+`TraceEvent` per action it performs (with `time.perf_counter()` based times) and writes them
+with the same `write_chrome_trace`, so a run and its prediction open side by side in
+chrome://tracing or https://ui.perfetto.dev.
+
+File layout (the Trace Event Format's JSON object form): one process per source (the
+simulator, the runtime), one thread (track) per rank named "rank R (stage S)", one complete
+("ph": "X") slice per action named like "F3 v1" (forward of microbatch 3 on version 1), with
+category = the action kind and args = stage, microbatch, version, the IR token and any extra.
+Timestamps and durations are in microseconds, as the format requires.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from pipedream_fast.ir import ActionKind
+
+if TYPE_CHECKING:
+    from pipedream_fast.sim import SimResult
+
+_SHORT = {ActionKind.FORWARD: "F", ActionKind.BACKWARD: "B", ActionKind.SEND_ACT: "send act",
+          ActionKind.RECV_ACT: "recv act", ActionKind.SEND_GRAD: "send grad",
+          ActionKind.RECV_GRAD: "recv grad", ActionKind.ALLREDUCE: "allreduce",
+          ActionKind.OPTIMIZER_STEP: "step", ActionKind.SNAPSHOT: "snapshot",
+          ActionKind.RELEASE: "release", ActionKind.AVERAGE: "average"}
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    rank: int
+    kind: str  # an ActionKind value: "forward", "backward", "send_act", ...
+    start_ms: float
+    duration_ms: float
+    stage: int | None = None
+    microbatch: int | None = None
+    version: int | None = None
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        kind = ActionKind(self.kind)
+        short = _SHORT[kind]
+        if kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+            return f"{short}{self.microbatch} v{self.version}"
+        if self.microbatch is not None:
+            return f"{short} {self.microbatch}"
+        return f"{short} v{self.version}" if self.version is not None else short
+
+
+def events_from_simulation(result: "SimResult") -> list[TraceEvent]:
+    events = []
+    for rec in result.records:
+        a = rec.action
+        args: dict[str, Any] = {"action": a.to_text(), "index": rec.index}
+        if rec.ready > rec.start:
+            args["waited_ms"] = rec.ready - rec.start
+        if a.peer is not None:
+            args["peer"] = a.peer
+        if a.microbatches:
+            args["microbatches"] = list(a.microbatches)
+        if a.copy:
+            args["copy"] = a.copy
+        events.append(TraceEvent(rec.rank, a.kind.value, rec.start, rec.end - rec.start,
+                                 a.stage, a.microbatch, a.version, args))
+    return events
+
+
+def chrome_trace(events: Iterable[TraceEvent], *, process: str = "pipedream-fast",
+                 rank_stages: Mapping[int, Iterable[int]] | None = None,
+                 pid: int = 0, metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The trace as a JSON-ready dict; `rank_stages` names the tracks."""
+    events = list(events)
+    ranks = sorted({e.rank for e in events} | set(rank_stages or {}))
+    out: list[dict[str, Any]] = [{"ph": "M", "pid": pid, "name": "process_name",
+                                  "args": {"name": process}}]
+    for r in ranks:
+        stages = list((rank_stages or {}).get(r, []))
+        label = f"rank {r}" + (f" (stage {','.join(map(str, stages))})" if stages else "")
+        out.append({"ph": "M", "pid": pid, "tid": r, "name": "thread_name",
+                    "args": {"name": label}})
+        out.append({"ph": "M", "pid": pid, "tid": r, "name": "thread_sort_index",
+                    "args": {"sort_index": r}})
+    for e in events:
+        args = {"stage": e.stage, "microbatch": e.microbatch, "version": e.version, **e.args}
+        out.append({"ph": "X", "pid": pid, "tid": e.rank, "name": e.name, "cat": e.kind,
+                    "ts": e.start_ms * 1e3, "dur": e.duration_ms * 1e3,
+                    "args": {k: v for k, v in args.items() if v is not None}})
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": dict(metadata or {})}
+
+
+def write_chrome_trace(events: Iterable[TraceEvent], path: str | os.PathLike[str],
+                       **kwargs: Any) -> None:
+    """Write `events` as a Chrome/Perfetto JSON trace (see `chrome_trace` for the options)."""
+    Path(path).write_text(json.dumps(chrome_trace(events, **kwargs)) + "\n")
+
+
+def write_simulation_trace(result: "SimResult", path: str | os.PathLike[str]) -> None:
+    s = result.schedule
+    write_chrome_trace(events_from_simulation(result), path, process=f"simulated {s.name}",
+                       rank_stages={r: s.stages_of(r) for r in range(s.num_ranks)},
+                       metadata={"schedule": s.name, "time_unit": result.time_unit,
+                                 "note": "one time unit of a unit-cost run is shown as 1 ms"})
+
+
+def read_chrome_trace(path: str | os.PathLike[str]) -> list[TraceEvent]:
+    """Read back the slices of a trace written by `write_chrome_trace`."""
+    data = json.loads(Path(path).read_text())
+    events = []
+    for ev in data.get("traceEvents", []):
+        if ev.get("ph") != "X":
+            continue
+        args = dict(ev.get("args", {}))
+        stage, mb, version = (args.pop(k, None) for k in ("stage", "microbatch", "version"))
+        events.append(TraceEvent(ev["tid"], ev["cat"], ev["ts"] / 1e3, ev["dur"] / 1e3,
+                                 stage, mb, version, args))
+    return events
