@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "activation_queue.h"
+#include "comm_engine.h"
 #include "errors.h"
 #include "threaded_producer.h"
 #include "weight_ring.h"
@@ -119,6 +120,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("release", &WeightRing::release, py::arg("version"))
       .def("holds", &WeightRing::holds, py::arg("version"))
       .def("held_versions", &WeightRing::held_versions)
+      .def("attach_grad_buffers", &WeightRing::attach_grad_buffers)
+      .def("grad_buffers", &WeightRing::grad_buffers)
       .def("live_tensors", &WeightRing::live_tensors)
       .def("live_buffers", &WeightRing::live_buffers)
       .def_property_readonly("capacity", &WeightRing::capacity)
@@ -126,4 +129,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("bytes_per_version", &WeightRing::bytes_per_version)
       .def_property_readonly("num_params", &WeightRing::num_params)
       .def_property_readonly("offloaded", &WeightRing::offloaded);
+
+  py::enum_<Channel>(m, "Channel", "What a link carries: activations forward, gradients back.")
+      .value("ACTIVATION", Channel::kActivation)
+      .value("GRADIENT", Channel::kGradient);
+
+  py::class_<CommEngine>(
+      m, "CommEngine",
+      "Background send/receive threads of one rank over a c10d ProcessGroup. send() and "
+      "post_recv() return at once; wait_recv() blocks (GIL released) until the tensors arrive "
+      "or `timeout` seconds pass.")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, double, int64_t, at::Device>(),
+           py::arg("group"), py::arg("timeout") = 300.0, py::arg("depth") = 8,
+           py::arg("device") = at::Device(at::kCPU))
+      .def("send", &CommEngine::send, py::arg("peer"), py::arg("channel"), py::arg("microbatch"),
+           py::arg("tensors"), py::call_guard<py::gil_scoped_release>())
+      .def("post_recv", &CommEngine::post_recv, py::arg("peer"), py::arg("channel"),
+           py::arg("microbatch"), py::call_guard<py::gil_scoped_release>())
+      .def("wait_recv", &CommEngine::wait_recv, py::arg("peer"), py::arg("channel"),
+           py::arg("microbatch"), py::call_guard<py::gil_scoped_release>())
+      .def("flush", &CommEngine::flush, py::call_guard<py::gil_scoped_release>())
+      .def("shutdown", &CommEngine::shutdown, py::arg("grace") = 1.0,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rank", &CommEngine::rank)
+      .def_property_readonly("timeout", &CommEngine::timeout_s)
+      .def("stats", [](const CommEngine& e) {
+        const CommStats s = e.stats();
+        py::dict d;
+        d["messages_sent"] = s.messages_sent;
+        d["messages_received"] = s.messages_received;
+        d["bytes_sent"] = s.bytes_sent;
+        d["bytes_received"] = s.bytes_received;
+        d["send_s"] = static_cast<double>(s.send_ns) * 1e-9;
+        d["recv_s"] = static_cast<double>(s.recv_ns) * 1e-9;
+        d["wait_recv_s"] = static_cast<double>(s.wait_recv_ns) * 1e-9;
+        return d;
+      });
 }

@@ -221,6 +221,7 @@ const std::vector<at::Tensor>& WeightRing::tensors(int64_t version) {
     fetched.record(side);
     fetched.block(current);
     slot.views = shaped_views(slot.device_buffers, live_views_, group_of_, offset_of_);
+    bind_grads(slot.views);
   }
 #endif
   return slot.views;
@@ -236,6 +237,24 @@ void WeightRing::release(int64_t version) {
     slot.device_buffers.clear();
   }
 #endif
+}
+
+void WeightRing::bind_grads(const std::vector<at::Tensor>& tensors) const {
+  if (grads_.empty()) return;
+  const std::vector<at::Tensor> grad_views = shaped_views(grads_, live_views_, group_of_, offset_of_);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].requires_grad()) tensors[i].mutable_grad() = grad_views[i].detach();
+  }
+}
+
+std::vector<at::Tensor> WeightRing::attach_grad_buffers() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (grads_.empty()) {
+    for (const Group& group : groups_) grads_.push_back(at::zeros_like(group.live));
+    bind_grads(live_views_);
+    for (auto& slot : slots_) bind_grads(slot->views);
+  }
+  return grads_;
 }
 
 std::vector<at::Tensor> WeightRing::live_buffers() const {

@@ -54,6 +54,14 @@ class WeightRing {
   // Frees the version's slot. Throws VersionError for an unknown or released version.
   void release(int64_t version);
 
+  // Gives every parameter and every version's tensors a `.grad` that is a view of one flat,
+  // zeroed gradient buffer per group, and returns those buffers. Backward passes on any
+  // version then accumulate in place into the same resident memory that the optimizer reads
+  // through the parameters' `.grad` (and that an all-reduce sends as one bucket per dtype).
+  // Idempotent.
+  std::vector<at::Tensor> attach_grad_buffers();
+  const std::vector<at::Tensor>& grad_buffers() const { return grads_; }
+
   // Tensors of the live parameters (views of the live buffers), aligned with `params`.
   const std::vector<at::Tensor>& live_tensors() const { return live_views_; }
   // The flat live buffers, one per (device, dtype) group.
@@ -72,12 +80,14 @@ class WeightRing {
   struct Slot;   // one version's buffers, views and (offload) events
 
   Slot& held_slot_locked(int64_t version, const char* action);
+  void bind_grads(const std::vector<at::Tensor>& tensors) const;
 
   const bool offload_;
   std::vector<Group> groups_;
   std::vector<at::Tensor> live_views_;
   std::vector<int64_t> group_of_;   // per parameter: index of its group
   std::vector<int64_t> offset_of_;  // per parameter: element offset in its group's buffers
+  std::vector<at::Tensor> grads_;   // flat gradient buffer per group, once attached
   std::vector<std::unique_ptr<Slot>> slots_;
   int64_t bytes_per_version_ = 0;
   int64_t next_version_ = 0;

@@ -1,0 +1,98 @@
+// CommEngine: point-to-point activation and gradient traffic of one rank, off the compute
+// thread, over a c10d ProcessGroup (gloo on CPU, NCCL on GPU, same calls).
+//
+//   compute thread                 link (peer, channel)                      peer rank
+//   send(peer, ch, mb, ts) ──▶ [send queue] ──send thread──▶ pg->send ───────────▶
+//   post_recv(peer, ch, mb) ─▶ [request queue] ─recv thread─ pg->recv ◀───────────
+//   wait_recv(peer, ch, mb) ◀─ [done queue] ◀──────────────┘  (pooled buffers)
+//
+// One link per (peer, channel), each with its own send and receive thread, started on first
+// use. The first message of a link carries a small header with the tensors' dtypes and shapes;
+// after that the receiver allocates from a pool and the shapes are fixed: a send whose shapes
+// differ from the negotiated ones is rejected with an error naming both (see the docs for why
+// shapes are fixed). Every message is tagged with its microbatch, so a receive matches exactly
+// the send of the same microbatch; a schedule that disagrees between two ranks times out with
+// a message naming the peer, the channel and the microbatch instead of mixing data.
+//
+// Receive buffers come from a per-link pool. A buffer is handed out again only when nobody
+// else holds its storage (the compute thread and autograd have dropped it), so steady-state
+// receives allocate nothing.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "activation_queue.h"
+
+namespace pipedream_fast {
+
+enum class Channel : int { kActivation = 0, kGradient = 1 };
+
+const char* channel_name(Channel channel);
+
+struct CommStats {
+  int64_t messages_sent = 0;
+  int64_t messages_received = 0;
+  int64_t bytes_sent = 0;
+  int64_t bytes_received = 0;
+  int64_t send_ns = 0;       // time the send threads spent in the process group
+  int64_t recv_ns = 0;       // time the receive threads spent in the process group
+  int64_t wait_recv_ns = 0;  // time the compute thread waited in wait_recv
+};
+
+class CommEngine {
+ public:
+  // `timeout_s`: how long any one transfer or wait may take before it raises (a dead or stuck
+  // peer never hangs this rank forever). `depth`: messages queued per link and direction.
+  // `device`: where received tensors are allocated (CPU for gloo, the rank's GPU for NCCL).
+  CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout_s, int64_t depth = 8,
+             at::Device device = at::kCPU);
+  CommEngine(const CommEngine&) = delete;
+  CommEngine& operator=(const CommEngine&) = delete;
+  ~CommEngine();
+
+  // Queues `tensors` for `peer`; returns at once unless the link's queue is full. Raises the
+  // error of an earlier failed send on this link.
+  void send(int peer, Channel channel, int64_t microbatch, std::vector<at::Tensor> tensors);
+
+  // Asks for the message of `microbatch` from `peer` to be received in the background.
+  void post_recv(int peer, Channel channel, int64_t microbatch);
+
+  // Blocks until the posted receive of `microbatch` from `peer` has arrived; receives are
+  // handed out in the order they were posted on the link. Raises on timeout or peer failure.
+  std::vector<at::Tensor> wait_recv(int peer, Channel channel, int64_t microbatch);
+
+  // Blocks until every queued send has been handed to the process group and completed.
+  void flush();
+
+  // Stops every thread (waits at most `grace_s` for transfers in progress). Idempotent.
+  void shutdown(double grace_s = 1.0);
+
+  CommStats stats() const;
+  int rank() const { return rank_; }
+  double timeout_s() const { return timeout_s_; }
+
+ private:
+  struct Link;
+  Link& link(int peer, Channel channel);
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  const int rank_;
+  const double timeout_s_;
+  const int64_t depth_;
+  const at::Device device_;
+  mutable std::mutex links_mutex_;
+  std::map<std::pair<int, int>, std::shared_ptr<Link>> links_;  // guarded by links_mutex_
+  std::atomic<int64_t> wait_recv_ns_{0};
+  bool shut_down_ = false;  // guarded by links_mutex_
+};
+
+}  // namespace pipedream_fast
