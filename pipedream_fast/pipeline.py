@@ -1,0 +1,373 @@
+"""`Pipeline`: the drop-in training API.
+
+    pipe = Pipeline(model, loss_fn=..., optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                    plan="plan.json", schedule="pipedream", chunks=4)
+    for loss in pipe.train(loader, steps=100): ...     # loss on last-stage ranks, else None
+    loss = pipe.step(inputs, targets)                  # synchronous schedules: one minibatch
+
+One process per rank (under torchrun, `pipedream-fast run`, or `pipedream_fast.launch`): the
+Pipeline joins the default process group (gloo on CPU, NCCL on GPU; initialised from the
+environment if needed), cuts the model with the plan, keeps only its own stage(s), builds the
+schedule and hands its rank's actions to an `Executor`. A loader minibatch is split into
+`chunks` microbatches; microbatch ids run on across steps (step k holds k*chunks ...).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipedream_fast.formats import FormatError, Plan, StagePlan
+from pipedream_fast.ir import ActionKind, Schedule
+from pipedream_fast.runtime.executor import Executor
+from pipedream_fast.runtime.stage import OptimizerFactory, StageRuntime
+from pipedream_fast.runtime.transport import ProcessTransport
+from pipedream_fast.schedules import SCHEDULE_NAMES, make_schedule
+from pipedream_fast.tracing import trace as trace_model
+
+SYNCHRONOUS = ("gpipe", "1f1b", "data-parallel")
+CHECKPOINT_FORMAT = "pipedream_fast.checkpoint/1"
+
+
+def split_microbatches(value: Any, chunks: int) -> list[Any]:
+    """Splits a tensor, or a tuple/list/dict of tensors, into `chunks` along dimension 0."""
+    if isinstance(value, torch.Tensor):
+        if value.shape[0] % chunks:
+            raise ValueError(f"a minibatch of {value.shape[0]} samples does not split into "
+                             f"{chunks} equal microbatches; use a batch size divisible by chunks "
+                             f"(and drop_last=True in the DataLoader)")
+        return list(value.chunk(chunks))
+    if isinstance(value, (tuple, list)):
+        parts = [split_microbatches(v, chunks) for v in value]
+        return [type(value)(p[i] for p in parts) for i in range(chunks)]
+    if isinstance(value, dict):
+        parts = {k: split_microbatches(v, chunks) for k, v in value.items()}
+        return [{k: p[i] for k, p in parts.items()} for i in range(chunks)]
+    raise TypeError(f"cannot split a {type(value).__name__} into microbatches: inputs and "
+                    f"targets must be tensors, or tuples, lists or dicts of tensors")
+
+
+def as_call(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+class _Feed:
+    """Microbatches of a loader, fetched lazily in order, kept only for the ones this rank uses.
+
+    `peek` leaves a microbatch in place (the first stage reading inputs when the same rank also
+    needs the targets); `pop` drops it."""
+
+    def __init__(self, batches: Iterator[Any], chunks: int, wanted: set[int]) -> None:
+        self._batches = batches
+        self._chunks = chunks
+        self._wanted = wanted
+        self._cache: dict[int, Any] = {}
+        self._next_step = 0
+
+    def peek(self, mb: int) -> Any:
+        while mb not in self._cache:
+            step = self._next_step
+            if mb < step * self._chunks:
+                raise RuntimeError(f"microbatch {mb} was already consumed")
+            try:
+                batch = next(self._batches)
+            except StopIteration:
+                raise RuntimeError(f"the data loader ran out at step {step}; give it at least "
+                                   f"as many batches as steps") from None
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise TypeError(f"the loader must yield (inputs, targets) pairs, got "
+                                f"{type(batch).__name__}")
+            for i, part in enumerate(zip(*(split_microbatches(x, self._chunks) for x in batch))):
+                if step * self._chunks + i in self._wanted:
+                    self._cache[step * self._chunks + i] = part
+            self._next_step += 1
+        return self._cache[mb]
+
+    def pop(self, mb: int) -> Any:
+        value = self.peek(mb)
+        del self._cache[mb]
+        return value
+
+
+def _ensure_process_group(timeout_s: float) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("Pipeline needs a process group: run under torchrun, "
+                           "`pipedream-fast run --nproc N script.py` or pipedream_fast.launch "
+                           "(or call torch.distributed.init_process_group first)")
+    backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def _original_names(model: nn.Module) -> dict[int, str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    names.update({id(b): n for n, b in model.named_buffers()})
+    return names
+
+
+class Pipeline:
+    """Pipeline-parallel training of `model` on the ranks of the default process group."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 optimizer: OptimizerFactory, plan: None | str | os.PathLike[str] | Plan = None,
+                 schedule: str = "pipedream", microbatch_size: int | None = None,
+                 chunks: int | None = None, example_inputs: Any = None,
+                 timeout: float = 300.0, trace: bool = False,
+                 leaf_modules: Sequence[Any] = ()) -> None:
+        if schedule not in SCHEDULE_NAMES or schedule == "localsgd":
+            runnable = [s for s in SCHEDULE_NAMES if s != "localsgd"]
+            raise ValueError(f"schedule {schedule!r} cannot be trained by Pipeline; choose one of "
+                             f"{', '.join(runnable)}")
+        if chunks is not None and chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        _ensure_process_group(timeout)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.schedule_name = schedule
+        self.microbatch_size = microbatch_size
+        self.chunks = chunks
+        self.loss_fn = loss_fn
+        self.timeout = timeout
+        self.trace = trace
+        self.plan = self._resolve_plan(model, plan, example_inputs, leaf_modules)
+        self._names = _original_names(model)
+        chain = trace_model(model, leaf_modules=leaf_modules)
+        if self.plan.stages[-1].stop != len(chain):
+            raise FormatError(f"the plan covers {self.plan.stages[-1].stop} blocks but the model "
+                              f"splits into {len(chain)}; the plan was made for another model")
+        self.stage_index = self.plan.stage_of_rank(self.rank)
+        stage_plan = self.plan.stages[self.stage_index]
+        module = chain.stage_module(stage_plan.start, stage_plan.stop)
+        self._materialize(module)
+        self._module = module
+        self._optimizer_factory = optimizer
+        self._runtime: StageRuntime | None = None
+        self._optimizer_state: dict[str, Any] | None = None
+        self._transport = ProcessTransport([s.ranks for s in self.plan.stages], timeout)
+        self._step = 0  # minibatches trained so far
+        self.last_stats: dict[str, Any] = {}
+        self.last_events: list[Any] = []
+
+    # --- set-up ------------------------------------------------------------------------------
+    def _resolve_plan(self, model: nn.Module, plan: Any, example_inputs: Any,
+                      leaf_modules: Sequence[Any]) -> Plan:
+        if isinstance(plan, (str, os.PathLike)):
+            plan = Plan.load(plan)
+        if plan is None:
+            plan = self._plan_on_the_fly(model, example_inputs, leaf_modules)
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be None, a path or a Plan, got {type(plan).__name__}")
+        if plan.workers != self.world_size:
+            raise FormatError(f"the plan is for {plan.workers} workers but this job has "
+                              f"{self.world_size} ranks; start {plan.workers} processes or make "
+                              f"a plan for {self.world_size}")
+        return plan
+
+    def _plan_on_the_fly(self, model: nn.Module, example_inputs: Any,
+                         leaf_modules: Sequence[Any]) -> Plan:
+        """Rank 0 profiles and plans; every rank gets the same plan by broadcast."""
+        payload: list[Any] = [None]
+        if self.rank == 0:
+            if self.world_size == 1:
+                blocks = len(trace_model(model, leaf_modules=leaf_modules))
+                plan = Plan(model=type(model).__name__, batch_size=1, workers=1,
+                            schedule=self.schedule_name,
+                            stages=[StagePlan(0, blocks, 1, (0,), 0.0)],
+                            bottleneck_ms=0.0, data_parallel_ms=0.0)
+            else:
+                if example_inputs is None:
+                    raise ValueError("Pipeline(plan=None) profiles the model and needs "
+                                     "example_inputs (one minibatch of inputs); or pass a plan")
+                from pipedream_fast.planner import make_plan  # planning is rank 0's job
+                from pipedream_fast.profiler import profile_model
+                from pipedream_fast.topology import Topology
+                args, _ = as_call(example_inputs)
+                profile = profile_model(model, args[0] if len(args) == 1 else args,
+                                        batch_size=int(args[0].shape[0]), progress=False)
+                plan = make_plan(profile, Topology.parse(f"{self.world_size}x1e9"),
+                                 schedule=self._planner_schedule())
+            payload[0] = plan.to_dict()
+        dist.broadcast_object_list(payload, src=0)
+        return Plan.from_dict(payload[0])
+
+    def _planner_schedule(self) -> str:
+        return {"pipedream-vsync": "pipedream", "data-parallel": "1f1b"}.get(
+            self.schedule_name, self.schedule_name)
+
+    @staticmethod
+    def _materialize(module: nn.Module) -> None:
+        """A meta-device stage gets real, freshly initialised memory (only this rank's stage)."""
+        if not any(p.is_meta for p in module.parameters()):
+            return
+        module.to_empty(device="cpu")
+        for sub in module.modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+
+    def _runtime_for(self, schedule: Schedule) -> StageRuntime:
+        if self._runtime is None:
+            stage = self.stage_index
+            self._runtime = StageRuntime(
+                stage, self._module, self._optimizer_factory,
+                slots=schedule.max_versions[self.rank], is_first=stage == 0,
+                is_last=stage == len(self.plan.stages) - 1, loss_fn=self.loss_fn)
+            if self._optimizer_state is not None and self._runtime.optimizer is not None:
+                self._runtime.optimizer.load_state_dict(self._optimizer_state)
+        elif self._runtime.ring is not None and \
+                self._runtime.ring.capacity < schedule.max_versions[self.rank]:
+            raise ValueError(f"this schedule keeps {schedule.max_versions[self.rank]} weight "
+                             f"versions on rank {self.rank} but the stage was set up for "
+                             f"{self._runtime.ring.capacity}; use the same chunks in every call")
+        return self._runtime
+
+    def _chunks_for(self, batch_inputs: Any) -> int:
+        if self.chunks is not None:
+            return self.chunks
+        if self.microbatch_size is None:
+            return 1
+        first = batch_inputs
+        while not isinstance(first, torch.Tensor):
+            first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+        if first.shape[0] % self.microbatch_size:
+            raise ValueError(f"batch size {first.shape[0]} is not a multiple of microbatch_size "
+                             f"{self.microbatch_size}")
+        return first.shape[0] // self.microbatch_size
+
+    def _schedule(self, steps: int, chunks: int) -> Schedule:
+        n = steps * chunks
+        reps = [s.replicas for s in self.plan.stages]
+        kwargs: dict[str, Any] = {"stage_ranks": [list(s.ranks) for s in self.plan.stages]}
+        if self.schedule_name in SYNCHRONOUS + ("2bw",):
+            kwargs["step_microbatches"] = chunks
+        return make_schedule(self.schedule_name, len(reps), n, **kwargs)
+
+    # --- training -----------------------------------------------------------------------------
+    def train(self, loader: Iterable[Any], steps: int) -> Iterator[torch.Tensor | None]:
+        """Trains `steps` minibatches from `loader` (pairs of inputs, targets). Yields each
+        minibatch's mean microbatch loss on last-stage ranks, None on the others."""
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        batches = iter(loader)
+        first = next(batches, None)
+        if first is None:
+            raise ValueError("the data loader is empty")
+        chunks = self._chunks_for(first[0])
+        schedule = self._schedule(steps, chunks)
+        runtime = self._runtime_for(schedule)
+        def replay() -> Iterator[Any]:
+            yield first
+            yield from batches
+
+        wanted = {a.microbatch for a in schedule.actions[self.rank] if a.kind is ActionKind.FORWARD}
+        feed = _Feed(replay(), chunks, wanted)
+        take_inputs = feed.peek if runtime.is_last else feed.pop  # the target read pops it
+        inputs = (lambda mb: as_call(take_inputs(mb)[0])) if runtime.is_first else None
+        targets = (lambda mb: feed.pop(mb)[1]) if runtime.is_last else None
+        executor = Executor(schedule, self.rank, {self.stage_index: runtime}, self._transport,
+                            inputs, targets, trace=self.trace)
+        # Minibatch k is done on this rank after its last action on any of its microbatches.
+        finishes: dict[int, list[int]] = defaultdict(list)
+        last_index: dict[int, int] = {}
+        for i, a in enumerate(executor.actions):
+            for mb in (a.microbatch,) if a.microbatch is not None else a.microbatches:
+                last_index[mb // chunks] = i
+        for step, i in last_index.items():
+            finishes[i].append(step)
+        losses: dict[int, list[torch.Tensor]] = defaultdict(list)
+        runtime.begin_run()
+        for index, action, loss in executor.run():
+            if loss is not None:
+                losses[action.microbatch // chunks].append(loss)
+            for step in sorted(finishes.get(index, ())):
+                got = losses.pop(step, [])
+                yield torch.stack(got).mean() if got else None
+        self._step += steps
+        self.last_stats = executor.stats.to_dict()
+        self.last_events = executor.events or []
+
+    def step(self, inputs: Any, targets: Any) -> torch.Tensor | None:
+        """One minibatch of a synchronous schedule (gpipe, 1f1b, data-parallel)."""
+        if self.schedule_name not in SYNCHRONOUS:
+            raise ValueError(f"step() trains one flushed minibatch and needs a synchronous "
+                             f"schedule ({', '.join(SYNCHRONOUS)}); {self.schedule_name!r} "
+                             f"streams microbatches: use train(loader, steps)")
+        out = list(self.train([(inputs, targets)], steps=1))
+        return out[-1]
+
+    # --- state ------------------------------------------------------------------------------
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        state = {}
+        for p in self._module.parameters():
+            state[self._names[id(p)]] = p.detach().clone()
+        for b in self._module.buffers():
+            if id(b) in self._names:
+                state[self._names[id(b)]] = b.detach().clone()
+        return state
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's parameters and buffers, original keys, on rank 0 (None elsewhere).
+        Collective: every rank must call it."""
+        first_replica = self.plan.stages[self.stage_index].ranks[0] == self.rank
+        mine = self._local_state() if first_replica else {}
+        gathered: list[Any] = [None] * self.world_size if self.rank == 0 else None  # type: ignore
+        dist.gather_object(mine, gathered, dst=0)
+        if self.rank != 0:
+            return None
+        full: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            full.update(part)
+        return full
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Each rank writes its stage (weights, optimizer state, step) to `path/rank<r>.pt`
+        atomically; rank 0 adds the plan. Collective."""
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        runtime = self._runtime
+        state = {"format": CHECKPOINT_FORMAT, "rank": self.rank, "stage": self.stage_index,
+                 "step": self._step, "schedule": self.schedule_name,
+                 "model": self._module.state_dict(),
+                 "optimizer": runtime.optimizer.state_dict() if runtime and runtime.optimizer
+                 else None}
+        tmp = folder / f"rank{self.rank}.pt.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, folder / f"rank{self.rank}.pt")
+        if self.rank == 0:
+            self.plan.save(folder / "plan.json")
+        dist.barrier()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], model: nn.Module,
+             loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: OptimizerFactory,
+             **kwargs: Any) -> "Pipeline":
+        """Rebuilds a Pipeline saved with `save` (same world size) and restores its state."""
+        folder = Path(path)
+        pipe = cls(model, loss_fn, optimizer, plan=folder / "plan.json", **kwargs)
+        file = folder / f"rank{pipe.rank}.pt"
+        if not file.exists():
+            raise FileNotFoundError(f"checkpoint {folder} has no file for rank {pipe.rank}; was it "
+                                    f"saved with {pipe.world_size} ranks?")
+        state = torch.load(file, weights_only=False)
+        if state.get("format") != CHECKPOINT_FORMAT or state["stage"] != pipe.stage_index:
+            raise FormatError(f"{file} is not a checkpoint of stage {pipe.stage_index} "
+                              f"(format {state.get('format')!r}, stage {state.get('stage')})")
+        pipe._module.load_state_dict(state["model"])
+        pipe._step = int(state["step"])
+        pipe._optimizer_state = state["optimizer"]
+        return pipe
+
+    def close(self) -> None:
+        self._transport.close()

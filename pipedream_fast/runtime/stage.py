@@ -1,0 +1,150 @@
+"""One pipeline stage as a rank holds it: module, weight versions, gradients, optimizer.
+
+    live parameters (newest version) ── ring.snapshot(v) ──▶ slot v (a retained version)
+    forward(mb, v):  on the live parameters if v is the newest and not retained,
+                     else on the ring's tensors of v (torch.func.functional_call)
+    backward(mb):    autograd on the graph its forward built, so it sees the forward's version
+    every version's `.grad` is a view of the ring's flat gradient buffers, so all backward
+    passes accumulate into one resident buffer that the optimizer reads and the all-reduce sends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from pipedream_fast import _C
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class InFlight:
+    """What a forward leaves for its backward (activation stashing)."""
+
+    inputs: tuple[Any, ...]         # leaves that need an input gradient (received tensors)
+    outputs: tuple[torch.Tensor, ...]  # the tensors backward starts from
+    input_grads: list[torch.Tensor] = field(default_factory=list)
+
+
+def _floats(values: Sequence[Any]) -> list[torch.Tensor]:
+    return [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+
+
+class StageRuntime:
+    """Executes FORWARD/BACKWARD/SNAPSHOT/RELEASE/OPTIMIZER_STEP for one stage on one rank."""
+
+    def __init__(self, stage: int, module: nn.Module, optimizer_factory: OptimizerFactory | None,
+                 slots: int, is_first: bool, is_last: bool,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> None:
+        self.stage = stage
+        self.module = module
+        self.is_first = is_first
+        self.is_last = is_last
+        self.loss_fn = loss_fn
+        named = list(module.named_parameters())
+        self.param_names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        self.newest = 0
+        self.inflight: dict[int, InFlight] = {}
+        self.ring: _C.WeightRing | None = None
+        self.grads: list[torch.Tensor] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        if self.params:
+            self.ring = _C.WeightRing(self.params, max(1, slots))
+            self.grads = self.ring.attach_grad_buffers()
+            if optimizer_factory is None:
+                raise ValueError("an optimizer factory is needed for a stage with parameters")
+            self.optimizer = optimizer_factory(self.params)
+
+    # --- versions -----------------------------------------------------------------------
+    def begin_run(self) -> None:
+        """Each schedule numbers versions from 0: the current weights become version 0."""
+        if self.ring is not None and self.ring.held_versions():
+            raise RuntimeError(f"stage {self.stage}: versions {self.ring.held_versions()} are still "
+                               f"retained from the previous run; its schedule did not release them")
+        if self.inflight:
+            raise RuntimeError(f"stage {self.stage}: microbatches {sorted(self.inflight)} of the "
+                               f"previous run never finished their backward")
+        self.newest = 0
+
+    def snapshot(self, version: int) -> None:
+        if self.ring is None or self.ring.holds(version):
+            return  # already retained (snapshots are taken at the first forward that needs one)
+        self._check_newest(version, "snapshot")
+        self.ring.snapshot(version)
+
+    def release(self, version: int) -> None:
+        if self.ring is not None:
+            self.ring.release(version)
+
+    def _check_newest(self, version: int, what: str) -> None:
+        if version != self.newest:
+            raise RuntimeError(f"stage {self.stage}: {what} of version {version}, but the newest "
+                               f"is {self.newest} and {version} is not retained; the schedule "
+                               f"must SNAPSHOT a version before an update if it is used later")
+
+    def _call(self, version: int, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.ring is not None and self.ring.holds(version):
+            weights = dict(zip(self.param_names, self.ring.tensors(version)))
+            return torch.func.functional_call(self.module, weights, inputs, kwargs)
+        if self.ring is not None:
+            self._check_newest(version, "forward")
+        return self.module(*inputs, **kwargs)
+
+    # --- compute ------------------------------------------------------------------------
+    def forward(self, microbatch: int, version: int, inputs: tuple[Any, ...],
+                kwargs: dict[str, Any] | None = None, target: Any = None) -> tuple[Any, ...]:
+        """Runs the stage; returns what crosses the next cut (the loss on the last stage)."""
+        if not self.is_first:
+            for t in _floats(inputs):
+                t.requires_grad_(True)
+        out = self._call(version, inputs, kwargs or {})
+        if self.is_last:
+            assert self.loss_fn is not None
+            loss = self.loss_fn(out, target)
+            outputs: tuple[Any, ...] = (loss,)
+        else:
+            outputs = out if isinstance(out, tuple) else (out,)
+        grad_inputs = () if self.is_first else tuple(_floats(inputs))
+        self.inflight[microbatch] = InFlight(grad_inputs, tuple(outputs))
+        return outputs
+
+    def backward(self, microbatch: int, output_grads: Sequence[torch.Tensor] | None) -> None:
+        state = self.inflight[microbatch]
+        if self.is_last:
+            roots, grads = list(state.outputs), None
+        else:
+            assert output_grads is not None
+            pairs = [(o, g) for o, g in zip(_floats(state.outputs), output_grads) if o.requires_grad]
+            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        if roots:
+            torch.autograd.backward(roots, grads)
+        state.input_grads = [t.grad if t.grad is not None else torch.zeros_like(t)
+                             for t in state.inputs]
+        state.outputs = ()
+
+    def take_input_grads(self, microbatch: int) -> list[torch.Tensor]:
+        return self.inflight.pop(microbatch).input_grads
+
+    def finish_backward(self, microbatch: int) -> None:
+        """Drops a backward's state when no gradient is sent (the first stage)."""
+        if self.is_first:
+            self.inflight.pop(microbatch, None)
+
+    def step(self, version: int, microbatches: Sequence[int]) -> None:
+        """Averages the accumulated gradients over `microbatches`, updates, clears them."""
+        if version != self.newest + 1:
+            raise RuntimeError(f"stage {self.stage}: update to version {version} but the newest is "
+                               f"{self.newest}")
+        if self.optimizer is not None:
+            scale = 1.0 / len(microbatches)
+            for g in self.grads:
+                g.mul_(scale)
+            self.optimizer.step()
+            for g in self.grads:
+                g.zero_()
+        self.newest = version

@@ -1,0 +1,217 @@
+"""How tensors move between ranks: the executor only sees this small interface.
+
+`ProcessTransport` (one process per rank) hands point-to-point traffic to the C++
+`CommEngine`, whose background threads overlap it with compute, and runs gradient all-reduces
+on per-stage c10d groups. `ThreadTransport` (one thread per rank in a single process) hands
+tensors over through the C++ `ActivationQueue`s, with no copy at all.
+
+Both follow the IR's contract: a receive is posted (`post_recv`) where the IR says RECV and
+collected (`wait_recv`) by the compute that needs it; sends return at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipedream_fast import _C
+
+ACTIVATION = _C.Channel.ACTIVATION
+GRADIENT = _C.Channel.GRADIENT
+
+
+class PendingReduce(Protocol):
+    def wait(self) -> None: ...
+
+
+class Transport(Protocol):
+    rank: int
+
+    def send(self, peer: int, channel: "_C.Channel", microbatch: int,
+             tensors: Sequence[torch.Tensor]) -> None: ...
+
+    def post_recv(self, peer: int, channel: "_C.Channel", microbatch: int) -> None: ...
+
+    def wait_recv(self, peer: int, channel: "_C.Channel", microbatch: int) -> list[torch.Tensor]: ...
+
+    def allreduce(self, ranks: Sequence[int], tensors: Sequence[torch.Tensor]) -> PendingReduce: ...
+
+    def flush(self) -> None: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+class _Works:
+    def __init__(self, works: list) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+
+
+class ProcessTransport:
+    """One rank of a c10d process group (gloo on CPU, NCCL on GPU).
+
+    Every rank must build it with the same `stage_groups` (the replica ranks of each
+    replicated stage) because creating c10d sub-groups is a collective call.
+    """
+
+    def __init__(self, stage_groups: Sequence[Sequence[int]], timeout_s: float,
+                 device: torch.device | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("ProcessTransport needs torch.distributed to be initialised "
+                               "(run under torchrun or pipedream_fast.launch)")
+        self.rank = dist.get_rank()
+        group = dist.distributed_c10d._get_default_group()
+        self._engine = _C.CommEngine(group, timeout=timeout_s,
+                                     device=device or torch.device("cpu"))
+        self._groups: dict[tuple[int, ...], object] = {}
+        for ranks in stage_groups:
+            key = tuple(sorted(ranks))
+            if len(key) > 1 and key not in self._groups:
+                self._groups[key] = dist.new_group(list(key))  # collective: all ranks, same order
+
+    def send(self, peer: int, channel: "_C.Channel", microbatch: int,
+             tensors: Sequence[torch.Tensor]) -> None:
+        self._engine.send(peer, channel, microbatch, list(tensors))
+
+    def post_recv(self, peer: int, channel: "_C.Channel", microbatch: int) -> None:
+        self._engine.post_recv(peer, channel, microbatch)
+
+    def wait_recv(self, peer: int, channel: "_C.Channel", microbatch: int) -> list[torch.Tensor]:
+        return self._engine.wait_recv(peer, channel, microbatch)
+
+    def allreduce(self, ranks: Sequence[int], tensors: Sequence[torch.Tensor]) -> PendingReduce:
+        group = self._groups[tuple(sorted(ranks))]
+        # One bucket per dtype: the weight ring keeps each dtype's gradients in one flat buffer.
+        return _Works([dist.all_reduce(t, group=group, async_op=True) for t in tensors])
+
+    def flush(self) -> None:
+        self._engine.flush()
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._engine.stats())
+
+    def close(self) -> None:
+        self._engine.shutdown()
+
+
+class ThreadHub:
+    """The shared state of ranks that run as threads of one process: a queue per directed
+    link and channel, and a rendezvous for all-reduces."""
+
+    def __init__(self, world_size: int, timeout_s: float, depth: int = 64) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._depth = depth
+        self._lock = threading.Lock()
+        self._queues: dict[tuple[int, int, int], _C.ActivationQueue] = {}
+        self._reduces: dict[tuple[int, ...], "_ThreadReduce"] = {}
+
+    def queue(self, src: int, dst: int, channel: "_C.Channel") -> _C.ActivationQueue:
+        key = (src, dst, int(channel))
+        with self._lock:
+            if key not in self._queues:
+                self._queues[key] = _C.ActivationQueue(
+                    self._depth, f"{channel.name.lower()} from rank {src} to rank {dst}")
+            return self._queues[key]
+
+    def reduce(self, ranks: Sequence[int]) -> "_ThreadReduce":
+        key = tuple(sorted(ranks))
+        with self._lock:
+            if key not in self._reduces:
+                self._reduces[key] = _ThreadReduce(len(key), self.timeout_s)
+            return self._reduces[key]
+
+    def close(self) -> None:
+        with self._lock:
+            for q in self._queues.values():
+                q.close()
+            for r in self._reduces.values():
+                r.barrier.abort()
+
+
+class _ThreadReduce:
+    """Sums equally shaped tensor lists from `parties` threads, in place in each of them."""
+
+    def __init__(self, parties: int, timeout_s: float) -> None:
+        self.barrier = threading.Barrier(parties, timeout=timeout_s)
+        self._lock = threading.Lock()
+        self._total: list[torch.Tensor] | None = None
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> None:
+        if self.barrier.wait() == 0:
+            self._total = None
+        self.barrier.wait()
+        with self._lock:
+            if self._total is None:
+                self._total = [t.clone() for t in tensors]
+            else:
+                for total, t in zip(self._total, tensors):
+                    total.add_(t)
+        self.barrier.wait()
+        assert self._total is not None
+        for t, total in zip(tensors, self._total):
+            t.copy_(total)
+        self.barrier.wait()
+
+
+class ThreadTransport:
+    """One rank that is a thread of this process; tensors are handed over, never copied."""
+
+    def __init__(self, hub: ThreadHub, rank: int) -> None:
+        self.rank = rank
+        self._hub = hub
+        self._sent = 0
+
+    def send(self, peer: int, channel: "_C.Channel", microbatch: int,
+             tensors: Sequence[torch.Tensor]) -> None:
+        self._hub.queue(self.rank, peer, channel).push(
+            [t.detach() for t in tensors], microbatch=microbatch, timeout=self._hub.timeout_s)
+        self._sent += 1
+
+    def post_recv(self, peer: int, channel: "_C.Channel", microbatch: int) -> None:
+        return None  # the queue already holds what the peer sent
+
+    def wait_recv(self, peer: int, channel: "_C.Channel", microbatch: int) -> list[torch.Tensor]:
+        q = self._hub.queue(peer, self.rank, channel)
+        try:
+            bundle = q.pop(timeout=self._hub.timeout_s)
+        except _C.QueueTimeout:
+            raise _C.QueueTimeout(
+                f"rank {self.rank} waited {self._hub.timeout_s} s for the "
+                f"{channel.name.lower()} of microbatch {microbatch} from rank {peer}; "
+                f"is rank {peer} alive and running the same schedule?") from None
+        if bundle.microbatch != microbatch:
+            raise RuntimeError(f"rank {self.rank}: expected the {channel.name.lower()} of "
+                               f"microbatch {microbatch} from rank {peer}, got microbatch "
+                               f"{bundle.microbatch}; the ranks disagree on the schedule")
+        return list(bundle.tensors)
+
+    def allreduce(self, ranks: Sequence[int], tensors: Sequence[torch.Tensor]) -> PendingReduce:
+        try:
+            self._hub.reduce(ranks).run(tensors)
+        except threading.BrokenBarrierError:
+            raise RuntimeError(f"rank {self.rank}: the all-reduce among ranks {list(ranks)} was "
+                               f"abandoned (a replica failed or timed out)") from None
+        return _Done()
+
+    def flush(self) -> None:
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {"messages_sent": self._sent}
+
+    def close(self) -> None:
+        return None
