@@ -91,9 +91,9 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300
             else:
                 failure = (rank, value)
             continue
-        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
-        if dead and results.empty():
-            time.sleep(0.2)  # let a dying rank's report arrive first
+        dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in values]
+        if dead:
+            time.sleep(0.5)  # a rank's report can trail its exit: let it arrive first
             if results.empty():
                 failure = (dead[0], f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
                                     f"without a report (killed, or crashed in native code)")

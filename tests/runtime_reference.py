@@ -1,0 +1,140 @@
+"""Single-process references for the runtime tests.
+
+`train_reference` is plain single-device training with gradient accumulation: what every
+synchronous schedule must equal. `interpret_schedule` executes a schedule's IR in one process
+with none of the runtime's machinery: every weight version is kept as a separate copy, every
+microbatch's forward builds its own graph on the copy of the version the IR names, gradients
+are accumulated per rank and summed across replicas at ALLREDUCE, and OPTIMIZER_STEP runs a
+real torch optimizer on the newest weights. It is the step-by-step application of the version
+rules (which version each forward and backward used, which update came when) that the
+distributed runtime must reproduce.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from pipedream_fast.ir import ActionKind as K
+from pipedream_fast.ir import Schedule
+
+
+def train_reference(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                    chunks: int, loss_fn: Callable, make_optimizer: Callable) -> dict[str, torch.Tensor]:
+    model = copy.deepcopy(model)
+    optimizer = make_optimizer(list(model.parameters()))
+    for x, y in batches:
+        optimizer.zero_grad()
+        for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
+            (loss_fn(model(xs), ys) / chunks).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class _RankStage:
+    """One rank's copy of one stage: its newest weights, an optimizer, every version kept."""
+
+    def __init__(self, module: nn.Module, make_optimizer: Callable) -> None:
+        self.module = copy.deepcopy(module)
+        self.names = [n for n, _ in self.module.named_parameters()]
+        self.params = [p for _, p in self.module.named_parameters()]
+        self.optimizer = make_optimizer(self.params)
+        self.versions = {0: [p.detach().clone() for p in self.params]}
+        self.newest = 0
+        self.grads = [torch.zeros_like(p) for p in self.params]
+        self.graphs: dict[int, tuple[int, list[torch.Tensor], list[torch.Tensor], Any]] = {}
+
+
+def interpret_schedule(schedule: Schedule, stage_modules: Sequence[nn.Module],
+                       microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                       loss_fn: Callable, make_optimizer: Callable) -> list[dict[str, torch.Tensor]]:
+    """Runs the IR; returns each stage's final weights (checked equal across its replicas)."""
+    last = schedule.num_stages - 1
+    state = {(rank, s): _RankStage(stage_modules[s], make_optimizer)
+             for s, ranks in enumerate(schedule.stage_ranks) for rank in ranks}
+    mailbox: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+    position = [0] * schedule.num_ranks
+
+    def step(rank: int) -> bool:
+        """Performs rank's next action if its inputs are there; False if it must wait."""
+        actions = schedule.actions[rank]
+        if position[rank] >= len(actions):
+            return False
+        a = actions[position[rank]]
+        st = state.get((rank, a.stage))
+        if a.kind is K.FORWARD:
+            if a.stage == 0:
+                inputs = [microbatches[a.microbatch][0]]
+            elif ("act", a.stage, a.microbatch) in mailbox:
+                inputs = [t.detach().requires_grad_() for t in
+                          mailbox.pop(("act", a.stage, a.microbatch))]
+            else:
+                return False
+            assert a.version in st.versions, f"version {a.version} of stage {a.stage} not made"
+            weights = [w.detach().clone().requires_grad_() for w in st.versions[a.version]]
+            out = torch.func.functional_call(st.module, dict(zip(st.names, weights)), tuple(inputs))
+            if a.stage == last:
+                out = loss_fn(out, microbatches[a.microbatch][1])
+            st.graphs[a.microbatch] = (a.version, inputs, weights, out)
+        elif a.kind is K.BACKWARD:
+            version, inputs, weights, out = st.graphs[a.microbatch]
+            assert version == a.version, "a backward must use its forward's version"
+            if a.stage == last:
+                grad_out = None
+            elif ("grad", a.stage, a.microbatch) in mailbox:
+                grad_out = mailbox.pop(("grad", a.stage, a.microbatch))[0]
+            else:
+                return False
+            wanted = weights + ([inputs[0]] if a.stage > 0 else [])
+            grads = torch.autograd.grad(out, wanted, grad_out)
+            for acc, g in zip(st.grads, grads[: len(weights)]):
+                acc.add_(g)
+            st.graphs[a.microbatch] = (version, [g for g in grads[len(weights):]], [], None)
+        elif a.kind is K.SEND_ACT:
+            _, _, _, out = st.graphs[a.microbatch]
+            mailbox[("act", a.stage + 1, a.microbatch)] = [out.detach()]
+        elif a.kind is K.SEND_GRAD:
+            _, input_grads, _, _ = st.graphs.pop(a.microbatch)
+            mailbox[("grad", a.stage - 1, a.microbatch)] = input_grads
+        elif a.kind is K.ALLREDUCE:
+            ranks = schedule.stage_ranks[a.stage]
+            peers = [schedule.actions[r][position[r]] if position[r] < len(schedule.actions[r])
+                     else None for r in ranks]
+            if any(p != a for p in peers):
+                return False  # a collective: every replica must be at this very action
+            total = [sum(state[(r, a.stage)].grads[i] for r in ranks) for i in range(len(st.grads))]
+            for r in ranks:
+                state[(r, a.stage)].grads = [t.clone() for t in total]
+                position[r] += 1
+            return True
+        elif a.kind is K.OPTIMIZER_STEP:
+            for p, g in zip(st.params, st.grads):
+                p.grad = g / len(a.microbatches)
+            st.optimizer.step()
+            st.newest = a.version
+            st.versions[a.version] = [p.detach().clone() for p in st.params]
+            st.grads = [torch.zeros_like(p) for p in st.params]
+        elif a.kind in (K.RECV_ACT, K.RECV_GRAD, K.SNAPSHOT, K.RELEASE):
+            pass  # every version is kept anyway; receives are the mailbox
+        else:
+            raise NotImplementedError(a.kind)
+        if a.stage == 0 and a.kind is K.BACKWARD:
+            st.graphs.pop(a.microbatch)
+        position[rank] += 1
+        return True
+
+    while any(position[r] < len(schedule.actions[r]) for r in range(schedule.num_ranks)):
+        if not any([step(r) for r in range(schedule.num_ranks)]):
+            raise AssertionError(f"reference interpreter is stuck at positions {position}")
+    finals = []
+    for s, ranks in enumerate(schedule.stage_ranks):
+        weights = state[(ranks[0], s)].module.state_dict()
+        for r in ranks[1:]:
+            other = state[(r, s)].module.state_dict()
+            for k in weights:
+                torch.testing.assert_close(other[k], weights[k], msg=f"replicas of stage {s} differ")
+        finals.append({k: v.detach().clone() for k, v in weights.items()})
+    return finals
