@@ -221,3 +221,20 @@ def _step_async_job(rank: int, world: int) -> str:
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+# --- one process, one thread per rank ---------------------------------------------------------
+
+@pytest.mark.parametrize("layout,schedule", [("2-stage", "1f1b"), ("2-stage", "pipedream"),
+                                             ("2+1", "2bw"), ("dp2", "data-parallel")])
+def test_thread_per_rank_pipeline_matches_the_references(layout, schedule):
+    from pipedream_fast.local_pipeline import LocalPipeline
+    pipe = LocalPipeline(tiny_cnn(), loss_fn, optimizer("sgd"), plan_for(layout),
+                         schedule=schedule, chunks=CHUNKS, timeout=60)
+    losses = list(pipe.train(batches(), steps=STEPS))
+    assert len(losses) == STEPS
+    if schedule in ASYNC:
+        want = reference_async(layout, schedule, "sgd")
+    else:
+        want = train_reference(tiny_cnn(), batches(), CHUNKS, loss_fn, optimizer("sgd"))
+    assert_same_state(pipe.state_dict(), want)
