@@ -89,7 +89,6 @@ class Executor:
         self._received: dict[tuple[Any, int, int], list[torch.Tensor]] = {}
         self._posted: dict[tuple[Any, int, int], int] = {}  # (channel, stage, mb) -> peer
         self._reduces: dict[int, PendingReduce] = {}
-        self._t0 = time.perf_counter()
 
     # --- helpers -------------------------------------------------------------------------
     def _recv(self, channel: Any, stage: int, mb: int) -> list[torch.Tensor]:
@@ -216,7 +215,8 @@ class Executor:
                 self.stats.update_s += t1 - t0
             if self.events is not None:
                 self.events.append(TraceEvent(
-                    rank=self.rank, kind=action.kind.value, start_ms=(t0 - self._t0) * 1e3,
+                    # Absolute monotonic time: comparable across the processes of one machine.
+                    rank=self.rank, kind=action.kind.value, start_ms=t0 * 1e3,
                     duration_ms=(t1 - t0) * 1e3, stage=action.stage,
                     microbatch=action.microbatch, version=action.version,
                     args={"token": action.to_text()}))

@@ -1,0 +1,33 @@
+"""`pipedream-fast run --nproc N script.py [args...]`: start a training script on N ranks.
+
+Like `torchrun --standalone --nproc-per-node N`: every rank is `python script.py args...` with
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set, so `pipedream_fast.Pipeline`
+joins the job by itself. When a rank fails, the others are stopped and its exit code returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from pipedream_fast.cli import UsageError
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("run", help="start a training script on N local ranks",
+                                   description=__doc__.split("\n\n")[1])
+    parser.add_argument("--nproc", type=int, required=True, help="number of ranks")
+    parser.add_argument("script", help="the Python script every rank runs")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipedream_fast.launch import run_script
+
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be a positive integer, got {args.nproc}")
+    if not os.path.isfile(args.script):
+        raise UsageError(f"no such script: {args.script}")
+    return run_script(args.script, args.script_args, args.nproc)

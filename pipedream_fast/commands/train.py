@@ -1,0 +1,192 @@
+"""`pipedream-fast train`: train a model with a schedule on synthetic data, end to end.
+
+    pipedream-fast train --model cnn --schedule pipedream --nproc 2 --steps 20
+    pipedream-fast train --model cnn --plan plan.json --schedule 2bw --chunks 4 --trace run.json
+    pipedream-fast train --model mlp --threads 3 --schedule 1f1b
+
+Without `--plan`, the model is profiled and planned for the requested worker count first.
+`--nproc N` starts N processes (gloo on CPU); `--threads N` runs the N ranks as threads of this
+process. The data are a fixed, seeded stream of random inputs and class labels, identical on
+every rank, so runs are reproducible and comparable across schedules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from pipedream_fast.cli import UsageError
+from pipedream_fast.formats import Plan
+from pipedream_fast.models import BUILTIN_MODELS, build_model
+from pipedream_fast.schedules import SCHEDULE_NAMES
+
+TRAINABLE = tuple(s for s in SCHEDULE_NAMES if s != "localsgd")
+PLANNER_SCHEDULE = {"pipedream-vsync": "pipedream", "data-parallel": "1f1b"}
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "train", help="train a model with a pipeline schedule (synthetic data)",
+        description="Profile and plan (or load a plan), then train with a schedule across "
+                    "processes or threads, printing the loss and the throughput.")
+    parser.add_argument("--model", default="cnn", metavar="NAME_OR_MODULE:FACTORY",
+                        help=f"built-in ({', '.join(BUILTIN_MODELS)}) or package.module:factory "
+                             f"(default: cnn)")
+    parser.add_argument("--schedule", default="pipedream", choices=TRAINABLE)
+    workers = parser.add_mutually_exclusive_group()
+    workers.add_argument("--nproc", type=int, default=None, help="ranks as processes (default 2)")
+    workers.add_argument("--threads", type=int, default=None, help="ranks as threads of one process")
+    parser.add_argument("--plan", default=None, help="plan JSON (default: profile and plan now)")
+    parser.add_argument("--straight", action="store_true",
+                        help="when planning: one rank per stage, no replicas")
+    parser.add_argument("--bandwidth", type=float, default=1e9,
+                        help="link bandwidth in bytes/s assumed when planning (default 1e9)")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per minibatch")
+    parser.add_argument("--chunks", type=int, default=None,
+                        help="microbatches per minibatch (default: 1, and the worker count for "
+                             "gpipe, 1f1b and 2bw)")
+    parser.add_argument("--steps", type=int, default=10, help="minibatches to train (default 10)")
+    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
+    parser.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds any transfer may take before the run fails (default 300)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="intra-op threads per rank (default 1: ranks share the cores)")
+    parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the run")
+    parser.set_defaults(func=run)
+
+
+def synthetic_batches(example: torch.Tensor, classes: int, batch_size: int, steps: int,
+                      seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        yield (torch.randn(batch_size, *example.shape[1:], generator=generator),
+               torch.randint(0, classes, (batch_size,), generator=generator))
+
+
+def _model(config: dict[str, Any]) -> tuple[nn.Module, torch.Tensor, int]:
+    torch.manual_seed(config["seed"])  # every rank builds the same initial weights
+    module, example = build_model(config["model"], config["batch_size"])
+    if not isinstance(example, torch.Tensor):
+        raise UsageError(f"train uses synthetic data and needs a model with one tensor input; "
+                         f"{config['model']!r} takes {type(example).__name__}")
+    with torch.no_grad():
+        classes = int(module(example[:1]).shape[-1])
+    return module, example, classes
+
+
+def _optimizer(config: dict[str, Any]) -> Any:
+    lr = config["lr"]
+    if config["optimizer"] == "adam":
+        return lambda params: torch.optim.Adam(params, lr=lr)
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def _rank_job(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
+    from pipedream_fast.pipeline import Pipeline
+
+    torch.set_num_threads(config["torch_threads"])
+    module, example, classes = _model(config)
+    pipe = Pipeline(module, nn.functional.cross_entropy, _optimizer(config),
+                    plan=Plan.from_dict(config["plan"]), schedule=config["schedule"],
+                    chunks=config["chunks"], timeout=config["timeout"],
+                    trace=config["trace"] is not None)
+    data = synthetic_batches(example, classes, config["batch_size"], config["steps"], config["seed"])
+    losses, times = [], []
+    for step, loss in enumerate(pipe.train(data, config["steps"])):
+        times.append(time.perf_counter())
+        if loss is not None:
+            losses.append(float(loss))
+            print(f"step {step + 1:4d}/{config['steps']}  loss {float(loss):.4f}", flush=True)
+    pipe.close()
+    return {"rank": rank, "losses": losses, "times": times, "stats": pipe.last_stats,
+            "events": pipe.last_events}
+
+
+def _plan(args: argparse.Namespace, workers: int) -> Plan:
+    if args.plan:
+        plan = Plan.load(args.plan)
+        if plan.workers != workers:
+            raise UsageError(f"{args.plan} is a plan for {plan.workers} workers but the run asks "
+                             f"for {workers}; drop --nproc/--threads or make a new plan")
+        return plan
+    from pipedream_fast.planner import make_plan
+    from pipedream_fast.profiler import profile_model
+    from pipedream_fast.topology import Topology
+
+    module, example = build_model(args.model, args.batch_size)
+    print(f"profiling {args.model} at batch size {args.batch_size} ...", flush=True)
+    profile = profile_model(module, example, args.batch_size, warmup=1, repeat=3, progress=False,
+                            model_name=args.model)
+    strategy = "data-parallel" if args.schedule == "data-parallel" else "dp"
+    plan = make_plan(profile, Topology.parse(f"{workers}x{args.bandwidth}"),
+                     schedule=PLANNER_SCHEDULE.get(args.schedule, args.schedule),
+                     straight=args.straight, strategy=strategy)
+    if plan.workers != workers:
+        raise UsageError(f"the best plan for {args.model} uses {plan.workers} of {workers} "
+                         f"workers; run with --nproc {plan.workers} or give a --plan")
+    layout = ", ".join(f"blocks {s.start}-{s.stop - 1} on ranks {list(s.ranks)}" for s in plan.stages)
+    print(f"plan: {layout} (predicted {plan.bottleneck_ms:.1f} ms per minibatch)", flush=True)
+    return plan
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipedream_fast.launch import launch
+    from pipedream_fast.local_pipeline import LocalPipeline
+    from pipedream_fast.trace import write_chrome_trace
+
+    for name in ("batch_size", "steps", "chunks", "nproc", "threads", "torch_threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout must be positive seconds, got {args.timeout}")
+    workers = args.nproc or args.threads or (Plan.load(args.plan).workers if args.plan else 2)
+    plan = _plan(args, workers)
+    chunks = args.chunks or (workers if args.schedule in ("gpipe", "1f1b", "2bw") else 1)
+    config = {"model": args.model, "batch_size": args.batch_size, "steps": args.steps,
+              "schedule": args.schedule, "chunks": chunks, "optimizer": args.optimizer,
+              "lr": args.lr, "seed": args.seed, "timeout": args.timeout, "trace": args.trace,
+              "torch_threads": args.torch_threads, "plan": plan.to_dict()}
+    started = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.torch_threads)
+        module, example, classes = _model(config)
+        pipe = LocalPipeline(module, nn.functional.cross_entropy, _optimizer(config), plan,
+                             schedule=args.schedule, chunks=chunks, timeout=args.timeout,
+                             trace=args.trace is not None)
+        data = synthetic_batches(example, classes, args.batch_size, args.steps, args.seed)
+        times = []
+        for step, loss in enumerate(pipe.train(data, args.steps)):
+            times.append(time.perf_counter())
+            print(f"step {step + 1:4d}/{args.steps}  loss {float(loss):.4f}", flush=True)
+        results = [{"rank": r, "times": times if r == 0 else [], "stats": s, "events": []}
+                   for r, s in pipe.last_stats.items()]
+        results[0]["events"] = pipe.last_events
+    else:
+        results = launch(_rank_job, workers, config, timeout=args.timeout)
+    elapsed = time.perf_counter() - started
+    times = max((r["times"] for r in results), key=len)
+    if len(times) > 2:  # steady state: from the end of the first step on
+        rate = args.batch_size * (len(times) - 1) / (times[-1] - times[0])
+        print(f"throughput {rate:.1f} samples/s (steps 2-{len(times)}), "
+              f"{elapsed:.1f} s in all with start-up")
+    for r in sorted(results, key=lambda r: r["rank"]):
+        s = r["stats"]
+        print(f"rank {r['rank']}: compute {s.get('compute_s', 0):.2f} s, waiting "
+              f"{s.get('wait_s', 0):.2f} s, optimizer {s.get('update_s', 0):.2f} s, sent "
+              f"{s.get('bytes_sent', 0) / 1e6:.1f} MB")
+    if args.trace:
+        events = [e for r in results for e in r["events"]]
+        origin = min((e.start_ms for e in events), default=0.0)
+        events = [type(e)(e.rank, e.kind, e.start_ms - origin, e.duration_ms, e.stage,
+                          e.microbatch, e.version, e.args) for e in events]
+        write_chrome_trace(events, args.trace, process=f"pipedream-fast train {args.schedule}",
+                           rank_stages={r: (plan.stage_of_rank(r),) for r in range(workers)})
+        print(f"wrote {args.trace}")
+    return 0
