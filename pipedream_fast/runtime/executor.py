@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from pipedream_fast.ir import Action, ActionKind, Schedule
+from pipedream_fast.runtime.buckets import GradientBuckets
 from pipedream_fast.runtime.stage import StageRuntime
 from pipedream_fast.runtime.transport import ACTIVATION, GRADIENT, PendingReduce, Transport
 from pipedream_fast.trace import TraceEvent
@@ -88,9 +89,31 @@ class Executor:
         self._outputs: dict[tuple[int, int], tuple[Any, ...]] = {}   # (stage, mb) -> to send
         self._received: dict[tuple[Any, int, int], list[torch.Tensor]] = {}
         self._posted: dict[tuple[Any, int, int], int] = {}  # (channel, stage, mb) -> peer
-        self._reduces: dict[int, PendingReduce] = {}
+        self._completing = self._completing_backwards(self.actions)
+        for index, stage in stages.items():
+            ranks = schedule.stage_ranks[index]
+            if len(ranks) > 1 and stage.grads:
+                def start(tensors: list[torch.Tensor], ranks: tuple[int, ...] = ranks) -> PendingReduce:
+                    return transport.allreduce(ranks, tensors)
+                if stage.buckets is None:
+                    stage.buckets = GradientBuckets(stage.params, stage.grads, start)
+                stage.buckets.start_reduce = start
 
     # --- helpers -------------------------------------------------------------------------
+    @staticmethod
+    def _completing_backwards(actions: Sequence[Action]) -> set[int]:
+        """Indices of the backwards after which a stage's gradients are complete: the last
+        BACKWARD of the stage before each of its ALLREDUCEs. Buckets are armed for those."""
+        out: set[int] = set()
+        last: dict[tuple[int, int], int] = {}
+        for i, a in enumerate(actions):
+            key = (a.stage, a.copy)
+            if a.kind is K.BACKWARD:
+                last[key] = i
+            elif a.kind is K.ALLREDUCE and key in last:
+                out.add(last.pop(key))
+        return out
+
     def _recv(self, channel: Any, stage: int, mb: int) -> list[torch.Tensor]:
         key = (channel, stage, mb)
         if key not in self._received:
@@ -157,24 +180,26 @@ class Executor:
         self.transport.post_recv(a.peer, channel, a.microbatch)
 
     def _allreduce(self, a: Action) -> None:
-        stage = self.stages[a.stage]
-        if stage.grads:
-            self._reduces[a.stage] = self.transport.allreduce(
-                self.schedule.stage_ranks[a.stage], stage.grads)
+        buckets = self.stages[a.stage].buckets
+        if buckets is not None:
+            buckets.flush()  # buckets that did not start during the backward start now
 
     def _step(self, a: Action) -> None:
-        pending = self._reduces.pop(a.stage, None)
-        if pending is not None:
+        buckets = self.stages[a.stage].buckets
+        if buckets is not None:
             start = time.perf_counter()
-            pending.wait()
+            buckets.wait()
             self.stats.wait_s += time.perf_counter() - start
         self.stages[a.stage].step(a.version, a.microbatches)
 
-    def _perform(self, a: Action) -> Any:
+    def _perform(self, a: Action, index: int) -> Any:
         kind = a.kind
         if kind is K.FORWARD:
             return self._forward(a)
         if kind is K.BACKWARD:
+            buckets = self.stages[a.stage].buckets
+            if buckets is not None and index in self._completing:
+                buckets.arm()
             self._backward(a)
         elif kind is K.SEND_ACT:
             self._send_act(a)
@@ -204,7 +229,7 @@ class Executor:
         for index, action in enumerate(self.actions):
             t0 = time.perf_counter()
             try:
-                result = self._perform(action)
+                result = self._perform(action, index)
             except Exception as err:
                 raise RuntimeFailure(f"rank {self.rank}, action {index} ({action.to_text()}): "
                                      f"{err}") from err

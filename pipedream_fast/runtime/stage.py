@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pipedream_fast import _C
+from pipedream_fast.runtime.buckets import GradientBuckets
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -53,6 +54,7 @@ class StageRuntime:
         self.ring: _C.WeightRing | None = None
         self.grads: list[torch.Tensor] = []
         self.optimizer: torch.optim.Optimizer | None = None
+        self.buckets: GradientBuckets | None = None  # set up when the stage is replicated
         if self.params:
             self.ring = _C.WeightRing(self.params, max(1, slots))
             self.grads = self.ring.attach_grad_buffers()
@@ -89,7 +91,10 @@ class StageRuntime:
 
     def _call(self, version: int, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.ring is not None and self.ring.holds(version):
-            weights = dict(zip(self.param_names, self.ring.tensors(version)))
+            tensors = self.ring.tensors(version)
+            if self.buckets is not None:
+                self.buckets.watch(tensors)
+            weights = dict(zip(self.param_names, tensors))
             return torch.func.functional_call(self.module, weights, inputs, kwargs)
         if self.ring is not None:
             self._check_newest(version, "forward")
