@@ -25,79 +25,17 @@ import torch.distributed as dist
 from torch import nn
 
 from pipedream_fast.formats import FormatError, Plan, StagePlan
-from pipedream_fast.ir import ActionKind, Schedule
+from pipedream_fast.ir import Schedule
 from pipedream_fast.runtime.executor import Executor
 from pipedream_fast.runtime.stage import OptimizerFactory, StageRuntime
 from pipedream_fast.runtime.transport import ProcessTransport
-from pipedream_fast.schedules import SCHEDULE_NAMES, make_schedule
 from pipedream_fast.tracing import trace as trace_model
+from pipedream_fast.training import (SYNCHRONOUS, MicrobatchFeed, build_schedule,
+                                     check_runtime_fits, check_trainable, data_sources, feed_uses,
+                                     named_state, original_names, positional_inputs,
+                                     stage_runtime)
 
-SYNCHRONOUS = ("gpipe", "1f1b", "data-parallel")
 CHECKPOINT_FORMAT = "pipedream_fast.checkpoint/1"
-
-
-def split_microbatches(value: Any, chunks: int) -> list[Any]:
-    """Splits a tensor, or a tuple/list/dict of tensors, into `chunks` along dimension 0."""
-    if isinstance(value, torch.Tensor):
-        if value.shape[0] % chunks:
-            raise ValueError(f"a minibatch of {value.shape[0]} samples does not split into "
-                             f"{chunks} equal microbatches; use a batch size divisible by chunks "
-                             f"(and drop_last=True in the DataLoader)")
-        return list(value.chunk(chunks))
-    if isinstance(value, (tuple, list)):
-        parts = [split_microbatches(v, chunks) for v in value]
-        return [type(value)(p[i] for p in parts) for i in range(chunks)]
-    if isinstance(value, dict):
-        parts = {k: split_microbatches(v, chunks) for k, v in value.items()}
-        return [{k: p[i] for k, p in parts.items()} for i in range(chunks)]
-    raise TypeError(f"cannot split a {type(value).__name__} into microbatches: inputs and "
-                    f"targets must be tensors, or tuples, lists or dicts of tensors")
-
-
-def as_call(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(inputs, dict):
-        return (), dict(inputs)
-    if isinstance(inputs, (tuple, list)):
-        return tuple(inputs), {}
-    return (inputs,), {}
-
-
-class _Feed:
-    """Microbatches of a loader, fetched lazily in order, kept only for the ones this rank uses.
-
-    `peek` leaves a microbatch in place (the first stage reading inputs when the same rank also
-    needs the targets); `pop` drops it."""
-
-    def __init__(self, batches: Iterator[Any], chunks: int, wanted: set[int]) -> None:
-        self._batches = batches
-        self._chunks = chunks
-        self._wanted = wanted
-        self._cache: dict[int, Any] = {}
-        self._next_step = 0
-
-    def peek(self, mb: int) -> Any:
-        while mb not in self._cache:
-            step = self._next_step
-            if mb < step * self._chunks:
-                raise RuntimeError(f"microbatch {mb} was already consumed")
-            try:
-                batch = next(self._batches)
-            except StopIteration:
-                raise RuntimeError(f"the data loader ran out at step {step}; give it at least "
-                                   f"as many batches as steps") from None
-            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-                raise TypeError(f"the loader must yield (inputs, targets) pairs, got "
-                                f"{type(batch).__name__}")
-            for i, part in enumerate(zip(*(split_microbatches(x, self._chunks) for x in batch))):
-                if step * self._chunks + i in self._wanted:
-                    self._cache[step * self._chunks + i] = part
-            self._next_step += 1
-        return self._cache[mb]
-
-    def pop(self, mb: int) -> Any:
-        value = self.peek(mb)
-        del self._cache[mb]
-        return value
 
 
 def _ensure_process_group(timeout_s: float) -> None:
@@ -111,12 +49,6 @@ def _ensure_process_group(timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
-def _original_names(model: nn.Module) -> dict[int, str]:
-    names = {id(p): n for n, p in model.named_parameters()}
-    names.update({id(b): n for n, b in model.named_buffers()})
-    return names
-
-
 class Pipeline:
     """Pipeline-parallel training of `model` on the ranks of the default process group."""
 
@@ -126,10 +58,7 @@ class Pipeline:
                  chunks: int | None = None, example_inputs: Any = None,
                  timeout: float = 300.0, trace: bool = False,
                  leaf_modules: Sequence[Any] = ()) -> None:
-        if schedule not in SCHEDULE_NAMES or schedule == "localsgd":
-            runnable = [s for s in SCHEDULE_NAMES if s != "localsgd"]
-            raise ValueError(f"schedule {schedule!r} cannot be trained by Pipeline; choose one of "
-                             f"{', '.join(runnable)}")
+        check_trainable(schedule)
         if chunks is not None and chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
         _ensure_process_group(timeout)
@@ -142,8 +71,9 @@ class Pipeline:
         self.timeout = timeout
         self.trace = trace
         self.plan = self._resolve_plan(model, plan, example_inputs, leaf_modules)
-        self._names = _original_names(model)
+        self._names = original_names(model)
         chain = trace_model(model, leaf_modules=leaf_modules)
+        self._input_names = chain.input_names
         if self.plan.stages[-1].stop != len(chain):
             raise FormatError(f"the plan covers {self.plan.stages[-1].stop} blocks but the model "
                               f"splits into {len(chain)}; the plan was made for another model")
@@ -193,7 +123,7 @@ class Pipeline:
                 from pipedream_fast.planner import make_plan  # planning is rank 0's job
                 from pipedream_fast.profiler import profile_model
                 from pipedream_fast.topology import Topology
-                args, _ = as_call(example_inputs)
+                args = positional_inputs(example_inputs, trace_model(model).input_names)
                 profile = profile_model(model, args[0] if len(args) == 1 else args,
                                         batch_size=int(args[0].shape[0]), progress=False)
                 plan = make_plan(profile, Topology.parse(f"{self.world_size}x1e9"),
@@ -219,18 +149,11 @@ class Pipeline:
 
     def _runtime_for(self, schedule: Schedule) -> StageRuntime:
         if self._runtime is None:
-            stage = self.stage_index
-            self._runtime = StageRuntime(
-                stage, self._module, self._optimizer_factory,
-                slots=schedule.max_versions[self.rank], is_first=stage == 0,
-                is_last=stage == len(self.plan.stages) - 1, loss_fn=self.loss_fn)
+            self._runtime = stage_runtime(self.plan, self.rank, self._module,
+                                          self._optimizer_factory, schedule, self.loss_fn)
             if self._optimizer_state is not None and self._runtime.optimizer is not None:
                 self._runtime.optimizer.load_state_dict(self._optimizer_state)
-        elif self._runtime.ring is not None and \
-                self._runtime.ring.capacity < schedule.max_versions[self.rank]:
-            raise ValueError(f"this schedule keeps {schedule.max_versions[self.rank]} weight "
-                             f"versions on rank {self.rank} but the stage was set up for "
-                             f"{self._runtime.ring.capacity}; use the same chunks in every call")
+        check_runtime_fits(self._runtime, schedule, self.rank)
         return self._runtime
 
     def _chunks_for(self, batch_inputs: Any) -> int:
@@ -246,14 +169,6 @@ class Pipeline:
                              f"{self.microbatch_size}")
         return first.shape[0] // self.microbatch_size
 
-    def _schedule(self, steps: int, chunks: int) -> Schedule:
-        n = steps * chunks
-        reps = [s.replicas for s in self.plan.stages]
-        kwargs: dict[str, Any] = {"stage_ranks": [list(s.ranks) for s in self.plan.stages]}
-        if self.schedule_name in SYNCHRONOUS + ("2bw",):
-            kwargs["step_microbatches"] = chunks
-        return make_schedule(self.schedule_name, len(reps), n, **kwargs)
-
     # --- training -----------------------------------------------------------------------------
     def train(self, loader: Iterable[Any], steps: int) -> Iterator[torch.Tensor | None]:
         """Trains `steps` minibatches from `loader` (pairs of inputs, targets). Yields each
@@ -265,17 +180,15 @@ class Pipeline:
         if first is None:
             raise ValueError("the data loader is empty")
         chunks = self._chunks_for(first[0])
-        schedule = self._schedule(steps, chunks)
+        schedule = build_schedule(self.plan, self.schedule_name, steps, chunks)
         runtime = self._runtime_for(schedule)
+
         def replay() -> Iterator[Any]:
             yield first
             yield from batches
 
-        wanted = {a.microbatch for a in schedule.actions[self.rank] if a.kind is ActionKind.FORWARD}
-        feed = _Feed(replay(), chunks, wanted)
-        take_inputs = feed.peek if runtime.is_last else feed.pop  # the target read pops it
-        inputs = (lambda mb: as_call(take_inputs(mb)[0])) if runtime.is_first else None
-        targets = (lambda mb: feed.pop(mb)[1]) if runtime.is_last else None
+        feed = MicrobatchFeed(replay(), chunks, feed_uses(schedule, {self.rank: runtime}))
+        inputs, targets = data_sources(feed, runtime, self._input_names)
         executor = Executor(schedule, self.rank, {self.stage_index: runtime}, self._transport,
                             inputs, targets, trace=self.trace)
         # Minibatch k is done on this rank after its last action on any of its microbatches.
@@ -308,20 +221,11 @@ class Pipeline:
         return out[-1]
 
     # --- state ------------------------------------------------------------------------------
-    def _local_state(self) -> dict[str, torch.Tensor]:
-        state = {}
-        for p in self._module.parameters():
-            state[self._names[id(p)]] = p.detach().clone()
-        for b in self._module.buffers():
-            if id(b) in self._names:
-                state[self._names[id(b)]] = b.detach().clone()
-        return state
-
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's parameters and buffers, original keys, on rank 0 (None elsewhere).
         Collective: every rank must call it."""
         first_replica = self.plan.stages[self.stage_index].ranks[0] == self.rank
-        mine = self._local_state() if first_replica else {}
+        mine = named_state([self._module], self._names) if first_replica else {}
         gathered: list[Any] = [None] * self.world_size if self.rank == 0 else None  # type: ignore
         dist.gather_object(mine, gathered, dst=0)
         if self.rank != 0:

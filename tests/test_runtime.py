@@ -238,3 +238,86 @@ def test_thread_per_rank_pipeline_matches_the_references(layout, schedule):
     else:
         want = train_reference(tiny_cnn(), batches(), CHUNKS, loss_fn, optimizer("sgd"))
     assert_same_state(pipe.state_dict(), want)
+
+
+# --- inputs, checkpoints, meta-device models --------------------------------------------------
+
+class TwoInputNet(nn.Module):
+    """Two named inputs and a skip connection: traced with torch.fx, fed from dicts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(4, 16)
+        self.c, self.d = nn.Linear(16, 16), nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x) + self.b(z))
+        return self.d(torch.relu(self.c(h)) + h)
+
+
+def test_dict_inputs_reach_the_model_by_name():
+    from pipedream_fast.local_pipeline import LocalPipeline
+    from pipedream_fast.tracing import trace
+    blocks = len(trace(TwoInputNet()))
+    plan = Plan(model="two", batch_size=BATCH, workers=2, schedule="1f1b",
+                stages=[StagePlan(0, blocks // 2, 1, (0,), 1.0),
+                        StagePlan(blocks // 2, blocks, 1, (1,), 1.0)],
+                bottleneck_ms=1.0, data_parallel_ms=1.0)
+    g = torch.Generator().manual_seed(3)
+    data = [({"z": torch.randn(BATCH, 4, generator=g), "x": torch.randn(BATCH, 8, generator=g)},
+             torch.randint(0, 5, (BATCH,), generator=g)) for _ in range(STEPS)]
+    pipe = LocalPipeline(TwoInputNet(), loss_fn, optimizer("sgd"), plan, schedule="1f1b",
+                         chunks=CHUNKS, timeout=60)
+    assert len(list(pipe.train(data, STEPS))) == STEPS
+    model = TwoInputNet()
+    opt = optimizer("sgd")(list(model.parameters()))
+    for inputs, y in data:
+        opt.zero_grad()
+        for i in range(CHUNKS):
+            part = {k: v.chunk(CHUNKS)[i] for k, v in inputs.items()}
+            (loss_fn(model(**part), y.chunk(CHUNKS)[i]) / CHUNKS).backward()
+        opt.step()
+    assert_same_state(pipe.state_dict(), model.state_dict())
+
+
+def checkpoint_job(rank: int, world: int, folder: str) -> dict | None:
+    def make() -> Pipeline:
+        return Pipeline(tiny_cnn(), loss_fn, optimizer("sgd"), plan=plan_for("2-stage"),
+                        schedule="1f1b", chunks=CHUNKS, timeout=60)
+    data = batches(STEPS)
+    pipe = make()
+    list(pipe.train(data[:2], steps=2))
+    pipe.save(folder)
+    pipe.close()
+    restored = Pipeline.load(folder, tiny_cnn(), loss_fn, optimizer("sgd"), schedule="1f1b",
+                             chunks=CHUNKS, timeout=60)
+    list(restored.train(data[2:], steps=1))
+    state = restored.state_dict()
+    restored.close()
+    return state
+
+
+def test_save_and_load_resume_training_exactly(tmp_path):
+    state = launch(checkpoint_job, 2, str(tmp_path / "ckpt"), timeout=120)[0]
+    # Momentum buffers were restored too, or the third step would differ.
+    assert_same_state(state, train_reference(tiny_cnn(), batches(STEPS), CHUNKS, loss_fn,
+                                             optimizer("sgd")))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["plan.json", "rank0.pt",
+                                                                    "rank1.pt"]
+
+
+def meta_job(rank: int, world: int) -> list[str]:
+    with torch.device("meta"):
+        model = tiny_cnn()
+    pipe = Pipeline(model, loss_fn, optimizer("sgd"), plan=plan_for("2-stage"),
+                    schedule="pipedream", chunks=CHUNKS, timeout=60)
+    losses = list(pipe.train(batches(), steps=STEPS))
+    devices = sorted({str(p.device) for p in pipe._module.parameters()})
+    pipe.close()
+    assert all(l is None or torch.isfinite(l) for l in losses)
+    return devices
+
+
+def test_a_meta_device_model_is_materialised_stage_by_stage():
+    assert launch(meta_job, 2, timeout=120) == [["cpu"], ["cpu"]]

@@ -24,8 +24,8 @@ from pipedream_fast.trace import TraceEvent
 
 K = ActionKind
 
-# (args, kwargs) of the first stage for a microbatch, and the last stage's target.
-InputSource = Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]]
+# The first stage's positional arguments for a microbatch, and the last stage's target.
+InputSource = Callable[[int], tuple[Any, ...]]
 TargetSource = Callable[[int], Any]
 
 
@@ -131,20 +131,18 @@ class Executor:
     # --- one method per action kind ----------------------------------------------------------
     def _forward(self, a: Action) -> Any:
         stage = self.stages[a.stage]
-        kwargs: dict[str, Any] = {}
         target = None
         if stage.is_first:
             assert self.inputs is not None, "the first stage needs an input source"
-            args, kwargs = self.inputs(a.microbatch)
-        elif (prev := self._local_stage(a.stage - 1)) is not None and \
-                (a.stage - 1, a.microbatch) in self._outputs:
+            args = self.inputs(a.microbatch)
+        elif (a.stage - 1, a.microbatch) in self._outputs:  # produced on this rank
             args = tuple(t.detach() for t in self._outputs.pop((a.stage - 1, a.microbatch)))
         else:
             args = tuple(self._recv(ACTIVATION, a.stage, a.microbatch))
         if stage.is_last:
             assert self.targets is not None, "the last stage needs a target source"
             target = self.targets(a.microbatch)
-        outputs = stage.forward(a.microbatch, a.version, args, kwargs, target)
+        outputs = stage.forward(a.microbatch, a.version, args, target)
         if stage.is_last:
             return outputs[0].detach()
         self._outputs[(a.stage, a.microbatch)] = outputs

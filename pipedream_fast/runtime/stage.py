@@ -89,25 +89,25 @@ class StageRuntime:
                                f"is {self.newest} and {version} is not retained; the schedule "
                                f"must SNAPSHOT a version before an update if it is used later")
 
-    def _call(self, version: int, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _call(self, version: int, inputs: tuple[Any, ...]) -> Any:
         if self.ring is not None and self.ring.holds(version):
             tensors = self.ring.tensors(version)
             if self.buckets is not None:
                 self.buckets.watch(tensors)
             weights = dict(zip(self.param_names, tensors))
-            return torch.func.functional_call(self.module, weights, inputs, kwargs)
+            return torch.func.functional_call(self.module, weights, inputs)
         if self.ring is not None:
             self._check_newest(version, "forward")
-        return self.module(*inputs, **kwargs)
+        return self.module(*inputs)
 
     # --- compute ------------------------------------------------------------------------
     def forward(self, microbatch: int, version: int, inputs: tuple[Any, ...],
-                kwargs: dict[str, Any] | None = None, target: Any = None) -> tuple[Any, ...]:
+                target: Any = None) -> tuple[Any, ...]:
         """Runs the stage; returns what crosses the next cut (the loss on the last stage)."""
         if not self.is_first:
             for t in _floats(inputs):
                 t.requires_grad_(True)
-        out = self._call(version, inputs, kwargs or {})
+        out = self._call(version, inputs)
         if self.is_last:
             assert self.loss_fn is not None
             loss = self.loss_fn(out, target)
