@@ -38,6 +38,13 @@ from pipedream_fast.training import (SYNCHRONOUS, MicrobatchFeed, build_schedule
 CHECKPOINT_FORMAT = "pipedream_fast.checkpoint/1"
 
 
+def _default_device() -> torch.device:
+    """The rank's GPU under NCCL (LOCAL_RANK), else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    return torch.device("cpu")
+
+
 def _ensure_process_group(timeout_s: float) -> None:
     if dist.is_initialized():
         return
@@ -52,17 +59,23 @@ def _ensure_process_group(timeout_s: float) -> None:
 class Pipeline:
     """Pipeline-parallel training of `model` on the ranks of the default process group."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
+    def __init__(self, model: nn.Module | Callable[[], nn.Module],
+                 loss_fn: Callable[[Any, Any], torch.Tensor],
                  optimizer: OptimizerFactory, plan: None | str | os.PathLike[str] | Plan = None,
                  schedule: str = "pipedream", microbatch_size: int | None = None,
                  chunks: int | None = None, example_inputs: Any = None,
                  timeout: float = 300.0, trace: bool = False,
-                 leaf_modules: Sequence[Any] = ()) -> None:
+                 leaf_modules: Sequence[Any] = (), device: str | torch.device | None = None
+                 ) -> None:
         check_trainable(schedule)
         if chunks is not None and chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
         _ensure_process_group(timeout)
+        if not isinstance(model, nn.Module) and callable(model):
+            with torch.device("meta"):  # a factory: build on meta, materialise only this stage
+                model = model()
         self.rank = dist.get_rank()
+        self.device = torch.device(device) if device is not None else _default_device()
         self.world_size = dist.get_world_size()
         self.schedule_name = schedule
         self.microbatch_size = microbatch_size
@@ -80,12 +93,13 @@ class Pipeline:
         self.stage_index = self.plan.stage_of_rank(self.rank)
         stage_plan = self.plan.stages[self.stage_index]
         module = chain.stage_module(stage_plan.start, stage_plan.stop)
-        self._materialize(module)
-        self._module = module
+        self._materialize(module, self.device)
+        self._module = module.to(self.device)
         self._optimizer_factory = optimizer
         self._runtime: StageRuntime | None = None
         self._optimizer_state: dict[str, Any] | None = None
-        self._transport = ProcessTransport([s.ranks for s in self.plan.stages], timeout)
+        self._transport = ProcessTransport([s.ranks for s in self.plan.stages], timeout,
+                                           device=self.device)
         self._step = 0  # minibatches trained so far
         self.last_stats: dict[str, Any] = {}
         self.last_events: list[Any] = []
@@ -137,11 +151,12 @@ class Pipeline:
             self.schedule_name, self.schedule_name)
 
     @staticmethod
-    def _materialize(module: nn.Module) -> None:
-        """A meta-device stage gets real, freshly initialised memory (only this rank's stage)."""
+    def _materialize(module: nn.Module, device: torch.device) -> None:
+        """A meta-device stage gets real memory, initialised by each layer's reset_parameters
+        (only this rank's stage is ever allocated)."""
         if not any(p.is_meta for p in module.parameters()):
             return
-        module.to_empty(device="cpu")
+        module.to_empty(device=device)
         for sub in module.modules():
             reset = getattr(sub, "reset_parameters", None)
             if callable(reset):
@@ -188,7 +203,7 @@ class Pipeline:
             yield from batches
 
         feed = MicrobatchFeed(replay(), chunks, feed_uses(schedule, {self.rank: runtime}))
-        inputs, targets = data_sources(feed, runtime, self._input_names)
+        inputs, targets = data_sources(feed, runtime, self._input_names, self.device)
         executor = Executor(schedule, self.rank, {self.stage_index: runtime}, self._transport,
                             inputs, targets, trace=self.trace)
         # Minibatch k is done on this rank after its last action on any of its microbatches.

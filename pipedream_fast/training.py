@@ -108,20 +108,32 @@ def feed_uses(schedule: Schedule, runtimes: dict[int, StageRuntime]) -> dict[int
     return uses
 
 
-def data_sources(feed: MicrobatchFeed, runtime: StageRuntime, input_names: Sequence[str]
+def to_device(value: Any, device: torch.device) -> Any:
+    """Moves a tensor or a tuple/list/dict of tensors (asynchronously from pinned memory)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def data_sources(feed: MicrobatchFeed, runtime: StageRuntime, input_names: Sequence[str],
+                 device: torch.device = torch.device("cpu")
                  ) -> tuple[Callable[[int], tuple[Any, ...]] | None, Callable[[int], Any] | None]:
-    """The executor's input source (first stage) and target source (last stage) for a rank.
-    A rank holding both reads each microbatch once and keeps its targets for the loss."""
+    """The executor's input source (first stage) and target source (last stage) for a rank,
+    on the rank's device. A rank holding both reads each microbatch once."""
     targets: dict[int, Any] = {}
 
     def inputs(mb: int) -> tuple[Any, ...]:
         x, y = feed.take(mb)
         if runtime.is_last:
             targets[mb] = y
-        return positional_inputs(x, input_names)
+        return positional_inputs(to_device(x, device), input_names)
 
     def target(mb: int) -> Any:
-        return targets.pop(mb) if runtime.is_first else feed.take(mb)[1]
+        return to_device(targets.pop(mb) if runtime.is_first else feed.take(mb)[1], device)
 
     return (inputs if runtime.is_first else None), (target if runtime.is_last else None)
 
