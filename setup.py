@@ -65,7 +65,7 @@ setup(
                 "schedules (PipeDream async, 2BW, 1F1B, GPipe), simulator and a C++ runtime core",
     packages=find_packages(include=["pipedream_fast", "pipedream_fast.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "rich>=13"],
+    install_requires=["torch>=2.4", "rich>=13", "numpy"],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "pytest-benchmark>=4", "numpy"],
         "plot": ["matplotlib>=3.7"],

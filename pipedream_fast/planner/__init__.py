@@ -1,0 +1,222 @@
+"""The planner: from a Profile and a Topology to a Plan (stages x replicas x ranks).
+
+    Profile ──Costs──▶ HierarchicalDP (or a baseline) ──▶ tree of stages ──flatten──▶ Plan
+
+* `strategy="dp"` (default) runs PipeDream's dynamic program (`dp.py`): minimum bottleneck over
+  all stage splits and replica counts, level by level for hierarchical topologies, honouring
+  the memory limit. `straight=True` keeps one worker per stage.
+* `"data-parallel"` is one stage replicated on every worker; `"uniform"`, `"params"`, `"time"`
+  are the baselines of `baselines.py`.
+
+The plan's `workers` is the number of ranks it uses: when the optimum leaves whole outer
+groups idle (adding them only costs all-reduce time), those trailing ranks are left out and
+reported in `extra["idle_workers"]`. `extra["topology"]` carries the topology, and every stage's
+extra holds its compute, outgoing-cut and memory figures (see `make_plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from pipedream_fast.formats import Plan, Profile, StagePlan
+from pipedream_fast.planner.baselines import BASELINES, baseline_stages
+from pipedream_fast.planner.costs import SCHEDULES, Costs, MemoryModel
+from pipedream_fast.planner.dp import HierarchicalDP, data_parallel_tree
+from pipedream_fast.planner.flatten import (FlatStage, flat_times, flatten, nested_times,
+                                            stage_memory)
+from pipedream_fast.topology import Topology
+
+STRATEGIES = ("dp", "data-parallel") + BASELINES
+
+__all__ = ["PlanningError", "SCHEDULES", "STRATEGIES", "evaluate_plan", "make_plan",
+           "smallest_memory"]
+
+
+class PlanningError(ValueError):
+    """No plan satisfies the request (memory too small, impossible straight pipeline, ...)."""
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+def smallest_memory(costs: Costs, topology: Topology, memory: MemoryModel,
+                    straight: bool = False) -> int | None:
+    """Smallest per-worker memory for which the dynamic program finds any plan (None: none at all).
+
+    Some plan's largest stage footprint is the answer, so it is one of the footprints a stage can
+    have; bisect over those, solving the DP as a feasibility test at each probe.
+    """
+    valid = np.triu(np.ones_like(costs.params, dtype=bool), k=1)
+    noams = range(1, topology.workers + 1) if memory.schedule in ("pipedream", "2bw", "1f1b") else [1]
+    candidates = np.unique(np.concatenate(
+        [dataclasses.replace(memory, limit=None).stage_bytes(costs, n)[valid] for n in noams]))
+
+    def feasible(limit: float) -> bool:
+        probe = dataclasses.replace(memory, limit=int(limit))
+        return HierarchicalDP(costs, topology, probe, straight).best_time()[1] > 0
+
+    if not feasible(candidates[-1]):
+        return None
+    low, high = 0, len(candidates) - 1  # candidates[high] is feasible
+    while low < high:
+        mid = (low + high) // 2
+        if feasible(candidates[mid]):
+            high = mid
+        else:
+            low = mid + 1
+    return int(candidates[high])
+
+
+def _structural_hint(costs: Costs, topology: Topology, straight: bool) -> str:
+    if straight and len(topology.levels) > 1:
+        inner = topology.levels[0].count
+        return (f"a straight plan must run a {inner}-stage pipeline inside every level-0 group of "
+                f"{inner} workers, which needs at least {inner} blocks per group, and the model has "
+                f"{costs.num_blocks}; drop --straight or use a flat topology")
+    return "no plan exists for this topology"
+
+
+def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedream",
+              straight: bool = False, strategy: str = "dp",
+              microbatches: int | None = None) -> Plan:
+    """Plan `profile` on `topology`; see the module docstring for the strategies.
+
+    `microbatches` is the number of microbatches GPipe keeps in flight (default: the worker
+    count); the memory limit is `topology.memory_per_worker`.
+    """
+    if strategy not in STRATEGIES:
+        raise PlanningError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    began = time.perf_counter()
+    costs = Costs.from_profile(profile)
+    memory = MemoryModel(schedule, topology.memory_per_worker, microbatches or topology.workers)
+    num_blocks = costs.num_blocks
+
+    data_parallel = flatten(data_parallel_tree(num_blocks, topology), topology)
+    data_parallel_ms = nested_times(data_parallel, costs, topology)[0][0]
+
+    if strategy == "dp":
+        found = HierarchicalDP(costs, topology, memory, straight).best_plan()
+        if found is None:
+            raise PlanningError(_no_plan_message(costs, topology, memory, straight, schedule))
+        stages = flatten(found[1], topology)
+    elif strategy == "data-parallel":
+        stages = data_parallel
+    else:
+        stages = baseline_stages(strategy, costs, topology.workers, straight)
+    times, cuts = (nested_times if strategy in ("dp", "data-parallel") else flat_times)(
+        stages, costs, topology)
+    footprints = stage_memory(stages, costs, memory)
+    if memory.limit is not None and strategy != "dp":
+        worst = max(f.bytes for f in footprints)
+        if worst > memory.limit:
+            raise PlanningError(
+                f"the {strategy} plan needs {_fmt_bytes(worst)} ({worst} bytes) per worker with "
+                f"schedule {schedule}, more than --memory-per-worker {memory.limit}; raise the "
+                f"limit or use --strategy dp")
+
+    return _assemble(profile, topology, stages, times, cuts, footprints, costs, memory,
+                     data_parallel_ms, strategy, straight, began)
+
+
+def evaluate_plan(plan: Plan, profile: Profile, topology: Topology,
+                  microbatches: int | None = None) -> Plan:
+    """Re-cost an existing plan (e.g. edited by hand, or for a new profile of the same model).
+
+    Stages that carry their per-level `levels` (plans made by the dynamic program) on a topology
+    of the same shape are costed with the hierarchical model, others with the slowest-link
+    model. Raises FormatError when the plan was made for another model or batch size.
+    """
+    began = time.perf_counter()
+    plan.check_matches(profile)
+    if plan.workers > topology.workers:
+        raise PlanningError(f"the plan uses {plan.workers} workers but the topology {topology} "
+                            f"has only {topology.workers}")
+    costs = Costs.from_profile(profile)
+    memory = MemoryModel(plan.schedule, topology.memory_per_worker,
+                         microbatches or int(plan.extra.get("microbatches", topology.workers)))
+    levels = [s.extra.get("levels") for s in plan.stages]
+    nested = all(isinstance(chain, list) and len(chain) == len(topology.levels) for chain in levels)
+    stages = [FlatStage(s.start, s.stop, tuple(s.ranks),
+                        tuple((c["start"], c["stop"], c["replicas"]) for c in chain) if nested else ())
+              for s, chain in zip(plan.stages, levels)]
+    times, cuts = (nested_times if nested else flat_times)(stages, costs, topology)
+    footprints = stage_memory(stages, costs, memory)
+    data_parallel = flatten(data_parallel_tree(costs.num_blocks, topology), topology)
+    data_parallel_ms = nested_times(data_parallel, costs, topology)[0][0]
+    return _assemble(profile, topology, stages, times, cuts, footprints, costs, memory,
+                     data_parallel_ms, str(plan.extra.get("strategy", "given")),
+                     bool(plan.extra.get("straight", False)), began, nested=nested)
+
+
+def _assemble(profile: Profile, topology: Topology, stages: list[FlatStage], times: list[float],
+              cuts: list[float], footprints: list[Any], costs: Costs, memory: MemoryModel,
+              data_parallel_ms: float, strategy: str, straight: bool, began: float,
+              nested: bool | None = None) -> Plan:
+    hierarchical = strategy in ("dp", "data-parallel") if nested is None else nested
+    extra = _plan_extra(stages, times, cuts, topology, strategy, straight, memory, profile, began)
+    extra["cost_model"] = "hierarchical" if hierarchical else "slowest-link"
+    return Plan(model=profile.model, batch_size=profile.batch_size,
+                workers=sum(s.replicas for s in stages), schedule=memory.schedule,
+                stages=_stage_plans(stages, times, cuts, footprints, costs, hierarchical),
+                bottleneck_ms=max(times + cuts), data_parallel_ms=data_parallel_ms, extra=extra)
+
+
+def _no_plan_message(costs: Costs, topology: Topology, memory: MemoryModel, straight: bool,
+                     schedule: str) -> str:
+    if memory.limit is None:
+        return _structural_hint(costs, topology, straight)
+    need = smallest_memory(costs, topology, memory, straight)
+    if need is None:
+        return _structural_hint(costs, topology, straight)
+    return (f"no {'straight ' if straight else ''}plan fits in {_fmt_bytes(memory.limit)} "
+            f"({memory.limit} bytes) per worker with schedule {schedule}: the smallest requirement "
+            f"of any plan is {_fmt_bytes(need)} ({need} bytes) per worker; raise "
+            f"--memory-per-worker to at least {need}, use more workers, or a schedule that keeps "
+            f"fewer weight versions (2bw, 1f1b, gpipe)")
+
+
+def _stage_plans(stages: list[FlatStage], times: list[float], cuts: list[float],
+                 footprints: list[Any], costs: Costs, hierarchical: bool) -> list[StagePlan]:
+    out = []
+    for index, (stage, ms, mem) in enumerate(zip(stages, times, footprints)):
+        extra: dict[str, Any] = {
+            "blocks": list(costs.names[stage.start:stage.stop]),
+            "compute_ms": float(costs.compute[stage.start, stage.stop]),
+            "parameter_bytes": int(costs.params[stage.start, stage.stop]),
+            "weight_versions": mem.versions, "in_flight": mem.in_flight,
+            "memory_bytes": mem.bytes}
+        if index < len(cuts):
+            extra["comm_out_ms"] = cuts[index]
+        if hierarchical:
+            extra["levels"] = [{"start": a, "stop": b, "replicas": r} for a, b, r in stage.chain]
+        out.append(StagePlan(start=stage.start, stop=stage.stop, replicas=stage.replicas,
+                             ranks=stage.ranks, predicted_ms=ms, extra=extra))
+    return out
+
+
+def _plan_extra(stages: list[FlatStage], times: list[float], cuts: list[float],
+                topology: Topology, strategy: str, straight: bool, memory: MemoryModel,
+                profile: Profile, began: float) -> dict[str, Any]:
+    worst_stage = max(range(len(times)), key=times.__getitem__)
+    worst_cut = max(range(len(cuts)), key=cuts.__getitem__) if cuts else None
+    if worst_cut is not None and cuts[worst_cut] > times[worst_stage]:
+        bottleneck = {"kind": "cut", "after_stage": worst_cut, "ms": cuts[worst_cut]}
+    else:
+        bottleneck = {"kind": "stage", "stage": worst_stage, "ms": times[worst_stage]}
+    extra: dict[str, Any] = {
+        "topology": topology.to_dict(), "strategy": strategy, "straight": straight,
+        "idle_workers": topology.workers - sum(s.replicas for s in stages),
+        "bottleneck": bottleneck, "profile_device": profile.device,
+        "planner_ms": (time.perf_counter() - began) * 1e3}
+    if memory.schedule == "gpipe":
+        extra["microbatches"] = memory.microbatches
+    return extra

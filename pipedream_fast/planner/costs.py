@@ -1,0 +1,136 @@
+"""The planner's cost and memory model, over prefix sums so every range query is O(1).
+
+Times are in ms, sizes in bytes, bandwidths in bytes/s. Blocks are 0..L-1; a stage covers the
+half-open block range [i, j); the cut at boundary s (1 <= s < L) lies after block s-1.
+
+    compute(i, j)      = sum of forward_ms + backward_ms over blocks i..j-1
+    allreduce(i, j, r) = 4 (r-1) params(i, j) / (r B)            (0 when r = 1)
+    stage_time         = max(compute, allreduce) / r
+    comm(s)            = 2 activation_bytes[s-1] / B               (activations out, gradients back)
+
+Memory of one replica of a stage (what a worker must hold), with NOAM = ceil(workers from this
+stage to the end of the pipeline / replicas of this stage):
+
+    versions x parameters + one gradient buffer + one optimizer state + in_flight x activations
+
+    schedule    weight versions   microbatches in flight
+    pipedream   NOAM              NOAM
+    2bw         2                 NOAM   (1F1B-style steady state)
+    1f1b        1                 NOAM
+    gpipe       1                 all M microbatches of a minibatch
+
+Assumptions: only parameters are versioned (the optimizer updates the newest version, so its
+state and the gradients exist once); "activations" of one in-flight microbatch are the bytes
+autograd saved for the stage's backward (`saved_bytes` in the profile; without it, the stage's
+input cut plus every cut its blocks produce). The profile's batch is the microbatch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipedream_fast.formats import Profile
+
+SCHEDULES = ("pipedream", "2bw", "1f1b", "gpipe")
+
+
+def ranges(prefix: np.ndarray) -> np.ndarray:
+    """M[i, j] = prefix[j] - prefix[i]: the sum over blocks [i, j) for every pair (j > i)."""
+    return prefix[None, :] - prefix[:, None]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-block figures of a profile as prefix sums and range matrices."""
+
+    names: tuple[str, ...]
+    compute: np.ndarray      # (L+1, L+1) ms of compute for [i, j)
+    params: np.ndarray       # (L+1, L+1) parameter bytes of [i, j)
+    optimizer: np.ndarray    # (L+1, L+1) optimizer-state bytes of [i, j)
+    activations: np.ndarray  # (L+1, L+1) bytes saved per in-flight microbatch by [i, j)
+    cut_bytes: np.ndarray    # (L+1,) cut_bytes[s]: bytes crossing boundary s (s = 1..L-1)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.names)
+
+    @classmethod
+    def from_profile(cls, profile: Profile) -> "Costs":
+        blocks = profile.blocks
+        zero = [0.0]
+        compute = np.cumsum(zero + [b.forward_ms + b.backward_ms for b in blocks])
+        params = np.cumsum(zero + [float(b.parameter_bytes) for b in blocks])
+        optimizer = np.cumsum(zero + [float(b.optimizer_state_bytes) for b in blocks])
+        cut = np.array([0.0] + [float(b.activation_bytes) for b in blocks])  # cut[s]: after s-1
+        if all("saved_bytes" in b.extra for b in blocks):
+            saved = ranges(np.cumsum(zero + [float(b.extra["saved_bytes"]) for b in blocks]))
+        else:
+            # Fallback: what enters the stage plus everything its blocks produce.
+            entering = cut.copy()
+            entering[0] = float(profile.extra.get("input_bytes", 0))
+            saved = ranges(np.cumsum(np.concatenate([[0.0], cut[1:]]))) + entering[:, None]
+        return cls(names=tuple(b.name for b in blocks), compute=ranges(compute),
+                   params=ranges(params), optimizer=ranges(optimizer), activations=saved,
+                   cut_bytes=cut)
+
+
+def allreduce_ms(param_bytes: np.ndarray | float, replicas: int, bandwidth: float) -> np.ndarray | float:
+    """4 (r-1) P / (r B) in ms: a ring all-reduce's traffic per replica, over the link B."""
+    if replicas <= 1:
+        return param_bytes * 0.0
+    return 4.0 * (replicas - 1) * param_bytes / (replicas * bandwidth) * 1e3
+
+
+def comm_ms(cut_bytes: np.ndarray | float, bandwidth: float) -> np.ndarray | float:
+    """2 a / B in ms: activations forward and their gradients backward across one cut."""
+    return 2.0 * cut_bytes / bandwidth * 1e3
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Per-worker capacity and what the schedule keeps; `limit=None` means unlimited."""
+
+    schedule: str
+    limit: int | None = None
+    microbatches: int = 1  # gpipe: microbatches in flight per minibatch
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+
+    @property
+    def depends_on_position(self) -> bool:
+        """Whether a stage's footprint depends on how many workers follow it (NOAM)."""
+        return self.limit is not None and self.schedule != "gpipe"
+
+    def versions(self, noam: int) -> int:
+        return {"pipedream": noam, "2bw": 2}.get(self.schedule, 1)
+
+    def in_flight(self, noam: int) -> int:
+        return self.microbatches if self.schedule == "gpipe" else noam
+
+    def stage_bytes(self, costs: Costs, noam: int) -> np.ndarray:
+        """(L+1, L+1) bytes one replica of stage [i, j) needs at this NOAM."""
+        return ((self.versions(noam) + 1) * costs.params + costs.optimizer
+                + self.in_flight(noam) * costs.activations)
+
+    def replica_bytes(self, costs: Costs, start: int, stop: int, noam: int) -> int:
+        """Bytes one replica of stage [start, stop) needs at this NOAM."""
+        return int((self.versions(noam) + 1) * costs.params[start, stop]
+                   + costs.optimizer[start, stop]
+                   + self.in_flight(noam) * costs.activations[start, stop])
+
+    def fits(self, costs: Costs, noam: int) -> np.ndarray:
+        if self.limit is None:
+            return np.ones_like(costs.params, dtype=bool)
+        return self.stage_bytes(costs, noam) <= self.limit
+
+
+def noam(workers_from_here: int, replicas: int) -> int:
+    """Number of optimal active minibatches: ceil(workers from this stage on / replicas)."""
+    return math.ceil(workers_from_here / replicas)

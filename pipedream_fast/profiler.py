@@ -1,0 +1,234 @@
+"""Measure a model block by block and write a `Profile` (what the planner reads).
+
+Each block is run on its own, exactly as a pipeline stage would run it: its forward takes
+detached copies of the tensors crossing its input cut (marked as requiring gradients), and its
+backward starts from gradients for the tensors crossing its output cut and produces gradients
+for its inputs and parameters. So a block's measured backward includes the work a stage does
+to send gradients upstream, and nothing is double counted across blocks.
+
+    cut k-1 ──▶ forward(block k) ──▶ cut k          timed: forward_ms
+    grad k-1 ◀── backward(block k) ◀── grad k       timed: backward_ms
+
+* Times: median of `repeat` runs after `warmup` runs; wall clock (perf_counter) on CPU, CUDA
+  events on the current stream on GPU.
+* activation_bytes: bytes of all tensors crossing the cut after the block (skips included).
+* parameter_bytes: the block's parameters (each counted once).
+* optimizer_state_bytes: measured, not assumed: the chosen optimizer takes one step with lr=0
+  (weights do not change) and every tensor in its state is counted and charged to the block
+  owning the parameter. Plain SGD keeps none; momentum SGD one buffer; Adam two plus a step.
+* extra `saved_bytes`: bytes autograd keeps for the block's backward (recorded with
+  `torch.autograd.graph.saved_tensors_hooks`, parameters excluded): the per-microbatch memory a
+  stage holds while a microbatch is in flight. The planner's memory model uses it.
+
+Only hooks and plain autograd are used; PyTorch is not patched.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import nullcontext
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from pipedream_fast.formats import BlockProfile, Profile
+from pipedream_fast.tracing import LayerChain, trace
+
+# lr=0 so that the one measuring step leaves the weights as they were.
+OPTIMIZERS: dict[str, Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.0),
+    "momentum": lambda params: torch.optim.SGD(params, lr=0.0, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.0),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.0),
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=0.0),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.0),
+}
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside a (possibly nested) value crossing a cut."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _nbytes(tensors: Iterator[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _detach(value: Any) -> Any:
+    """A fresh leaf copy of a cut value; floating tensors require grad, as a stage input does."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.is_floating_point() or value.is_complex())
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detach(v) for v in value)
+    return value
+
+
+class _Timer:
+    """Wall clock on CPU; CUDA events on GPU (no host sync inside the timed region)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end), result
+        begin = time.perf_counter()
+        result = fn()
+        return (time.perf_counter() - begin) * 1e3, result
+
+
+def _saved_bytes(module: nn.Module, inputs: tuple[Any, ...]) -> int:
+    """Bytes autograd saves for the backward of one forward of `module` (weights excluded)."""
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*_detach(inputs))
+    return sum(storages.values())
+
+
+def _optimizer_state_bytes(chain: LayerChain, inputs: tuple[Any, ...],
+                           make: Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer]
+                           ) -> list[int]:
+    """Per block, bytes of the optimizer state after one step over all parameters."""
+    params = [p for b in chain.blocks for p in b.module.parameters() if p.requires_grad]
+    if not params:
+        return [0] * len(chain)
+    for p in params:
+        p.grad = None
+    outputs = chain.stage_module(0, len(chain))(*_detach(inputs))
+    loss = sum(t.float().sum() for t in _tensors(outputs) if t.requires_grad)
+    if isinstance(loss, torch.Tensor):
+        loss.backward()
+    for p in params:  # a parameter the output does not depend on still gets a state
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    optimizer = make(params)
+    optimizer.step()
+    per_param = {id(p): _nbytes(_tensors(list(optimizer.state[p].values())))
+                 for p in params if p in optimizer.state}
+    return [sum(per_param.get(id(p), 0) for p in b.module.parameters()) for b in chain.blocks]
+
+
+def _progress(enabled: bool) -> Any:
+    """A rich progress bar on stderr (a no-op context when disabled)."""
+    if not enabled:
+        return nullcontext(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+
+
+def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
+                  optimizer: str | Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer] = "sgd",
+                  warmup: int = 2, repeat: int = 5, device: str | torch.device = "cpu",
+                  progress: bool = True, model_name: str | None = None,
+                  leaf_modules: Sequence[Any] = ()) -> Profile:
+    """Trace `model`, run each block alone, and return its per-block `Profile`.
+
+    `example_input` is one minibatch of `batch_size` samples (a tensor or a tuple of them).
+    The model is moved to `device` and put in training mode; its weights are not changed.
+    """
+    if warmup < 0 or repeat < 1:
+        raise ValueError(f"need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}")
+    if batch_size <= 0:
+        raise ValueError(f"batch size must be positive, got {batch_size}")
+    if isinstance(optimizer, str):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {optimizer!r}; choose one of "
+                             f"{', '.join(OPTIMIZERS)} or pass a factory params -> Optimizer")
+        make_optimizer, optimizer_name = OPTIMIZERS[optimizer], optimizer
+    else:
+        make_optimizer, optimizer_name = optimizer, getattr(optimizer, "__name__", "custom")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available here")
+    model.to(dev).train()
+    inputs = tuple(t.to(dev) if isinstance(t, torch.Tensor) else t
+                   for t in (example_input if isinstance(example_input, (tuple, list))
+                             else (example_input,)))
+    chain = trace(model, leaf_modules=leaf_modules)
+    timer = _Timer(dev)
+
+    # Reference inputs of every block, from one forward of the whole chain.
+    block_inputs: list[tuple[Any, ...]] = []
+    with torch.no_grad():
+        values: tuple[Any, ...] = inputs
+        for block in chain.blocks:
+            block_inputs.append(values)
+            values = block.module(*values)
+
+    runs = warmup + repeat
+    title = f"profiling {model_name or type(model).__name__}"
+    saved_grads = {p: p.grad for p in model.parameters()}
+    try:
+        with _progress(progress) as bar:
+            task = bar.add_task(title, total=len(chain) * runs + 1) if bar else None
+            measured = []
+            for k, block in enumerate(chain.blocks):
+                if bar is not None:
+                    bar.update(task, description=f"{title}: {block.name}")
+                forward_ms, backward_ms = [], []
+                outputs: Any = ()
+                for run in range(runs):
+                    leaf_inputs = _detach(block_inputs[k])
+                    f_ms, outputs = timer(lambda: block.module(*leaf_inputs))
+                    needs_grad = [t for t in _tensors(outputs) if t.requires_grad]
+                    grads = [torch.ones_like(t) for t in needs_grad]
+                    b_ms, _ = timer(lambda: torch.autograd.backward(needs_grad, grads)
+                                    if needs_grad else None)
+                    if run >= warmup:
+                        forward_ms.append(f_ms)
+                        backward_ms.append(b_ms)
+                    if bar is not None:
+                        bar.advance(task)
+                measured.append((block.name, statistics.median(forward_ms),
+                                 statistics.median(backward_ms), _nbytes(_tensors(outputs)),
+                                 _saved_bytes(block.module, block_inputs[k])))
+            if bar is not None:
+                bar.update(task, description=f"{title}: optimizer state")
+            optimizer_bytes = _optimizer_state_bytes(chain, inputs, make_optimizer)
+            if bar is not None:
+                bar.advance(task)
+    finally:
+        for p, grad in saved_grads.items():
+            p.grad = grad  # undo what the measuring backward passes accumulated
+
+    blocks: list[BlockProfile] = []
+    for (name, f_ms, b_ms, act, saved), block, opt in zip(measured, chain.blocks, optimizer_bytes):
+        param_bytes = _nbytes(block.module.parameters())
+        blocks.append(BlockProfile(name=name, forward_ms=f_ms, backward_ms=b_ms,
+                                   activation_bytes=act, parameter_bytes=param_bytes,
+                                   optimizer_state_bytes=opt, extra={"saved_bytes": saved}))
+    return Profile(model=model_name or type(model).__name__, batch_size=batch_size,
+                   device=str(dev), blocks=blocks,
+                   extra={"optimizer": optimizer_name, "warmup": warmup, "repeat": repeat,
+                          "input_bytes": _nbytes(_tensors(inputs)),
+                          "torch_version": torch.__version__})

@@ -1,0 +1,386 @@
+"""Planner tests: the dynamic program against exhaustive search, plus layout and baselines.
+
+The exhaustive searches below are written independently of the planner, straight from the cost
+model in issue 3 (flat) and PipeDream §3.1 (hierarchical): they enumerate every plan, evaluate
+it with their own arithmetic, and keep the minimum bottleneck.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipedream_fast.formats import BlockProfile, Profile
+from pipedream_fast.planner import PlanningError, evaluate_plan, make_plan
+from pipedream_fast.planner.baselines import balanced_partition, uniform_partition
+from pipedream_fast.planner.costs import Costs, MemoryModel
+from pipedream_fast.planner.dp import HierarchicalDP
+from pipedream_fast.topology import Level, Topology
+
+SETTINGS = settings(max_examples=100, deadline=None)
+# Memory bugs only show when the limit binds at one particular stage: search harder there.
+SETTINGS_MEMORY = settings(max_examples=300, deadline=None)
+UNIT = 10**5  # bytes: makes transfers (ms at 1-25 GB/s) comparable to the compute times drawn
+
+
+# ---- instances -------------------------------------------------------------------------------
+
+@st.composite
+def profiles(draw: st.DrawFn, max_blocks: int = 5) -> Profile:
+    n = draw(st.integers(1, max_blocks))
+    ms = st.integers(0, 12).map(float)  # small integers: ties happen, and must be handled
+    blocks = [BlockProfile(name=f"b{k}", forward_ms=draw(ms), backward_ms=draw(ms),
+                           activation_bytes=draw(st.integers(0, 300)) * UNIT,
+                           parameter_bytes=draw(st.integers(0, 300)) * UNIT,
+                           optimizer_state_bytes=draw(st.integers(0, 300)) * UNIT,
+                           extra={"saved_bytes": draw(st.integers(0, 300)) * UNIT})
+              for k in range(n)]
+    return Profile(model="random", batch_size=4, device="cpu", blocks=blocks)
+
+
+BANDWIDTHS = st.sampled_from([1e9, 4e9, 2.5e10])
+
+
+def block_arrays(profile: Profile) -> tuple[list[float], list[float], list[float], list[float], list[float]]:
+    """compute ms, parameter, optimizer, saved-activation and cut bytes per block."""
+    b = profile.blocks
+    return ([x.forward_ms + x.backward_ms for x in b], [x.parameter_bytes for x in b],
+            [x.optimizer_state_bytes for x in b], [x.extra["saved_bytes"] for x in b],
+            [x.activation_bytes for x in b])
+
+
+def stage_time(compute: float, params: float, replicas: int, bandwidth: float) -> float:
+    allreduce = 4 * (replicas - 1) * params / (replicas * bandwidth) * 1e3 if replicas > 1 else 0.0
+    return max(compute, allreduce) / replicas
+
+
+def memory_ok(profile: Profile, flat: list[tuple[int, int, int]], limit: float | None,
+              schedule: str, microbatches: int) -> bool:
+    """flat: (start, stop, replicas) in pipeline order; the docstring model of costs.py."""
+    if limit is None:
+        return True
+    comp, par, opt, saved, _ = block_arrays(profile)
+    after = sum(r for _, _, r in flat)
+    for start, stop, r in flat:
+        noam = math.ceil(after / r)
+        after -= r
+        versions = {"pipedream": noam, "2bw": 2}.get(schedule, 1)
+        in_flight = microbatches if schedule == "gpipe" else noam
+        need = ((versions + 1) * sum(par[start:stop]) + sum(opt[start:stop])
+                + in_flight * sum(saved[start:stop]))
+        if need > limit:
+            return False
+    return True
+
+
+def splits(start: int, stop: int) -> Iterator[list[tuple[int, int]]]:
+    """Every way to cut blocks [start, stop) into contiguous non-empty stages."""
+    inner = range(start + 1, stop)
+    for k in range(len(inner) + 1):
+        for cuts in itertools.combinations(inner, k):
+            bounds = [start, *cuts, stop]
+            yield list(zip(bounds, bounds[1:]))
+
+
+def compositions(total: int, parts: int, exact: bool, straight: bool) -> Iterator[tuple[int, ...]]:
+    """Replica counts >= 1 for `parts` stages summing to `total` (or at most `total`)."""
+    choices = [1] if straight else range(1, total + 1)
+    for reps in itertools.product(choices, repeat=parts):
+        if sum(reps) == total or (not exact and sum(reps) <= total):
+            yield reps
+
+
+# ---- flat: exhaustive search -----------------------------------------------------------------
+
+def brute_force_flat(profile: Profile, workers: int, bandwidth: float, straight: bool,
+                     limit: float | None = None, schedule: str = "pipedream") -> float:
+    comp, par, _, _, act = block_arrays(profile)
+    best = math.inf
+    for stages in splits(0, len(comp)):
+        for reps in compositions(workers, len(stages), exact=False, straight=straight):
+            flat = [(a, b, r) for (a, b), r in zip(stages, reps)]
+            if not memory_ok(profile, flat, limit, schedule, workers):
+                continue
+            times = [stage_time(sum(comp[a:b]), sum(par[a:b]), r, bandwidth) for a, b, r in flat]
+            comms = [2 * act[b - 1] / bandwidth * 1e3 for _, b, _ in flat[:-1]]
+            best = min(best, max(times + comms))
+    return best
+
+
+def plan_bottleneck_flat(profile: Profile, plan, bandwidth: float) -> float:
+    comp, par, _, _, act = block_arrays(profile)
+    times = [stage_time(sum(comp[s.start:s.stop]), sum(par[s.start:s.stop]), s.replicas, bandwidth)
+             for s in plan.stages]
+    comms = [2 * act[s.stop - 1] / bandwidth * 1e3 for s in plan.stages[:-1]]
+    return max(times + comms)
+
+
+@SETTINGS
+@given(profile=profiles(), workers=st.integers(1, 5), bandwidth=BANDWIDTHS, straight=st.booleans())
+def test_flat_dp_equals_exhaustive_search(profile: Profile, workers: int, bandwidth: float,
+                                          straight: bool) -> None:
+    plan = make_plan(profile, Topology((Level(workers, bandwidth),)), straight=straight)
+    expected = brute_force_flat(profile, workers, bandwidth, straight)
+    assert plan.bottleneck_ms == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    # The returned stages really achieve it, within the worker budget.
+    assert plan_bottleneck_flat(profile, plan, bandwidth) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert plan.workers <= workers
+    assert plan.extra["idle_workers"] == workers - plan.workers
+    if straight:
+        assert all(s.replicas == 1 for s in plan.stages)
+    else:  # data parallelism is one of the plans searched
+        assert plan.bottleneck_ms <= plan.data_parallel_ms + 1e-9
+
+
+def footprints(profile: Profile, workers: int, schedule: str) -> list[int]:
+    """Every footprint a stage can have: the limits at which plans start or stop fitting."""
+    _, par, opt, saved, _ = block_arrays(profile)
+    n = len(par)
+    out = set()
+    for a in range(n):
+        for b in range(a + 1, n + 1):
+            for noam in range(1, workers + 1):
+                versions = {"pipedream": noam, "2bw": 2}.get(schedule, 1)
+                in_flight = workers if schedule == "gpipe" else noam
+                out.add((versions + 1) * sum(par[a:b]) + sum(opt[a:b]) + in_flight * sum(saved[a:b]))
+    return sorted(out)
+
+
+@SETTINGS_MEMORY
+@given(profile=profiles(max_blocks=4), workers=st.integers(1, 4), bandwidth=BANDWIDTHS,
+       straight=st.booleans(), schedule=st.sampled_from(["pipedream", "2bw", "1f1b", "gpipe"]),
+       data=st.data())
+def test_flat_dp_with_memory_equals_exhaustive_search(profile: Profile, workers: int,
+                                                      bandwidth: float, straight: bool,
+                                                      schedule: str, data: st.DataObject) -> None:
+    # Limits exactly at a possible footprint (or one byte under) are where mistakes show.
+    limit = data.draw(st.sampled_from(footprints(profile, workers, schedule)))
+    limit = max(1, limit - data.draw(st.sampled_from([0, 1])))
+    topology = Topology((Level(workers, bandwidth),), memory_per_worker=limit)
+    expected = brute_force_flat(profile, workers, bandwidth, straight, limit, schedule)
+    if math.isinf(expected):
+        with pytest.raises(PlanningError, match="smallest requirement|no plan exists"):
+            make_plan(profile, topology, schedule=schedule, straight=straight)
+        return
+    plan = make_plan(profile, topology, schedule=schedule, straight=straight)
+    assert plan.bottleneck_ms == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    flat = [(s.start, s.stop, s.replicas) for s in plan.stages]
+    assert memory_ok(profile, flat, limit, schedule, workers)
+    assert all(s.extra["memory_bytes"] <= limit for s in plan.stages)
+
+
+@settings(max_examples=25, deadline=None)
+@given(profile=profiles(max_blocks=4), workers=st.integers(1, 3), bandwidth=BANDWIDTHS,
+       schedule=st.sampled_from(["pipedream", "gpipe"]))
+def test_smallest_memory_requirement_is_exact(profile: Profile, workers: int, bandwidth: float,
+                                              schedule: str) -> None:
+    """The reported requirement fits, and one byte less does not."""
+    tight = Topology((Level(workers, bandwidth),), memory_per_worker=1)
+    if profile.blocks and all(b.parameter_bytes == b.optimizer_state_bytes == 0 and
+                              b.extra["saved_bytes"] == 0 for b in profile.blocks):
+        make_plan(profile, tight, schedule=schedule)  # needs no memory at all: always fits
+        return
+    with pytest.raises(PlanningError) as err:
+        make_plan(profile, tight, schedule=schedule)
+    need = int(str(err.value).split("smallest requirement of any plan is ")[1].split("(")[1].split()[0])
+    make_plan(profile, Topology((Level(workers, bandwidth),), memory_per_worker=need), schedule=schedule)
+    assert math.isinf(brute_force_flat(profile, workers, bandwidth, False, need - 1, schedule))
+
+
+# ---- hierarchical: exhaustive search of the nested plan space -------------------------------
+
+def nested_plans(profile: Profile, topology: Topology, level: int, start: int, stop: int,
+                 units: int, exact: bool) -> Iterator[tuple[float, list[tuple[int, int, int]]]]:
+    """(bottleneck, flattened (start, stop, total replicas)) of every level-`level` pipeline on
+    [start, stop) over `units` units; each unit of a stage runs a full pipeline of the level
+    below on all of its units, replicas all-reduce at this level's bandwidth (PipeDream §3.1)."""
+    comp, par, _, _, act = block_arrays(profile)
+    bandwidth = topology.levels[level].bandwidth
+    for stages in splits(start, stop):
+        for reps in compositions(units, len(stages), exact, straight=False):
+            if level == 0:
+                options = [[(stage_time(sum(comp[a:b]), sum(par[a:b]), r, bandwidth), [(a, b, r)])]
+                           for (a, b), r in zip(stages, reps)]
+            else:
+                below = topology.levels[level - 1].count
+                options = [[(stage_time(value, sum(par[a:b]), r, bandwidth),
+                             [(x, y, r * z) for x, y, z in flat])
+                            for value, flat in nested_plans(profile, topology, level - 1, a, b, below, True)]
+                           for (a, b), r in zip(stages, reps)]
+            comms = [2 * act[b - 1] / bandwidth * 1e3 for _, b in stages[:-1]]
+            for combo in itertools.product(*options):
+                yield (max([value for value, _ in combo] + comms),
+                       [stage for _, flat in combo for stage in flat])
+
+
+def brute_force_nested(profile: Profile, topology: Topology, limit: float | None = None,
+                       schedule: str = "pipedream") -> float:
+    top = len(topology.levels) - 1
+    best = math.inf
+    for value, flat in nested_plans(profile, topology, top, 0, len(profile.blocks),
+                                    topology.levels[top].count, exact=False):
+        if memory_ok(profile, flat, limit, schedule, topology.workers):
+            best = min(best, value)
+    return best
+
+
+@SETTINGS_MEMORY
+@given(profile=profiles(max_blocks=4), inner=st.integers(1, 3), outer=st.integers(1, 2),
+       fast=st.sampled_from([1e10, 4e10]), slow=BANDWIDTHS, limited=st.booleans(),
+       schedule=st.sampled_from(["pipedream", "1f1b"]), data=st.data())
+def test_hierarchical_dp_equals_exhaustive_search(profile: Profile, inner: int, outer: int,
+                                                  fast: float, slow: float, limited: bool,
+                                                  schedule: str, data: st.DataObject) -> None:
+    limit = None
+    if limited:
+        limit = max(1, data.draw(st.sampled_from(footprints(profile, inner * outer, schedule))))
+    topology = Topology((Level(inner, fast), Level(outer, slow)), memory_per_worker=limit)
+    expected = brute_force_nested(profile, topology, limit, schedule)
+    if math.isinf(expected):
+        with pytest.raises(PlanningError):
+            make_plan(profile, topology, schedule=schedule)
+        return
+    plan = make_plan(profile, topology, schedule=schedule)
+    assert plan.bottleneck_ms == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    flat = [(s.start, s.stop, s.replicas) for s in plan.stages]
+    assert memory_ok(profile, flat, limit, schedule, topology.workers)
+    comms = [s.extra["comm_out_ms"] for s in plan.stages[:-1]]
+    assert max([s.predicted_ms for s in plan.stages] + comms) == pytest.approx(plan.bottleneck_ms)
+
+
+@SETTINGS
+@given(profile=profiles(), workers=st.integers(1, 5), bandwidth=BANDWIDTHS)
+def test_unit_inner_level_equals_flat(profile: Profile, workers: int, bandwidth: float) -> None:
+    """Groups of one worker add nothing: the hierarchical DP reduces to the flat one."""
+    flat = make_plan(profile, Topology((Level(workers, bandwidth),)))
+    nested = make_plan(profile, Topology((Level(1, 1e12), Level(workers, bandwidth))))
+    assert nested.bottleneck_ms == pytest.approx(flat.bottleneck_ms, rel=1e-12)
+
+
+# ---- layout, reports and baselines ------------------------------------------------------------
+
+def cnn_like_profile() -> Profile:
+    spec = [("conv1", 2, 1e4, 4e6), ("conv2", 6, 2e5, 1e6), ("conv3", 5, 3e5, 2e6),
+            ("conv4", 6, 6e5, 5e5), ("fc1", 3, 6.7e7, 1.3e5), ("fc2", 3, 6.7e7, 1.3e5),
+            ("fc3", 0.1, 1.6e5, 320)]
+    return Profile(model="cnn-like", batch_size=8, device="cpu", blocks=[
+        BlockProfile(name, ms / 3, 2 * ms / 3, int(act), int(par), int(par)) for name, ms, par, act in spec])
+
+
+def test_ranks_keep_inner_replicas_inside_one_group() -> None:
+    topology = Topology.parse("4x12.5e9,4x1.25e9")
+    plan = make_plan(cnn_like_profile(), topology)
+    plan.validate()
+    for stage in plan.stages:
+        inner_replicas = stage.extra["levels"][0]["replicas"]
+        groups: dict[int, int] = {}
+        for rank in stage.ranks:
+            groups[rank // 4] = groups.get(rank // 4, 0) + 1
+        assert set(groups.values()) == {inner_replicas}
+    # The JSON the simulator reads carries the topology.
+    assert Topology.from_dict(plan.extra["topology"]) == topology
+
+
+def test_plan_round_trips_and_evaluates_to_the_same_figures(tmp_path) -> None:
+    profile = cnn_like_profile()
+    topology = Topology.parse("2x10e9,2x1e9")
+    plan = make_plan(profile, topology)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = evaluate_plan(type(plan).load(path), profile, topology)
+    assert again.bottleneck_ms == pytest.approx(plan.bottleneck_ms)
+    assert [s.predicted_ms for s in again.stages] == pytest.approx([s.predicted_ms for s in plan.stages])
+
+
+def test_data_parallel_strategy_and_speedup() -> None:
+    profile = cnn_like_profile()
+    topology = Topology.parse("8x1e9")
+    dp = make_plan(profile, topology, strategy="data-parallel")
+    assert [(s.start, s.stop, s.replicas) for s in dp.stages] == [(0, 7, 8)]
+    assert dp.bottleneck_ms == pytest.approx(dp.data_parallel_ms)
+    best = make_plan(profile, topology)
+    assert best.bottleneck_ms < dp.bottleneck_ms  # the fc layers make data parallelism slow
+    assert best.speedup_vs_data_parallel > 1
+
+
+@pytest.mark.parametrize("strategy", ["uniform", "params", "time"])
+def test_baselines_are_valid_and_never_beat_the_dp(strategy: str) -> None:
+    profile = cnn_like_profile()
+    topology = Topology.parse("4x1e9")
+    plan = make_plan(profile, topology, strategy=strategy)
+    plan.validate()
+    assert plan.workers == 4 and len(plan.stages) == 4
+    assert make_plan(profile, topology).bottleneck_ms <= plan.bottleneck_ms + 1e-9
+    straight = make_plan(profile, Topology.parse("16x1e9"), strategy=strategy, straight=True)
+    assert len(straight.stages) == 7 and all(s.replicas == 1 for s in straight.stages)
+
+
+@given(weights=st.lists(st.integers(0, 30).map(float), min_size=1, max_size=7), data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_balanced_partition_is_optimal(weights: list[float], data: st.DataObject) -> None:
+    parts = data.draw(st.integers(1, len(weights)))
+    bounds = balanced_partition(weights, parts)
+    assert bounds[0] == 0 and bounds[-1] == len(weights) and len(bounds) == parts + 1
+    got = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+    best = min(max(sum(weights[a:b]) for a, b in stages)
+               for stages in splits(0, len(weights)) if len(stages) == parts)
+    assert got == best
+
+
+def test_uniform_partition_sizes_differ_by_at_most_one() -> None:
+    bounds = uniform_partition(10, 4)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert sum(sizes) == 10 and max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def test_memory_error_names_the_smallest_requirement() -> None:
+    profile = cnn_like_profile()
+    with pytest.raises(PlanningError, match=r"smallest requirement of any plan is .*\(\d+ bytes\)"):
+        make_plan(profile, Topology.parse("4x1e9", memory_per_worker=10**6))
+
+
+def test_memory_limit_changes_the_plan_and_is_respected() -> None:
+    profile = cnn_like_profile()
+    free = make_plan(profile, Topology.parse("4x1e9"))
+    need = max(s.extra["memory_bytes"] for s in free.stages)
+    limited = make_plan(profile, Topology.parse("4x1e9", memory_per_worker=need - 1))
+    assert all(s.extra["memory_bytes"] <= need - 1 for s in limited.stages)
+    assert limited.bottleneck_ms >= free.bottleneck_ms
+
+
+def test_straight_hierarchical_without_enough_blocks_is_a_clear_error() -> None:
+    profile = Profile(model="m", batch_size=1, device="cpu",
+                      blocks=[BlockProfile("only", 1.0, 1.0, 0, 0, 0)])
+    with pytest.raises(PlanningError, match="at least 4 blocks"):
+        make_plan(profile, Topology.parse("4x1e10,2x1e9"), straight=True)
+
+
+def test_gpipe_footprint_counts_all_microbatches() -> None:
+    profile = Profile(model="m", batch_size=1, device="cpu",
+                      blocks=[BlockProfile("a", 1.0, 1.0, 0, 100, 0, extra={"saved_bytes": 10})])
+    plan = make_plan(profile, Topology.parse("1x1e9"), schedule="gpipe", microbatches=7)
+    assert plan.stages[0].extra["memory_bytes"] == 2 * 100 + 7 * 10
+    assert plan.extra["microbatches"] == 7
+
+
+def test_dp_tables_ignore_context_without_a_memory_limit() -> None:
+    costs = Costs.from_profile(cnn_like_profile())
+    solver = HierarchicalDP(costs, Topology.parse("4x1e10,4x1e9"), MemoryModel("pipedream"))
+    solver.best_plan()
+    assert {context for _, context in solver._memo} == {0}
+
+
+def test_activation_fallback_without_saved_bytes() -> None:
+    """Profiles from other tools may lack saved_bytes: a stage then keeps what enters it plus
+    every cut its blocks produce."""
+    profile = Profile(model="m", batch_size=1, device="cpu", extra={"input_bytes": 7},
+                      blocks=[BlockProfile(f"b{k}", 1.0, 1.0, 10 * (k + 1), 0, 0) for k in range(3)])
+    costs = Costs.from_profile(profile)
+    assert costs.activations[0, 2] == 7 + 10 + 20
+    assert costs.activations[1, 3] == 10 + 20 + 30
+    assert costs.activations[2, 3] == 20 + 30

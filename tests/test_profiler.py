@@ -1,0 +1,128 @@
+"""Profiler figures are the real ones: sizes of real tensors, real parameters, real state."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from pipedream_fast import models
+from pipedream_fast.formats import Profile
+from pipedream_fast.profiler import profile_model
+from pipedream_fast.tracing import trace
+
+
+def run(model: nn.Module, x: torch.Tensor, **kwargs) -> Profile:
+    kwargs.setdefault("warmup", 1)
+    kwargs.setdefault("repeat", 3)
+    return profile_model(model, x, x.shape[0], progress=False, **kwargs)
+
+
+def test_activation_and_parameter_bytes_are_the_real_sizes() -> None:
+    model, x = models.mlp(4)
+    profile = run(model, x)
+    assert [b.name for b in profile.blocks] == ["fc1", "fc2", "fc3", "fc4"]
+    assert [b.activation_bytes for b in profile.blocks] == [4 * 128 * 4] * 3 + [4 * 10 * 4]
+    for block, (_, child) in zip(profile.blocks, model.named_children()):
+        assert block.parameter_bytes == sum(p.numel() * 4 for p in child.parameters())
+    assert profile.extra["input_bytes"] == x.numel() * 4
+    assert all(b.forward_ms > 0 and b.backward_ms > 0 for b in profile.blocks)
+
+
+def test_skip_tensors_count_in_every_cut_they_cross() -> None:
+    model, x = models.skipnet(2)
+    profile = run(model, x)
+    chain = trace(model, x)
+    for k, block in enumerate(profile.blocks):
+        real = sum(torch.Size(m.shape).numel() * 4 for m in chain.cut_meta[k])
+        assert block.activation_bytes == real
+    res2 = [b.name for b in profile.blocks].index("res2")
+    assert profile.blocks[res2].activation_bytes == 2 * 2 * 64 * 16 * 16 * 4  # output + skip
+
+
+@pytest.mark.parametrize("optimizer, per_param_factor", [("sgd", 0), ("momentum", 1), ("adam", 2)])
+def test_optimizer_state_is_measured(optimizer: str, per_param_factor: int) -> None:
+    model, x = models.mlp(4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    profile = run(model, x, optimizer=optimizer)
+    for block in profile.blocks:
+        expected = per_param_factor * block.parameter_bytes
+        # Adam also keeps a scalar step counter per parameter tensor (a few bytes).
+        assert expected <= block.optimizer_state_bytes <= expected + 16 * per_param_factor
+    # Measuring must not train the model or leave gradients behind.
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0)
+        assert p.grad is None
+
+
+def test_custom_optimizer_factory() -> None:
+    model, x = models.mlp(2)
+    profile = run(model, x, optimizer=lambda params: torch.optim.SGD(params, lr=0.0, momentum=0.5))
+    assert all(b.optimizer_state_bytes == b.parameter_bytes for b in profile.blocks)
+
+
+@pytest.fixture
+def one_thread():
+    # On a busy machine, multi-threaded ops wait for their slowest thread at every barrier and
+    # their times turn random; one thread keeps the comparison about the layers themselves.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_times_follow_the_layers_costs(one_thread: None) -> None:
+    # Each block does 8x the multiply-adds of the one before, and even the smallest takes long
+    # enough (~0.5 ms) that scheduler noise on a busy machine does not reorder the medians.
+    model = nn.Sequential(OrderedDict(
+        small=nn.Linear(512, 512), medium=nn.Linear(512, 4096), large=nn.Linear(4096, 4096)))
+    x = torch.randn(64, 512)
+    profile = run(model, x, warmup=2, repeat=7)
+    forward = [b.forward_ms for b in profile.blocks]
+    backward = [b.backward_ms for b in profile.blocks]
+    assert forward == sorted(forward) and backward == sorted(backward)
+    assert all(t > 0 for t in forward + backward)
+
+
+def test_saved_bytes_exclude_weights() -> None:
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(1000, 10)))
+    x = torch.randn(8, 1000)
+    profile = run(model, x)
+    # A linear layer keeps its input for the weight gradient, never a copy of the weight.
+    assert profile.blocks[0].extra["saved_bytes"] == 8 * 1000 * 4
+
+
+def test_profile_round_trips_through_json(tmp_path) -> None:
+    model, x = models.mlp(2)
+    profile = run(model, x, model_name="mlp")
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    again = Profile.load(path)
+    assert again.blocks == profile.blocks and again.model == "mlp" and again.batch_size == 2
+
+
+def test_progress_bar_does_not_disturb_results(capsys) -> None:
+    model, x = models.mlp(2)
+    profile = profile_model(model, x, 2, warmup=0, repeat=1, progress=True)
+    assert len(profile.blocks) == 4
+    assert capsys.readouterr().out == ""  # progress goes to stderr
+
+
+def test_bad_arguments() -> None:
+    model, x = models.mlp(2)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        profile_model(model, x, 2, optimizer="lion", progress=False)
+    with pytest.raises(ValueError, match="repeat"):
+        profile_model(model, x, 2, repeat=0, progress=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
+def test_cuda_events_time_blocks_on_gpu() -> None:
+    model, x = models.skipnet(16)
+    profile = run(model, x, device="cuda")
+    assert profile.device.startswith("cuda")
+    assert all(b.forward_ms > 0 and b.backward_ms > 0 for b in profile.blocks)
+    assert next(model.parameters()).is_cuda
