@@ -52,6 +52,21 @@ std::optional<c10::DeviceIndex> cuda_device(const std::vector<at::Tensor>& tenso
 }
 #endif
 
+// Spins (without the lock) until `ready()` or `spin_ns` pass; the caller then takes the lock
+// and checks again, so a spin that gives up early only costs the normal blocking path.
+template <typename Pred>
+void spin_until(int64_t spin_ns, Pred ready) {
+  if (spin_ns <= 0) return;
+  const int64_t deadline = now_ns() + spin_ns;
+  for (int i = 0;; ++i) {
+    if (ready()) return;
+    if ((i & 63) == 63 && now_ns() > deadline) return;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
+
 // Orders the consumer's current stream after the producer's work on the bundle (CUDA only).
 void make_consumer_wait(const Bundle& bundle) {
 #ifdef PIPEDREAM_FAST_WITH_CUDA
@@ -67,8 +82,13 @@ void make_consumer_wait(const Bundle& bundle) {
 
 }  // namespace
 
-ActivationQueue::ActivationQueue(int64_t capacity, std::string name)
-    : capacity_(capacity), name_(std::move(name)) {
+ActivationQueue::ActivationQueue(int64_t capacity, std::string name, double spin_us)
+    : capacity_(capacity),
+      name_(std::move(name)),
+      spin_ns_(static_cast<int64_t>(spin_us * 1000.0)) {
+  if (spin_us < 0) {
+    throw std::invalid_argument("ActivationQueue '" + name_ + "': spin_us must be >= 0");
+  }
   if (capacity < 1) {
     throw std::invalid_argument("ActivationQueue '" + name_ + "': capacity must be >= 1, got " +
                                 std::to_string(capacity));
@@ -84,6 +104,10 @@ void ActivationQueue::push(Bundle bundle, double timeout_s) {
     bundle.ready->record(at::cuda::getCurrentCUDAStream(*device));
   }
 #endif
+  spin_until(spin_ns_, [this] {
+    return closed_hint_.load(std::memory_order_acquire) ||
+           count_hint_.load(std::memory_order_acquire) < capacity_;
+  });
   std::unique_lock<std::mutex> lock(mutex_);
   const bool ok = wait_for(not_full_, lock, timeout_s, &stats_.push_wait_ns,
                            [this] { return closed_ || count_ < capacity_; });
@@ -95,7 +119,7 @@ void ActivationQueue::push(Bundle bundle, double timeout_s) {
   }
   bundle.enqueued_ns = now_ns();
   ring_[static_cast<size_t>((head_ + count_) % capacity_)] = std::move(bundle);
-  ++count_;
+  set_count_locked(count_ + 1);
   ++stats_.pushed;
   if (count_ > stats_.high_water) stats_.high_water = count_;
   lock.unlock();
@@ -106,12 +130,21 @@ Bundle ActivationQueue::take_front_locked() {
   Bundle out = std::move(ring_[static_cast<size_t>(head_)]);
   ring_[static_cast<size_t>(head_)] = Bundle{};  // drop the moved-from slot's handles now
   head_ = (head_ + 1) % capacity_;
-  --count_;
+  set_count_locked(count_ - 1);
   ++stats_.popped;
   return out;
 }
 
+void ActivationQueue::set_count_locked(int64_t count) {
+  count_ = count;
+  count_hint_.store(count, std::memory_order_release);
+}
+
 Bundle ActivationQueue::pop(double timeout_s) {
+  spin_until(spin_ns_, [this] {
+    return closed_hint_.load(std::memory_order_acquire) ||
+           count_hint_.load(std::memory_order_acquire) > 0;
+  });
   std::unique_lock<std::mutex> lock(mutex_);
   const bool ok = wait_for(not_empty_, lock, timeout_s, &stats_.pop_wait_ns,
                            [this] { return closed_ || count_ > 0; });
@@ -142,6 +175,7 @@ void ActivationQueue::close() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     closed_ = true;
+    closed_hint_.store(true, std::memory_order_release);
   }
   not_empty_.notify_all();
   not_full_.notify_all();

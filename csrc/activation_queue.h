@@ -15,6 +15,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -58,7 +59,10 @@ class ActivationQueue {
   // A negative timeout waits forever.
   static constexpr double kForever = -1.0;
 
-  ActivationQueue(int64_t capacity, std::string name);
+  // `spin_us` > 0: before blocking, a waiter spins that long (GIL released) watching for
+  // its condition, which skips the OS wake-up (tens of µs) when the other side is quick.
+  // Only for threads that each own a core: on a shared core spinning steals the other's time.
+  ActivationQueue(int64_t capacity, std::string name, double spin_us = 0.0);
   ActivationQueue(const ActivationQueue&) = delete;
   ActivationQueue& operator=(const ActivationQueue&) = delete;
 
@@ -84,9 +88,14 @@ class ActivationQueue {
 
  private:
   Bundle take_front_locked();
+  void set_count_locked(int64_t count);
 
   const int64_t capacity_;
   const std::string name_;
+  const int64_t spin_ns_;
+  // Lock-free mirrors of count_ and closed_ for spinning waiters (written under mutex_).
+  std::atomic<int64_t> count_hint_{0};
+  std::atomic<bool> closed_hint_{false};
 
   mutable std::mutex mutex_;
   std::condition_variable not_empty_;

@@ -56,7 +56,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       m, "ActivationQueue",
       "Bounded, blocking, closable FIFO of tensor bundles. push blocks while full, pop while "
       "empty; timeouts raise QueueTimeout, a closed queue QueueClosed (pop drains first).")
-      .def(py::init<int64_t, std::string>(), py::arg("capacity"), py::arg("name") = "queue")
+      .def(py::init<int64_t, std::string, double>(), py::arg("capacity"),
+           py::arg("name") = "queue", py::arg("spin_us") = 0.0)
       .def(
           "push",
           [](ActivationQueue& q, std::vector<at::Tensor> tensors, int64_t microbatch,
@@ -92,7 +93,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return d;
       });
 
-  py::class_<ThreadedProducer>(m, "ThreadedProducer",
+  // Destructors that join threads run without the GIL: a thread may need it to drop the last
+  // reference to a tensor that Python also holds.
+  py::class_<ThreadedProducer>(m, "ThreadedProducer", py::release_gil_before_calling_cpp_dtor(),
                                "A native thread pushing `count` bundles into a queue.")
       .def(py::init<std::shared_ptr<ActivationQueue>, std::vector<at::Tensor>, int64_t,
                     int64_t>(),
@@ -135,7 +138,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("GRADIENT", Channel::kGradient);
 
   py::class_<CommEngine>(
-      m, "CommEngine",
+      m, "CommEngine", py::release_gil_before_calling_cpp_dtor(),
       "Background send/receive threads of one rank over a c10d ProcessGroup. send() and "
       "post_recv() return at once; wait_recv() blocks (GIL released) until the tensors arrive "
       "or `timeout` seconds pass.")

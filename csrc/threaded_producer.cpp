@@ -17,12 +17,15 @@ ThreadedProducer::ThreadedProducer(std::shared_ptr<ActivationQueue> queue,
     } catch (...) {
       error_ = std::current_exception();
     }
+    finished_ = true;
   });
 }
 
 ThreadedProducer::~ThreadedProducer() {
   if (thread_.joinable()) {
-    queue_->close();  // never leave the thread blocked on a queue nobody reads
+    // Never leave the thread blocked on a queue nobody reads; a finished thread leaves a
+    // shared queue open for its other users.
+    if (!finished_) queue_->close();
     thread_.join();
   }
 }

@@ -3,6 +3,7 @@
 // measure C++-producer -> Python-consumer latency without any Python in the producer.
 #pragma once
 
+#include <atomic>
 #include <exception>
 #include <memory>
 #include <thread>
@@ -26,6 +27,7 @@ class ThreadedProducer {
  private:
   std::shared_ptr<ActivationQueue> queue_;
   std::exception_ptr error_;
+  std::atomic<bool> finished_{false};
   std::thread thread_;
 };
 

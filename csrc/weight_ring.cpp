@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <sstream>
 #include <stdexcept>
+#include <unordered_map>
 
 #include "errors.h"
 
@@ -79,6 +80,17 @@ WeightRing::WeightRing(std::vector<at::Tensor> params, int64_t slots, bool offlo
         "WeightRing: offload=True needs a CUDA build of pipedream_fast and CUDA parameters");
   }
 #endif
+  // A tensor listed twice would be rebound twice and its first entry would go stale.
+  std::unordered_map<const void*, size_t> seen;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].defined()) continue;
+    auto [it, fresh] = seen.emplace(params[i].unsafeGetTensorImpl(), i);
+    if (!fresh) {
+      throw std::invalid_argument("WeightRing: parameters " + std::to_string(it->second) + " and " +
+                                  std::to_string(i) + " are the same tensor; pass each parameter "
+                                  "once (model.parameters() already deduplicates shared weights)");
+    }
+  }
   // Group parameters by (device, dtype), in order of first appearance.
   group_of_.resize(params.size());
   offset_of_.resize(params.size());
@@ -231,6 +243,11 @@ void WeightRing::release(int64_t version) {
   std::lock_guard<std::mutex> lock(mutex_);
   Slot& slot = held_slot_locked(version, "release");
   slot.version = -1;
+  if (grads_.empty()) {
+    // The slot's tensors are reused by the next version: it must not inherit these gradients.
+    // (With attached buffers every version shares the stage's gradient buffer by design.)
+    for (auto& t : slot.views) t.mutable_grad().reset();
+  }
 #ifdef PIPEDREAM_FAST_WITH_CUDA
   if (offload_) {
     slot.views.clear();

@@ -105,9 +105,10 @@ TEST(ActivationQueue, RejectsZeroCapacity) {
   EXPECT_THROW(ActivationQueue(0, "zero"), std::invalid_argument);
 }
 
-TEST(ActivationQueue, ManyThreadsLoseAndDuplicateNothing) {
+// 4 producers and 4 consumers through a queue of 3 slots; every item arrives exactly once.
+void stress(double spin_us) {
   constexpr int kProducers = 4, kConsumers = 4, kPerProducer = 500;
-  ActivationQueue q(3, "stress");
+  ActivationQueue q(3, "stress", spin_us);
   std::mutex seen_mutex;
   std::multiset<int64_t> seen;
   std::vector<std::thread> threads;
@@ -140,3 +141,7 @@ TEST(ActivationQueue, ManyThreadsLoseAndDuplicateNothing) {
   EXPECT_LE(stats.high_water, 3);
   EXPECT_GE(stats.high_water, 1);
 }
+
+TEST(ActivationQueue, ManyThreadsLoseAndDuplicateNothing) { stress(0.0); }
+
+TEST(ActivationQueue, SpinningWaitersLoseAndDuplicateNothing) { stress(20.0); }

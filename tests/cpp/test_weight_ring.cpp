@@ -75,6 +75,8 @@ TEST(WeightRing, TracksVersionsAndRejectsMisuse) {
 
 TEST(WeightRing, RejectsBadConstruction) {
   EXPECT_THROW(WeightRing(make_params(), 0), std::invalid_argument);
+  auto params = make_params();
+  EXPECT_THROW(WeightRing({params[0], params[1], params[0]}, 2), std::invalid_argument);
   EXPECT_THROW(WeightRing(std::vector<at::Tensor>{}, 2), std::invalid_argument);
 #ifndef PIPEDREAM_FAST_WITH_CUDA
   EXPECT_THROW(WeightRing(make_params(), 2, /*offload=*/true), std::invalid_argument);

@@ -1,0 +1,184 @@
+"""Weight-ring snapshot benchmark (issue 2), side by side with its two reference points.
+
+A stage of 100 Linear(360, 360) layers: 200 parameter tensors, 52 MB of float32. Compared:
+
+* `WeightRing.snapshot()` (then `release`), the ring's one bulk copy per dtype;
+* one flat `dst.copy_(src)` of the same number of bytes: the memory-bandwidth limit that a
+  snapshot can at best reach (goal: >= 80% of its bandwidth);
+* `{k: v.clone() for k, v in model.state_dict().items()}`, the stash of the original
+  PipeDream (goal: snapshot >= 3x faster). Measured twice: dropping each stash at once (the
+  allocator may hand the same memory back) and keeping the last 4 alive, as a pipeline with
+  4 versions in flight does.
+
+Where the stash's time goes is shown by two more rows (a per-tensor `copy_` into kept
+buffers: the stash without allocation) and by a column of minor page faults per call: a
+clone that lands on memory the C allocator has just returned to the kernel pays one fault
+per 4 KiB page, which is what decides whether the stash costs 1.5x or 5x a snapshot.
+
+Variants run interleaved in rounds after a warm-up; figures are medians over all repetitions.
+Bandwidth is bytes copied per second (each byte is read once and written once).
+
+Run: `python bench/ring.py` (writes its section of bench/results/core.md; `--no-write` only
+prints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pipedream_fast import _C
+
+# A script next to this one: bench/ is on sys.path when run as `python bench/ring.py`.
+from handoff import RESULTS, machine, write_results_section
+
+LAYERS, WIDTH = 100, 360
+SNAPSHOT, FLAT = "WeightRing.snapshot()", "flat dst.copy_(src), same bytes"
+STASH_DROP = "state_dict clone stash, dropped at once"
+STASH_KEEP = "state_dict clone stash, last 4 kept"
+COPY_KEPT = "breakdown: state_dict copy_ into 200 kept tensors"
+
+
+def build_stage(layers: int = LAYERS, width: int = WIDTH) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
+def param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def timed(fn: Callable[[], object], reps: int) -> tuple[list[float], int]:
+    """Seconds per call (one sample per call) and the minor page faults of all calls."""
+    samples = []
+    faults = minor_faults()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return samples, minor_faults() - faults
+
+
+def snapshot_fn(ring: _C.WeightRing) -> Callable[[], None]:
+    def snapshot() -> None:
+        ring.release(ring.snapshot())
+    return snapshot
+
+
+def flat_copy_fn(nbytes: int) -> Callable[[], None]:
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def state_dict_fn(model: nn.Module, keep: int) -> Callable[[], None]:
+    """The PipeDream stash; with keep > 0, the last `keep` stashes stay alive."""
+    alive: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=max(keep, 1))
+
+    def stash() -> None:
+        copy = {k: v.clone() for k, v in model.state_dict().items()}
+        if keep:
+            alive.append(copy)
+    return stash
+
+
+def copy_into_kept_fn(model: nn.Module) -> Callable[[], None]:
+    """The stash's work without its allocations: a per-tensor copy_ into kept tensors."""
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def copy_into() -> None:
+        for k, v in model.state_dict().items():
+            kept[k].copy_(v)
+    return copy_into
+
+
+def run(reps: int, rounds: int) -> str:
+    setting = machine()
+    model = build_stage()
+    nbytes = param_bytes(model)
+    ring = _C.WeightRing(list(model.parameters()), 4)
+    variants = {
+        SNAPSHOT: snapshot_fn(ring),
+        FLAT: flat_copy_fn(nbytes),
+        STASH_DROP: state_dict_fn(model, keep=0),
+        STASH_KEEP: state_dict_fn(model, keep=4),
+        COPY_KEPT: copy_into_kept_fn(model),
+    }
+    samples: dict[str, list[float]] = {k: [] for k in variants}
+    faults: dict[str, int] = dict.fromkeys(variants, 0)
+    names = list(variants)
+    for name in names:
+        timed(variants[name], 10)  # warm-up
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times, n_faults = timed(variants[name], reps)
+            samples[name] += times
+            faults[name] += n_faults
+        print(f"  round {r + 1}/{rounds} done", file=sys.stderr)
+
+    median = {k: statistics.median(v) for k, v in samples.items()}
+    snap = median[SNAPSHOT]
+    of_flat = median[FLAT] / snap
+    vs_drop, vs_keep = median[STASH_DROP] / snap, median[STASH_KEEP] / snap
+
+    lines = ["| variant | median ms | p10 ms | p90 ms | GB/s | vs snapshot | page faults/call |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, values in samples.items():
+        ordered = sorted(values)
+        n = len(ordered)
+        lines.append(f"| {name} | {median[name] * 1e3:.2f} | {ordered[n // 10] * 1e3:.2f} | "
+                     f"{ordered[(9 * n) // 10] * 1e3:.2f} | {nbytes / median[name] / 1e9:.2f} | "
+                     f"{median[name] / snap:.2f}x | {faults[name] / n:.0f} |")
+    goal_bw = "met" if of_flat >= 0.8 else f"MISSED by {100 * (0.8 - of_flat):.0f} points"
+    met = [name for name, x in (("dropped", vs_drop), ("kept", vs_keep)) if x >= 3]
+    if len(met) == 2:
+        verdict = "met for both stash variants"
+    elif met:
+        verdict = f"met only against the {met[0]} stash"
+    else:
+        verdict = f"MISSED by {3 / max(vs_drop, vs_keep):.2f}x"
+    goal_stash = f"{verdict} (dropped: {vs_drop:.1f}x, last 4 kept: {vs_keep:.1f}x)"
+    return "\n".join([
+        "## Weight-ring snapshot (bench/ring.py)",
+        "",
+        f"Command: `python bench/ring.py --reps {reps} --rounds {rounds}`  ",
+        f"Machine: {setting}  ",
+        (f"Stage: {LAYERS} x Linear({WIDTH}, {WIDTH}) = {ring.num_params} parameter tensors, "
+         f"{nbytes / 1e6:.1f} MB float32 ({nbytes // 4096} pages of 4 KiB), ring of 4 slots; "
+         f"{rounds * reps} timed calls per variant."),
+        "",
+        "\n".join(lines),
+        "",
+        f"Snapshot bandwidth / flat copy: **{100 * of_flat:.0f}%** (goal >= 80%): {goal_bw}.  ",
+        f"Snapshot speed-up over the state_dict stash (goal >= 3x): {goal_stash}.",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=10, help="timed calls per variant per round")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    section = run(args.reps, args.rounds)
+    print(section)
+    if not args.no_write:
+        write_results_section("ring", section)
+        print(f"\nwritten to {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
