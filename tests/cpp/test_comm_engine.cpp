@@ -1,0 +1,147 @@
+// Native tests of CommEngine over an in-process loopback ProcessGroup: ordering, tags, shape
+// negotiation, timeouts and shutdown, with two engines driven from two threads (and so checked
+// by ThreadSanitizer in CI). The loopback group stands in for gloo, whose headers libtorch does
+// not ship; CommEngine only uses ProcessGroup::send/recv and Work::wait.
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <thread>
+#include <tuple>
+
+#include "comm_engine.h"
+#include "errors.h"
+
+using namespace pipedream_fast;
+
+namespace {
+
+struct Mailbox {
+  std::mutex mutex;
+  std::condition_variable arrived;
+  std::map<std::tuple<int, int, int>, std::deque<at::Tensor>> messages;  // (src, dst, tag)
+};
+
+class DoneWork : public c10d::Work {
+ public:
+  bool wait(std::chrono::milliseconds) override { return true; }
+};
+
+class RecvWork : public c10d::Work {
+ public:
+  RecvWork(std::shared_ptr<Mailbox> box, std::tuple<int, int, int> key, at::Tensor out)
+      : box_(std::move(box)), key_(key), out_(std::move(out)) {}
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(box_->mutex);
+    auto& queue = box_->messages[key_];
+    if (!box_->arrived.wait_for(lock, timeout, [&] { return !queue.empty(); })) {
+      throw std::runtime_error("loopback receive timed out");
+    }
+    out_.copy_(queue.front());
+    queue.pop_front();
+    return true;
+  }
+
+ private:
+  std::shared_ptr<Mailbox> box_;
+  std::tuple<int, int, int> key_;
+  at::Tensor out_;
+};
+
+class LoopbackGroup : public c10d::ProcessGroup {
+ public:
+  LoopbackGroup(std::shared_ptr<Mailbox> box, int rank, int size)
+      : c10d::ProcessGroup(rank, size), box_(std::move(box)) {}
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    {
+      std::lock_guard<std::mutex> lock(box_->mutex);
+      box_->messages[{getRank(), dst, tag}].push_back(tensors.at(0).clone());
+    }
+    box_->arrived.notify_all();
+    return c10::make_intrusive<DoneWork>();
+  }
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    return c10::make_intrusive<RecvWork>(box_, std::make_tuple(src, getRank(), tag), tensors.at(0));
+  }
+
+ private:
+  std::shared_ptr<Mailbox> box_;
+};
+
+struct Pair {
+  std::shared_ptr<Mailbox> box = std::make_shared<Mailbox>();
+  CommEngine a{c10::make_intrusive<LoopbackGroup>(box, 0, 2), 5.0};
+  CommEngine b{c10::make_intrusive<LoopbackGroup>(box, 1, 2), 5.0};
+};
+
+}  // namespace
+
+TEST(CommEngine, ActivationsForwardAndGradientsBackInOrder) {
+  Pair pair;
+  constexpr int kMicrobatches = 50;
+  std::thread stage1([&] {
+    for (int mb = 0; mb < kMicrobatches; ++mb) pair.b.post_recv(0, Channel::kActivation, mb);
+    for (int mb = 0; mb < kMicrobatches; ++mb) {
+      auto got = pair.b.wait_recv(0, Channel::kActivation, mb);
+      ASSERT_EQ(got.size(), 2u);
+      EXPECT_EQ(got[0][1][2].item<float>(), static_cast<float>(mb));
+      EXPECT_EQ(got[1][0].item<int64_t>(), mb);
+      pair.b.send(0, Channel::kGradient, mb, {got[0] * -1});
+    }
+    pair.b.flush();
+  });
+  for (int mb = 0; mb < kMicrobatches; ++mb) {
+    pair.a.send(1, Channel::kActivation, mb,
+                {at::full({3, 4}, static_cast<float>(mb)), at::full({1}, mb, at::kLong)});
+    pair.a.post_recv(1, Channel::kGradient, mb);
+  }
+  for (int mb = 0; mb < kMicrobatches; ++mb) {
+    auto grad = pair.a.wait_recv(1, Channel::kGradient, mb);
+    EXPECT_EQ(grad.at(0)[0][0].item<float>(), -static_cast<float>(mb));
+  }
+  stage1.join();
+  pair.a.flush();
+  const CommStats stats = pair.a.stats();
+  EXPECT_EQ(stats.messages_sent, kMicrobatches);
+  EXPECT_EQ(stats.messages_received, kMicrobatches);
+  EXPECT_EQ(stats.bytes_sent, kMicrobatches * (12 * 4 + 8));
+}
+
+TEST(CommEngine, RejectsShapesThatDifferFromTheNegotiatedOnes) {
+  Pair pair;
+  pair.a.send(1, Channel::kActivation, 0, {at::zeros({2, 2})});
+  EXPECT_THROW(pair.a.send(1, Channel::kActivation, 1, {at::zeros({3, 2})}), std::invalid_argument);
+  EXPECT_THROW(pair.a.send(1, Channel::kActivation, 1, {at::zeros({2, 2}, at::kDouble)}),
+               std::invalid_argument);
+  pair.a.flush();
+}
+
+TEST(CommEngine, WaitingForAMessageThatNeverComesTimesOut) {
+  auto box = std::make_shared<Mailbox>();
+  CommEngine engine(c10::make_intrusive<LoopbackGroup>(box, 1, 2), 0.2);
+  engine.post_recv(0, Channel::kActivation, 7);
+  try {
+    engine.wait_recv(0, Channel::kActivation, 7);
+    FAIL() << "expected a timeout";
+  } catch (const QueueTimeout& e) {
+    EXPECT_NE(std::string(e.what()).find("microbatch 7 from rank 0"), std::string::npos) << e.what();
+  } catch (const std::runtime_error& e) {
+    // The receive thread's own timeout can win the race; it names the link too.
+    EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
+  }
+  engine.shutdown(0.5);
+}
+
+TEST(CommEngine, RejectsItselfAndUnknownPeers) {
+  Pair pair;
+  EXPECT_THROW(pair.a.send(0, Channel::kActivation, 0, {at::zeros(1)}), std::invalid_argument);
+  EXPECT_THROW(pair.a.post_recv(5, Channel::kActivation, 0), std::invalid_argument);
+}
+
+TEST(CommEngine, ShutdownStopsIdleLinksAndRefusesNewWork) {
+  Pair pair;
+  pair.a.post_recv(1, Channel::kGradient, 0);  // starts a link whose threads now wait
+  pair.a.shutdown(1.0);
+  EXPECT_THROW(pair.a.send(1, Channel::kActivation, 0, {at::zeros(1)}), QueueClosed);
+}
