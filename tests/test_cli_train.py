@@ -70,18 +70,36 @@ def test_train_rejects_a_plan_for_another_worker_count(tmp_path, capsys):
     assert "3 workers" in capsys.readouterr().err
 
 
+def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
+    launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert launcher is not None, "torchrun comes with torch"
+    return subprocess.run([launcher, "--standalone", "--nproc-per-node", str(nproc), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def weight_norms(output: str) -> dict[str, str]:
+    return dict(re.findall(r"(\S+): trained \d+ tensors, weight norm (\d+\.\d+)", output))
+
+
+@pytest.mark.parametrize("layout", ["2-stage", "2+1"])
+def test_a_plain_torchrun_script_trains_the_cnn_with_every_schedule(layout):
+    nproc, extra = (3, ["--replicate-first"]) if layout == "2+1" else (2, [])
+    result = torchrun(nproc, str(EXAMPLE), "--model", "cnn", "--schedule", ",".join(TRAINABLE),
+                      "--steps", "2", "--batch-size", "8", *extra)
+    assert result.returncode == 0, result.stderr
+    assert set(weight_norms(result.stdout)) == set(TRAINABLE)
+    for schedule in TRAINABLE:
+        assert len(re.findall(rf"{schedule}: rank {nproc - 1} step \d loss", result.stdout)) == 2
+
+
 def test_run_and_torchrun_train_the_same_weights():
     args = [str(EXAMPLE), "--model", "cnn", "--schedule", "pipedream", "--steps", "2",
             "--batch-size", "8"]
     ours = cli("run", "--nproc", "2", *args)
     assert ours.returncode == 0, ours.stderr
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    assert torchrun is not None
-    theirs = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", *args], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
+    theirs = torchrun(2, *args)
     assert theirs.returncode == 0, theirs.stderr
-    norm = re.compile(r"weight norm (\d+\.\d+)")
-    assert norm.search(ours.stdout) and norm.search(ours.stdout)[1] == norm.search(theirs.stdout)[1]
+    assert weight_norms(ours.stdout) == weight_norms(theirs.stdout) != {}
 
 
 def test_run_stops_every_rank_when_one_fails(tmp_path):

@@ -45,6 +45,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs per block (default 2)")
     parser.add_argument("--repeat", type=int, default=5,
                         help="timed runs per block; the median is kept (default 5)")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="intra-op threads while measuring; give the count each rank will "
+                             "train with (pipedream-fast train uses 1) so the plan and the "
+                             "simulator see the times the run will have (default: torch's)")
     parser.add_argument("--leaf", action="append", default=[], metavar="MODULE_NAME",
                         help="submodule to keep whole instead of tracing into it (repeatable)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no table")
@@ -57,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--batch-size must be a positive integer, got {args.batch_size}")
     if args.warmup < 0 or args.repeat < 1:
         raise UsageError(f"need --warmup >= 0 and --repeat >= 1, got {args.warmup} and {args.repeat}")
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            raise UsageError(f"--torch-threads must be a positive integer, got {args.torch_threads}")
+        import torch
+        torch.set_num_threads(args.torch_threads)
     shape = parse_shape(args.input_shape) if args.input_shape else None
     module, example = build_model(args.model, args.batch_size, shape)
     profile = profile_model(module, example, args.batch_size, optimizer=args.optimizer,
