@@ -20,13 +20,14 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from pipedream_fast.formats import FormatError, Plan
+from pipedream_fast.formats import Plan
 from pipedream_fast.ir import Schedule
 from pipedream_fast.runtime.executor import Executor
 from pipedream_fast.runtime.stage import OptimizerFactory, StageRuntime
 from pipedream_fast.runtime.transport import ThreadHub, ThreadTransport
 from pipedream_fast.tracing import trace as trace_model
-from pipedream_fast.training import (MicrobatchFeed, build_schedule, check_runtime_fits,
+from pipedream_fast.training import (MicrobatchFeed, build_schedule, check_plan_fits,
+                                     check_runtime_fits,
                                      check_trainable, data_sources, feed_uses, named_state,
                                      original_names, stage_runtime)
 
@@ -46,9 +47,7 @@ class LocalPipeline:
         self._names = original_names(model)
         chain = trace_model(model)
         self._input_names = chain.input_names
-        if self.plan.stages[-1].stop != len(chain):
-            raise FormatError(f"the plan covers {self.plan.stages[-1].stop} blocks but the model "
-                              f"splits into {len(chain)}; the plan was made for another model")
+        check_plan_fits(self.plan, chain)
         self._loss_fn = loss_fn
         self._optimizer = optimizer
         self._modules: dict[int, nn.Module] = {}  # rank -> its stage module

@@ -31,9 +31,9 @@ from pipedream_fast.runtime.stage import OptimizerFactory, StageRuntime
 from pipedream_fast.runtime.transport import ProcessTransport
 from pipedream_fast.tracing import trace as trace_model
 from pipedream_fast.training import (SYNCHRONOUS, MicrobatchFeed, build_schedule,
-                                     check_runtime_fits, check_trainable, data_sources, feed_uses,
-                                     named_state, original_names, positional_inputs,
-                                     stage_runtime)
+                                     check_plan_fits, check_runtime_fits, check_trainable,
+                                     data_sources, feed_uses, model_fingerprint, named_state,
+                                     original_names, positional_inputs, stage_runtime)
 
 CHECKPOINT_FORMAT = "pipedream_fast.checkpoint/1"
 
@@ -87,9 +87,8 @@ class Pipeline:
         self._names = original_names(model)
         chain = trace_model(model, leaf_modules=leaf_modules)
         self._input_names = chain.input_names
-        if self.plan.stages[-1].stop != len(chain):
-            raise FormatError(f"the plan covers {self.plan.stages[-1].stop} blocks but the model "
-                              f"splits into {len(chain)}; the plan was made for another model")
+        check_plan_fits(self.plan, chain)
+        self._check_same_model_everywhere(chain)
         self.stage_index = self.plan.stage_of_rank(self.rank)
         stage_plan = self.plan.stages[self.stage_index]
         module = chain.stage_module(stage_plan.start, stage_plan.stop)
@@ -145,6 +144,19 @@ class Pipeline:
             payload[0] = plan.to_dict()
         dist.broadcast_object_list(payload, src=0)
         return Plan.from_dict(payload[0])
+
+    def _check_same_model_everywhere(self, chain: Any) -> None:
+        """Every rank must have built the same model; compared before any training."""
+        prints: list[Any] = [None] * self.world_size
+        dist.all_gather_object(prints, model_fingerprint(chain))
+        for rank, other in enumerate(prints):
+            if other != prints[0]:
+                differ = next(i for i, (a, b) in enumerate(zip(prints[0], other)) if a != b) \
+                    if len(other) == len(prints[0]) else None
+                where = (f"block {differ} ({prints[0][differ][0]})" if differ is not None
+                         else f"{len(prints[0])} vs {len(other)} blocks")
+                raise FormatError(f"rank {rank} built a different model than rank 0 ({where}); "
+                                  f"every rank must construct the same model")
 
     def _planner_schedule(self) -> str:
         return {"pipedream-vsync": "pipedream", "data-parallel": "1f1b"}.get(

@@ -13,10 +13,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from pipedream_fast.formats import Plan
+from pipedream_fast.formats import FormatError, Plan
 from pipedream_fast.ir import ActionKind, Schedule
 from pipedream_fast.runtime.stage import OptimizerFactory, StageRuntime
 from pipedream_fast.schedules import SCHEDULE_NAMES, make_schedule
+from pipedream_fast.tracing import LayerChain
 
 SYNCHRONOUS = ("gpipe", "1f1b", "data-parallel")
 TRAINABLE = tuple(s for s in SCHEDULE_NAMES if s != "localsgd")
@@ -26,6 +27,33 @@ def check_trainable(schedule: str) -> None:
     if schedule not in TRAINABLE:
         raise ValueError(f"schedule {schedule!r} cannot be trained; choose one of "
                          f"{', '.join(TRAINABLE)} (localsgd is simulated only)")
+
+
+def check_plan_fits(plan: Plan, chain: LayerChain) -> None:
+    """Raises before training when the plan was made for another model: another block count,
+    other block names, or other parameter sizes than the plan's stages recorded."""
+    if plan.stages[-1].stop != len(chain):
+        raise FormatError(f"the plan covers {plan.stages[-1].stop} blocks but the model splits "
+                          f"into {len(chain)}; the plan was made for another model (re-run "
+                          f"`pipedream-fast profile` and `plan` on this one)")
+    for index, stage in enumerate(plan.stages):
+        blocks = chain.blocks[stage.start:stage.stop]
+        names = stage.extra.get("blocks")
+        if names is not None and list(names) != [b.name for b in blocks]:
+            raise FormatError(f"plan stage {index} expects blocks {list(names)} but the model's "
+                              f"blocks {stage.start}..{stage.stop - 1} are "
+                              f"{[b.name for b in blocks]}; the plan was made for another model")
+        expected = stage.extra.get("parameter_bytes")
+        found = sum(p.numel() * p.element_size() for b in blocks for p in b.module.parameters())
+        if expected is not None and int(expected) != found:
+            raise FormatError(f"plan stage {index} was planned for {int(expected)} bytes of "
+                              f"parameters but the model's blocks {stage.start}..{stage.stop - 1} "
+                              f"hold {found}; the plan was made for another model or size")
+
+
+def model_fingerprint(chain: LayerChain) -> list[tuple[str, list[tuple[int, ...]]]]:
+    """Block names and parameter shapes: what every rank of one job must agree on."""
+    return [(b.name, [tuple(p.shape) for p in b.module.parameters()]) for b in chain.blocks]
 
 
 def split_microbatches(value: Any, chunks: int) -> list[Any]:

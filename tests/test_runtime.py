@@ -321,3 +321,32 @@ def meta_job(rank: int, world: int) -> list[str]:
 
 def test_a_meta_device_model_is_materialised_stage_by_stage():
     assert launch(meta_job, 2, timeout=120) == [["cpu"], ["cpu"]]
+
+
+def different_models_job(rank: int, world: int) -> str:
+    model = tiny_cnn()
+    if rank == 1:  # a different last layer on one rank
+        model[4] = nn.Linear(4 * 4 * 4, 7)
+    try:
+        Pipeline(model, loss_fn, optimizer("sgd"), plan=plan_for("2-stage"), schedule="1f1b")
+    except FormatError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_that_built_different_models_are_stopped_before_training():
+    messages = launch(different_models_job, 2, timeout=60)
+    assert all("rank 1 built a different model" in m for m in messages), messages
+
+
+def test_a_plan_for_other_blocks_or_sizes_is_rejected():
+    from pipedream_fast.local_pipeline import LocalPipeline
+    plan = plan_for("2-stage")
+    named = Plan.from_dict({**plan.to_dict(), "stages": [
+        {**s.to_dict(), "blocks": ["a", "b", "c"][: s.stop - s.start]} for s in plan.stages]})
+    with pytest.raises(FormatError, match="expects blocks"):
+        LocalPipeline(tiny_cnn(), loss_fn, optimizer("sgd"), named)
+    sized = Plan.from_dict({**plan.to_dict(), "stages": [
+        {**s.to_dict(), "parameter_bytes": 1} for s in plan.stages]})
+    with pytest.raises(FormatError, match="bytes of parameters"):
+        LocalPipeline(tiny_cnn(), loss_fn, optimizer("sgd"), sized)
