@@ -350,3 +350,27 @@ def test_a_plan_for_other_blocks_or_sizes_is_rejected():
         {**s.to_dict(), "parameter_bytes": 1} for s in plan.stages]})
     with pytest.raises(FormatError, match="bytes of parameters"):
         LocalPipeline(tiny_cnn(), loss_fn, optimizer("sgd"), sized)
+
+
+def test_two_stages_on_one_rank_hand_tensors_over_locally():
+    """Room for interleaved schedules: a rank holding consecutive stages needs no send/receive."""
+    from pipedream_fast.ir import Action, ActionKind as K, Schedule
+    from pipedream_fast.runtime import Executor, StageRuntime
+    from pipedream_fast.runtime.transport import ThreadHub, ThreadTransport
+    model = tiny_cnn()
+    children = list(model.children())
+    stages = {0: StageRuntime(0, nn.Sequential(*children[:3]), optimizer("sgd"), 1, True, False, None),
+              1: StageRuntime(1, nn.Sequential(*children[3:]), optimizer("sgd"), 1, False, True,
+                              loss_fn)}
+    mbs = [(x, y) for bx, by in batches(1) for x, y in zip(bx.chunk(CHUNKS), by.chunk(CHUNKS))]
+    actions = [Action(K.FORWARD, s, m, version=0) for m in range(CHUNKS) for s in (0, 1)]
+    actions += [Action(K.BACKWARD, s, m, version=0) for m in range(CHUNKS) for s in (1, 0)]
+    actions += [Action(K.OPTIMIZER_STEP, s, version=1, microbatches=tuple(range(CHUNKS)))
+                for s in (0, 1)]
+    schedule = Schedule("local", 2, CHUNKS, ((0,), (0,)), (tuple(actions),), (1,), (CHUNKS,))
+    executor = Executor(schedule, 0, stages, ThreadTransport(ThreadHub(1, 10.0), 0),
+                        inputs=lambda mb: (mbs[mb][0],), targets=lambda mb: mbs[mb][1])
+    losses = [loss for _, _, loss in executor.run() if loss is not None]
+    assert len(losses) == CHUNKS
+    want = train_reference(tiny_cnn(), batches(1), CHUNKS, loss_fn, optimizer("sgd"))
+    assert_same_state(model.state_dict(), want)

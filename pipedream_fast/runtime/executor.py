@@ -87,7 +87,6 @@ class Executor:
         self.stats = ExecutorStats()
         self.events: list[TraceEvent] | None = [] if trace else None
         self._outputs: dict[tuple[int, int], tuple[Any, ...]] = {}   # (stage, mb) -> to send
-        self._received: dict[tuple[Any, int, int], list[torch.Tensor]] = {}
         self._posted: dict[tuple[Any, int, int], int] = {}  # (channel, stage, mb) -> peer
         self._completing = self._completing_backwards(self.actions)
         for index, stage in stages.items():
@@ -116,17 +115,13 @@ class Executor:
 
     def _recv(self, channel: Any, stage: int, mb: int) -> list[torch.Tensor]:
         key = (channel, stage, mb)
-        if key not in self._received:
-            if key not in self._posted:
-                raise RuntimeError(f"stage {stage} needs the {channel.name.lower()} of microbatch "
-                                   f"{mb} but the schedule posted no receive for it")
-            start = time.perf_counter()
-            self._received[key] = self.transport.wait_recv(self._posted.pop(key), channel, mb)
-            self.stats.wait_s += time.perf_counter() - start
-        return self._received.pop(key)
-
-    def _local_stage(self, stage: int) -> StageRuntime | None:
-        return self.stages.get(stage)
+        if key not in self._posted:
+            raise RuntimeError(f"stage {stage} needs the {channel.name.lower()} of microbatch "
+                               f"{mb} but the schedule posted no receive for it")
+        start = time.perf_counter()
+        tensors = self.transport.wait_recv(self._posted.pop(key), channel, mb)
+        self.stats.wait_s += time.perf_counter() - start
+        return tensors
 
     # --- one method per action kind ----------------------------------------------------------
     def _forward(self, a: Action) -> Any:
@@ -152,13 +147,9 @@ class Executor:
         stage = self.stages[a.stage]
         grads = None
         if not stage.is_last:
-            nxt = self._local_stage(a.stage + 1)
-            key = (a.stage + 1, a.microbatch)
-            if nxt is not None and a.microbatch in nxt.inflight and \
-                    nxt.inflight[a.microbatch].input_grads:
+            nxt = self.stages.get(a.stage + 1)
+            if nxt is not None:  # the next stage is on this rank: its input gradients, directly
                 grads = nxt.take_input_grads(a.microbatch)
-            elif nxt is not None and key in self._outputs:
-                grads = self._outputs.pop(key)
             else:
                 grads = self._recv(GRADIENT, a.stage, a.microbatch)
         stage.backward(a.microbatch, grads)
