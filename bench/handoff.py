@@ -382,6 +382,14 @@ def run(count: int, interval_us: int, rounds: int, repeats: int, spin_us: float)
     ]).rstrip()
 
 
+def publish(key: str, section: str, write: bool) -> None:
+    """Prints a results section and, unless `write` is off, stores it in bench/results/core.md."""
+    print(section)
+    if write:
+        write_results_section(key, section)
+        print(f"\nwritten to {RESULTS}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--count", type=int, default=1000, help="hand-offs per run in (a)")
@@ -393,11 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                              "--interval-us so the consumer is still spinning when data comes)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    section = run(args.count, args.interval_us, args.rounds, args.repeats, args.spin_us)
-    print(section)
-    if not args.no_write:
-        write_results_section("handoff", section)
-        print(f"\nwritten to {RESULTS}")
+    publish("handoff", run(args.count, args.interval_us, args.rounds, args.repeats,
+                           args.spin_us), write=not args.no_write)
     return 0
 
 

@@ -38,7 +38,7 @@ from torch import nn
 from pipedream_fast import _C
 
 # A script next to this one: bench/ is on sys.path when run as `python bench/ring.py`.
-from handoff import RESULTS, machine, write_results_section
+from handoff import machine, publish
 
 LAYERS, WIDTH = 100, 360
 SNAPSHOT, FLAT = "WeightRing.snapshot()", "flat dst.copy_(src), same bytes"
@@ -172,11 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    section = run(args.reps, args.rounds)
-    print(section)
-    if not args.no_write:
-        write_results_section("ring", section)
-        print(f"\nwritten to {RESULTS}")
+    publish("ring", run(args.reps, args.rounds), write=not args.no_write)
     return 0
 
 

@@ -8,7 +8,6 @@ launched once for all schedules (process start-up dominates on 2 cores).
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -208,7 +207,6 @@ def _fail_on_rank_one(rank: int, world: int) -> None:
 
 
 def test_step_needs_a_synchronous_schedule():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     message = launch(_step_async_job, 1, timeout=30)[0]
     assert "synchronous" in message
 
