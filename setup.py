@@ -64,10 +64,13 @@ setup(
     description="Pipeline-parallel training for PyTorch after PipeDream: profiler, planner, "
                 "schedules (PipeDream async, 2BW, 1F1B, GPipe), simulator and a C++ runtime core",
     packages=find_packages(include=["pipedream_fast", "pipedream_fast.*"]),
+    # The typing of the package (PEP 561): its py.typed marker and the stub of the C++ core.
+    package_data={"pipedream_fast": ["py.typed", "_C.pyi"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "rich>=13", "numpy"],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "pytest-benchmark>=4", "numpy"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "pytest-benchmark>=4", "numpy",
+                 "mypy", "ruff"],
         "plot": ["matplotlib>=3.7"],
     },
     ext_modules=[extension()],

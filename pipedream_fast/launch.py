@@ -16,8 +16,9 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,7 @@ def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int,
         results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # report everything, including KeyboardInterrupt, then die
         results.put((rank, "error", traceback.format_exc()))
-        raise SystemExit(1)
+        raise SystemExit(1) from None  # the traceback is in the report
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

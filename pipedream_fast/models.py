@@ -23,7 +23,8 @@ import inspect
 import os
 import sys
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -198,12 +199,14 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
                 forward_ms, backward_ms = [], []
                 outputs: Any = ()
                 for run in range(runs):
+                    # timer() calls each lambda at once, inside this iteration, so the loop
+                    # variables they read are the current ones (B023 warns of late binding).
                     leaf_inputs = _detach(block_inputs[k])
-                    f_ms, outputs = timer(lambda: block.module(*leaf_inputs))
+                    f_ms, outputs = timer(lambda: block.module(*leaf_inputs))  # noqa: B023
                     needs_grad = [t for t in _tensors(outputs) if t.requires_grad]
                     grads = [torch.ones_like(t) for t in needs_grad]
-                    b_ms, _ = timer(lambda: torch.autograd.backward(needs_grad, grads)
-                                    if needs_grad else None)
+                    b_ms, _ = timer(lambda: torch.autograd.backward(needs_grad, grads)  # noqa: B023
+                                    if needs_grad else None)  # noqa: B023
                     if run >= warmup:
                         forward_ms.append(f_ms)
                         backward_ms.append(b_ms)

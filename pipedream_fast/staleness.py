@@ -21,8 +21,9 @@ the input is a list of timed actions, the real runtime's timeline can be analyse
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from pipedream_fast.ir import ActionKind
 
@@ -40,7 +41,15 @@ class Delay:
     delay: int
 
 
-def _summary(values: Sequence[int]) -> dict[str, float | int | None]:
+class DelaySummary(TypedDict):
+    """Max, mean and count of some delays; max and mean are None when there are none."""
+
+    max: int | None
+    mean: float | None
+    count: int
+
+
+def _summary(values: Sequence[int]) -> DelaySummary:
     if not values:
         return {"max": None, "mean": None, "count": 0}
     return {"max": max(values), "mean": sum(values) / len(values), "count": len(values)}
@@ -64,13 +73,13 @@ class DelayReport:
 
     @property
     def max_delay(self) -> int | None:
-        return _summary([d.delay for d in self.steady])["max"]  # type: ignore[return-value]
+        return _summary([d.delay for d in self.steady])["max"]
 
     @property
     def mean_delay(self) -> float | None:
-        return _summary([d.delay for d in self.steady])["mean"]  # type: ignore[return-value]
+        return _summary([d.delay for d in self.steady])["mean"]
 
-    def per_stage(self, by: str = "update_stage") -> dict[int, dict[str, Any]]:
+    def per_stage(self, by: str = "update_stage") -> dict[int, DelaySummary]:
         """Max/mean/count of steady delays grouped by `update_stage` or `read_stage`."""
         groups: dict[int, list[int]] = {s: [] for s in range(self.num_stages)}
         for d in self.steady:
@@ -90,7 +99,7 @@ class DelayReport:
                 "histogram": {str(k): v for k, v in self.histogram().items()}}
 
 
-def weight_delays(records: Sequence["ActionRecord"], num_stages: int,
+def weight_delays(records: Sequence[ActionRecord], num_stages: int,
                   num_microbatches: int) -> DelayReport:
     """Apply the definition above to timed actions (anything with rank, index, action, start)."""
     order = sorted((r for r in records
@@ -98,11 +107,12 @@ def weight_delays(records: Sequence["ActionRecord"], num_stages: int,
                    key=lambda r: (r.start, r.action.stage, r.rank, r.index))
     report = DelayReport(num_stages, num_microbatches)
     read: dict[tuple[int, int], int] = {}  # (mb, stage) -> R(m, j)
-    seen: set[tuple[int, int, int]] = set()
+    seen: set[tuple[int, int, int | None]] = set()  # (stage, copy, version) of an update
     processed = 0
     for rec in order:
         a = rec.action
         if a.kind is ActionKind.FORWARD:
+            assert a.microbatch is not None  # Action() checks that every forward names one
             read[(a.microbatch, a.stage)] = processed
             continue
         update = (a.stage, a.copy, a.version)

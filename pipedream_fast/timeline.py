@@ -27,7 +27,7 @@ _COLORS = {ActionKind.FORWARD: "#7fb3e0", ActionKind.BACKWARD: "#f0a35e",
            ActionKind.ALLREDUCE: "#2ca02c"}
 
 
-def draw_timeline(result: "SimResult", path: str | os.PathLike[str],
+def draw_timeline(result: SimResult, path: str | os.PathLike[str],
                   title: str | None = None) -> None:
     s = result.schedule
     span = result.makespan or 1.0

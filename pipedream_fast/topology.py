@@ -8,8 +8,9 @@ innermost groups are contiguous: ranks 0-3 share a server, 4-7 the next, and so 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 
 class TopologyError(ValueError):
@@ -72,7 +73,7 @@ class Topology:
         return min(self.bandwidth_between(ranks[0], r) for r in ranks[1:])
 
     @classmethod
-    def parse(cls, text: str, memory_per_worker: int | None = None) -> "Topology":
+    def parse(cls, text: str, memory_per_worker: int | None = None) -> Topology:
         """Parse the CLI shorthand `COUNTxBANDWIDTH[,COUNTxBANDWIDTH...]`, innermost first."""
         levels = []
         for part in text.split(","):
@@ -90,16 +91,17 @@ class Topology:
         return cls(tuple(levels), memory_per_worker)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"levels": [{"workers": l.count, "bandwidth": l.bandwidth}
-                                          for l in self.levels]}
+        out: dict[str, Any] = {"levels": [{"workers": level.count, "bandwidth": level.bandwidth}
+                                          for level in self.levels]}
         if self.memory_per_worker is not None:
             out["memory_per_worker"] = self.memory_per_worker
         return out
 
     @classmethod
-    def from_dict(cls, data: Any) -> "Topology":
+    def from_dict(cls, data: Any) -> Topology:
         try:
-            levels = tuple(Level(int(l["workers"]), float(l["bandwidth"])) for l in data["levels"])
+            levels = tuple(Level(int(level["workers"]), float(level["bandwidth"]))
+                           for level in data["levels"])
             memory = data.get("memory_per_worker")
         except (KeyError, TypeError, ValueError) as err:
             raise TopologyError(f"malformed topology object {data!r}: expected "
@@ -107,4 +109,4 @@ class Topology:
         return cls(levels, None if memory is None else int(memory))
 
     def __str__(self) -> str:
-        return ",".join(f"{l.count}x{l.bandwidth:g}" for l in self.levels)
+        return ",".join(f"{level.count}x{level.bandwidth:g}" for level in self.levels)

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from pipedream_fast.ir import ActionKind
 
@@ -55,7 +56,7 @@ class TraceEvent:
         return f"{short} v{self.version}" if self.version is not None else short
 
 
-def events_from_simulation(result: "SimResult") -> list[TraceEvent]:
+def events_from_simulation(result: SimResult) -> list[TraceEvent]:
     events = []
     for rec in result.records:
         a = rec.action
@@ -102,7 +103,7 @@ def write_chrome_trace(events: Iterable[TraceEvent], path: str | os.PathLike[str
     Path(path).write_text(json.dumps(chrome_trace(events, **kwargs)) + "\n")
 
 
-def write_simulation_trace(result: "SimResult", path: str | os.PathLike[str]) -> None:
+def write_simulation_trace(result: SimResult, path: str | os.PathLike[str]) -> None:
     s = result.schedule
     write_chrome_trace(events_from_simulation(result), path, process=f"simulated {s.name}",
                        rank_stages={r: s.stages_of(r) for r in range(s.num_ranks)},

@@ -32,8 +32,9 @@ from __future__ import annotations
 import linecache
 import os
 import traceback
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx

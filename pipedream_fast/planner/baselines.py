@@ -14,7 +14,7 @@ stage gets workers / S replicas, so all workers are used. Ranks are contiguous.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
@@ -58,7 +59,7 @@ class Costs:
         return len(self.names)
 
     @classmethod
-    def from_profile(cls, profile: Profile) -> "Costs":
+    def from_profile(cls, profile: Profile) -> Costs:
         blocks = profile.blocks
         zero = [0.0]
         compute = np.cumsum(zero + [b.forward_ms + b.backward_ms for b in blocks])
@@ -77,6 +78,10 @@ class Costs:
                    cut_bytes=cut)
 
 
+@overload
+def allreduce_ms(param_bytes: np.ndarray, replicas: int, bandwidth: float) -> np.ndarray: ...
+@overload
+def allreduce_ms(param_bytes: float, replicas: int, bandwidth: float) -> float: ...
 def allreduce_ms(param_bytes: np.ndarray | float, replicas: int, bandwidth: float) -> np.ndarray | float:
     """4 (r-1) P / (r B) in ms: a ring all-reduce's traffic per replica, over the link B."""
     if replicas <= 1:
@@ -84,6 +89,10 @@ def allreduce_ms(param_bytes: np.ndarray | float, replicas: int, bandwidth: floa
     return 4.0 * (replicas - 1) * param_bytes / (replicas * bandwidth) * 1e3
 
 
+@overload
+def comm_ms(cut_bytes: np.ndarray, bandwidth: float) -> np.ndarray: ...
+@overload
+def comm_ms(cut_bytes: float, bandwidth: float) -> float: ...
 def comm_ms(cut_bytes: np.ndarray | float, bandwidth: float) -> np.ndarray | float:
     """2 a / B in ms: activations forward and their gradients backward across one cut."""
     return 2.0 * cut_bytes / bandwidth * 1e3

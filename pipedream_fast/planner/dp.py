@@ -58,7 +58,7 @@ class StageNode:
     start: int
     stop: int
     replicas: int
-    inner: tuple["StageNode", ...] = ()
+    inner: tuple[StageNode, ...] = ()
 
 
 @dataclass

@@ -25,8 +25,8 @@ Two cost evaluations are offered:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from pipedream_fast.planner.costs import Costs, MemoryModel, allreduce_ms, comm_ms, noam
 from pipedream_fast.planner.dp import StageNode

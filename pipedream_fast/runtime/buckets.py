@@ -11,8 +11,8 @@ that got no gradient), and OPTIMIZER_STEP waits for all of it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
