@@ -27,7 +27,8 @@ double timeout_or_forever(std::optional<double> timeout) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pipedream_fast C++ core: activation queues and weight-version rings";
+  m.doc() = "pipedream_fast C++ core: activation queues, weight-version rings and the "
+            "point-to-point comm engine";
 
 #ifdef PIPEDREAM_FAST_WITH_CUDA
   m.attr("cuda_enabled") = true;
@@ -139,18 +140,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<CommEngine>(
       m, "CommEngine", py::release_gil_before_calling_cpp_dtor(),
-      "Background send/receive threads of one rank over a c10d ProcessGroup. send() and "
-      "post_recv() return at once; wait_recv() blocks (GIL released) until the tensors arrive "
-      "or `timeout` seconds pass.")
+      "Background send/receive threads of one rank over a c10d ProcessGroup, one link per "
+      "(peer, channel, stage), where `stage` is the pipeline stage that receives the message "
+      "(0 <= stage < 512). send() and post_recv() return at once; wait_recv() blocks (GIL "
+      "released) until the tensors arrive or `timeout` seconds pass.")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, double, int64_t, at::Device>(),
            py::arg("group"), py::arg("timeout") = 300.0, py::arg("depth") = 8,
            py::arg("device") = at::Device(at::kCPU))
-      .def("send", &CommEngine::send, py::arg("peer"), py::arg("channel"), py::arg("microbatch"),
-           py::arg("tensors"), py::call_guard<py::gil_scoped_release>())
+      .def("send", &CommEngine::send, py::arg("peer"), py::arg("channel"), py::arg("stage"),
+           py::arg("microbatch"), py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
+           "Queue `tensors` of `microbatch` for the receiving `stage` on rank `peer`; returns "
+           "at once unless the link's queue is full.")
       .def("post_recv", &CommEngine::post_recv, py::arg("peer"), py::arg("channel"),
-           py::arg("microbatch"), py::call_guard<py::gil_scoped_release>())
+           py::arg("stage"), py::arg("microbatch"), py::call_guard<py::gil_scoped_release>(),
+           "Receive the message of `microbatch` for `stage` from rank `peer` in the background.")
       .def("wait_recv", &CommEngine::wait_recv, py::arg("peer"), py::arg("channel"),
-           py::arg("microbatch"), py::call_guard<py::gil_scoped_release>())
+           py::arg("stage"), py::arg("microbatch"), py::call_guard<py::gil_scoped_release>(),
+           "Block until the posted receive of `microbatch` for `stage` from rank `peer` has "
+           "arrived; receives are handed out in post order on each link.")
       .def("flush", &CommEngine::flush, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &CommEngine::shutdown, py::arg("grace") = 1.0,
            py::call_guard<py::gil_scoped_release>())

@@ -13,11 +13,29 @@ namespace {
 constexpr int64_t kHeaderLen = 128;  // int64 words: [count, (dtype, ndim, dims...)...]
 constexpr int64_t kMaxPooledSets = 64;
 
-// Message tags: each microbatch has its own, so a receive matches only its own send.
-int message_tag(Channel channel, int64_t microbatch) {
-  return static_cast<int>(((microbatch % (1 << 28)) << 1) | static_cast<int>(channel));
+// Message tags. The process group matches a receive to a send by (peer, tag) across every link
+// of a rank pair, so the tag names the link (channel, stage) and the microbatch:
+//   bit 30 header | bits 21..29 stage | bits 1..20 microbatch mod 2^20 | bit 0 channel
+// All 31 bits stay non-negative in an int. Wrapping the microbatch is safe because a link
+// receives in post order and never has 2^20 microbatches in flight.
+constexpr int kChannelBits = 1;
+constexpr int kMicrobatchBits = 20;
+constexpr int kStageBits = 9;
+constexpr int kStageShift = kChannelBits + kMicrobatchBits;
+constexpr int kHeaderBit = kStageShift + kStageBits;
+static_assert(kHeaderBit == 30, "tags must fit in 31 bits");
+static_assert(CommEngine::kMaxStages == 1 << kStageBits, "kMaxStages must match the tag layout");
+
+int message_tag(Channel channel, int stage, int64_t microbatch) {
+  // Masking (not %) keeps the field non-negative even for a negative microbatch.
+  const int64_t mb_bits = microbatch & ((int64_t{1} << kMicrobatchBits) - 1);
+  return (stage << kStageShift) | static_cast<int>(mb_bits << kChannelBits) |
+         static_cast<int>(channel);
 }
-int header_tag(Channel channel) { return (1 << 30) + static_cast<int>(channel); }
+// One header per link: microbatch bits zero, told apart from messages by the header bit.
+int header_tag(Channel channel, int stage) {
+  return (1 << kHeaderBit) | (stage << kStageShift) | static_cast<int>(channel);
+}
 
 struct TensorMeta {
   at::ScalarType dtype;
@@ -90,9 +108,10 @@ const char* channel_name(Channel channel) {
 }
 
 struct CommEngine::Link {
-  Link(int peer, Channel channel, int64_t depth, std::string what)
+  Link(int peer, Channel channel, int stage, int64_t depth, std::string what)
       : peer(peer),
         channel(channel),
+        stage(stage),
         what(std::move(what)),
         sends(depth, this->what + " (sends)"),
         requests(1 << 16, this->what + " (posted receives)"),
@@ -100,7 +119,8 @@ struct CommEngine::Link {
 
   const int peer;
   const Channel channel;
-  const std::string what;  // "activation link with rank 3", for messages
+  const int stage;         // the stage that receives this link's messages
+  const std::string what;  // "activation link of rank 0 with rank 1 for stage 3", for messages
   ActivationQueue sends;
   ActivationQueue requests;
   ActivationQueue done;
@@ -157,7 +177,7 @@ CommEngine::CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, double time
 
 CommEngine::~CommEngine() { shutdown(); }
 
-CommEngine::Link& CommEngine::link(int peer, Channel channel) {
+CommEngine::Link& CommEngine::link(int peer, Channel channel, int stage) {
   std::lock_guard<std::mutex> lock(links_mutex_);
   if (shut_down_) throw QueueClosed("CommEngine of rank " + std::to_string(rank_) + " is shut down");
   if (peer < 0 || peer >= group_->getSize() || peer == rank_) {
@@ -165,12 +185,20 @@ CommEngine::Link& CommEngine::link(int peer, Channel channel) {
                                 std::to_string(peer) + " is not another rank of the group (size " +
                                 std::to_string(group_->getSize()) + ")");
   }
-  auto& slot = links_[{peer, static_cast<int>(channel)}];
+  if (stage < 0 || stage >= kMaxStages) {
+    throw std::invalid_argument("CommEngine of rank " + std::to_string(rank_) + ": stage " +
+                                std::to_string(stage) + " of the " + channel_name(channel) +
+                                " link with rank " + std::to_string(peer) +
+                                " is out of range: message tags have room for stages 0.." +
+                                std::to_string(kMaxStages - 1));
+  }
+  auto& slot = links_[{peer, static_cast<int>(channel), stage}];
   if (slot) return *slot;
-  auto link = std::make_shared<Link>(peer, channel, depth_,
+  auto link = std::make_shared<Link>(peer, channel, stage, depth_,
                                      std::string(channel_name(channel)) + " link of rank " +
                                          std::to_string(rank_) + " with rank " +
-                                         std::to_string(peer));
+                                         std::to_string(peer) + " for stage " +
+                                         std::to_string(stage));
   const auto timeout = millis(timeout_s_);
   auto group = group_;
   // The threads hold the link and the group by shared ownership, so a thread that outlives a
@@ -190,10 +218,10 @@ CommEngine::Link& CommEngine::link(int peer, Channel channel) {
         if (!link->sent_header) {
           std::vector<at::Tensor> header{
               encode_header(metas_of(bundle.tensors), link->what).to(device)};
-          group->send(header, link->peer, header_tag(link->channel))->wait(timeout);
+          group->send(header, link->peer, header_tag(link->channel, link->stage))->wait(timeout);
           link->sent_header = true;
         }
-        const int tag = message_tag(link->channel, bundle.microbatch);
+        const int tag = message_tag(link->channel, link->stage, bundle.microbatch);
         for (auto& t : bundle.tensors) {
           std::vector<at::Tensor> one{t};
           group->send(one, link->peer, tag)->wait(timeout);
@@ -222,12 +250,12 @@ CommEngine::Link& CommEngine::link(int peer, Channel channel) {
         if (!link->got_header) {
           std::vector<at::Tensor> header{
               at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(device))};
-          group->recv(header, link->peer, header_tag(link->channel))->wait(timeout);
+          group->recv(header, link->peer, header_tag(link->channel, link->stage))->wait(timeout);
           link->recv_metas = decode_header(header[0].cpu());
           link->got_header = true;
         }
         std::vector<at::Tensor> buffers = link->take_buffers(device);
-        const int tag = message_tag(link->channel, request.microbatch);
+        const int tag = message_tag(link->channel, link->stage, request.microbatch);
         std::vector<at::Tensor> out;
         for (auto& t : buffers) {
           std::vector<at::Tensor> one{t};
@@ -251,9 +279,9 @@ CommEngine::Link& CommEngine::link(int peer, Channel channel) {
   return *slot;
 }
 
-void CommEngine::send(int peer, Channel channel, int64_t microbatch,
+void CommEngine::send(int peer, Channel channel, int stage, int64_t microbatch,
                       std::vector<at::Tensor> tensors) {
-  Link& l = link(peer, channel);
+  Link& l = link(peer, channel, stage);
   for (auto& t : tensors) {
     if (!t.defined()) throw std::invalid_argument(l.what + ": cannot send an undefined tensor");
     t = t.detach().contiguous();
@@ -284,12 +312,13 @@ void CommEngine::send(int peer, Channel channel, int64_t microbatch,
   }
 }
 
-void CommEngine::post_recv(int peer, Channel channel, int64_t microbatch) {
-  link(peer, channel).requests.push(Bundle{{}, microbatch, -1}, timeout_s_);
+void CommEngine::post_recv(int peer, Channel channel, int stage, int64_t microbatch) {
+  link(peer, channel, stage).requests.push(Bundle{{}, microbatch, -1}, timeout_s_);
 }
 
-std::vector<at::Tensor> CommEngine::wait_recv(int peer, Channel channel, int64_t microbatch) {
-  Link& l = link(peer, channel);
+std::vector<at::Tensor> CommEngine::wait_recv(int peer, Channel channel, int stage,
+                                              int64_t microbatch) {
+  Link& l = link(peer, channel, stage);
   const int64_t start = now_ns();
   Bundle bundle;
   try {
@@ -298,14 +327,15 @@ std::vector<at::Tensor> CommEngine::wait_recv(int peer, Channel channel, int64_t
     wait_recv_ns_ += now_ns() - start;
     std::ostringstream msg;
     msg << "rank " << rank_ << " waited " << timeout_s_ << " s for the " << channel_name(channel)
-        << " of microbatch " << microbatch << " from rank " << peer
+        << " of stage " << stage << ", microbatch " << microbatch << " from rank " << peer
         << "; is rank " << peer << " alive and running the same schedule?";
     throw QueueTimeout(msg.str());
   } catch (const QueueClosed&) {
     std::lock_guard<std::mutex> guard(l.mutex);
     throw std::runtime_error("rank " + std::to_string(rank_) + " receiving the " +
-                             channel_name(channel) + " of microbatch " +
-                             std::to_string(microbatch) + " from rank " + std::to_string(peer) +
+                             channel_name(channel) + " of stage " + std::to_string(stage) +
+                             ", microbatch " + std::to_string(microbatch) + " from rank " +
+                             std::to_string(peer) +
                              " failed: " +
                              (l.recv_error.empty() ? "the engine was shut down" : l.recv_error));
   }

@@ -1,18 +1,31 @@
 // CommEngine: point-to-point activation and gradient traffic of one rank, off the compute
 // thread, over a c10d ProcessGroup (gloo on CPU, NCCL on GPU, same calls).
 //
-//   compute thread                 link (peer, channel)                      peer rank
-//   send(peer, ch, mb, ts) ──▶ [send queue] ──send thread──▶ pg->send ───────────▶
-//   post_recv(peer, ch, mb) ─▶ [request queue] ─recv thread─ pg->recv ◀───────────
-//   wait_recv(peer, ch, mb) ◀─ [done queue] ◀──────────────┘  (pooled buffers)
+//   compute thread                        link (peer, channel, stage)              peer rank
+//   send(peer, ch, st, mb, ts) ──▶ [send queue] ──send thread──▶ pg->send ───────────▶
+//   post_recv(peer, ch, st, mb) ─▶ [request queue] ─recv thread─ pg->recv ◀───────────
+//   wait_recv(peer, ch, st, mb) ◀─ [done queue] ◀──────────────┘  (pooled buffers)
 //
-// One link per (peer, channel), each with its own send and receive thread, started on first
-// use. The first message of a link carries a small header with the tensors' dtypes and shapes;
+// One link per (peer, channel, stage), each with its own send and receive thread, started on
+// first use. `stage` is the pipeline stage that receives the message (the consumer s+1 of an
+// activation, s-1 of a gradient); the engine treats it as an opaque id. A rank that holds
+// several stages (interleaved schedules) has several stage boundaries with the same peer, and
+// each must be its own link: one shared link would hand stage 3 the activation meant for
+// stage 1 whenever the two boundaries run the same microbatches in a different order.
+//
+// The first message of a link carries a small header with the tensors' dtypes and shapes;
 // after that the receiver allocates from a pool and the shapes are fixed: a send whose shapes
 // differ from the negotiated ones is rejected with an error naming both (see the docs for why
-// shapes are fixed). Every message is tagged with its microbatch, so a receive matches exactly
-// the send of the same microbatch; a schedule that disagrees between two ranks times out with
-// a message naming the peer, the channel and the microbatch instead of mixing data.
+// shapes are fixed). Shapes are negotiated per link, so two boundaries to the same peer may
+// carry different shapes.
+//
+// The process group matches a receive to a send by (peer, tag) over the whole rank pair, so
+// tags are unique across links: bit 30 marks the header, bits 21..29 hold the stage (so stage
+// < 512), bits 1..20 the microbatch modulo 2^20 (the messages in flight on one link never span
+// 2^20 microbatches) and bit 0 the channel. A receive thus matches exactly the send of the
+// same stage, channel and microbatch; a schedule that disagrees between two ranks times out
+// with a message naming the peer, the channel, the stage and the microbatch instead of mixing
+// data.
 //
 // Receive buffers come from a per-link pool. A buffer is handed out again only when nobody
 // else holds its storage (the compute thread and autograd have dropped it), so steady-state
@@ -28,6 +41,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "activation_queue.h"
@@ -59,16 +73,23 @@ class CommEngine {
   CommEngine& operator=(const CommEngine&) = delete;
   ~CommEngine();
 
-  // Queues `tensors` for `peer`; returns at once unless the link's queue is full. Raises the
-  // error of an earlier failed send on this link.
-  void send(int peer, Channel channel, int64_t microbatch, std::vector<at::Tensor> tensors);
+  // Every transfer names its link: the `peer` rank, the `channel` and the `stage` that receives
+  // the message (0 <= stage < kMaxStages; invalid_argument otherwise).
+  static constexpr int kMaxStages = 512;
 
-  // Asks for the message of `microbatch` from `peer` to be received in the background.
-  void post_recv(int peer, Channel channel, int64_t microbatch);
+  // Queues `tensors` of `microbatch` for `stage` on `peer`; returns at once unless the link's
+  // queue is full. Raises the error of an earlier failed send on this link.
+  void send(int peer, Channel channel, int stage, int64_t microbatch,
+            std::vector<at::Tensor> tensors);
 
-  // Blocks until the posted receive of `microbatch` from `peer` has arrived; receives are
-  // handed out in the order they were posted on the link. Raises on timeout or peer failure.
-  std::vector<at::Tensor> wait_recv(int peer, Channel channel, int64_t microbatch);
+  // Asks for the message of `microbatch` for `stage` from `peer` to be received in the
+  // background.
+  void post_recv(int peer, Channel channel, int stage, int64_t microbatch);
+
+  // Blocks until the posted receive of `microbatch` for `stage` from `peer` has arrived;
+  // receives are handed out in the order they were posted on the link. Raises on timeout or
+  // peer failure.
+  std::vector<at::Tensor> wait_recv(int peer, Channel channel, int stage, int64_t microbatch);
 
   // Blocks until every queued send has been handed to the process group and completed.
   void flush();
@@ -82,7 +103,7 @@ class CommEngine {
 
  private:
   struct Link;
-  Link& link(int peer, Channel channel);
+  Link& link(int peer, Channel channel, int stage);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   const int rank_;
@@ -90,7 +111,8 @@ class CommEngine {
   const int64_t depth_;
   const at::Device device_;
   mutable std::mutex links_mutex_;
-  std::map<std::pair<int, int>, std::shared_ptr<Link>> links_;  // guarded by links_mutex_
+  // (peer, channel, stage) -> link; guarded by links_mutex_
+  std::map<std::tuple<int, int, int>, std::shared_ptr<Link>> links_;
   std::atomic<int64_t> wait_recv_ns_{0};
   bool shut_down_ = false;  // guarded by links_mutex_
 };

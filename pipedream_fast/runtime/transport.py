@@ -7,12 +7,20 @@ tensors over through the C++ `ActivationQueue`s, with no copy at all.
 
 Both follow the IR's contract: a receive is posted (`post_recv`) where the IR says RECV and
 collected (`wait_recv`) by the compute that needs it; sends return at once.
+
+Every transfer names its link: the peer rank, the channel and `stage`, the pipeline stage that
+receives the message (s+1 for the activation of stage s, s-1 for its gradient). A rank that
+holds several stages shares one rank pair between several stage boundaries, so links and
+queues are kept per (peer, channel, stage): the boundaries may run the same microbatches in a
+different order without ever mixing their tensors. Within one link, receives are collected
+in the order they were posted.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Protocol, Sequence
+from typing import Protocol
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,12 +38,14 @@ class PendingReduce(Protocol):
 class Transport(Protocol):
     rank: int
 
-    def send(self, peer: int, channel: "_C.Channel", microbatch: int,
+    # `stage` is always the stage that receives the message, on the sending and receiving side.
+    def send(self, peer: int, channel: _C.Channel, stage: int, microbatch: int,
              tensors: Sequence[torch.Tensor]) -> None: ...
 
-    def post_recv(self, peer: int, channel: "_C.Channel", microbatch: int) -> None: ...
+    def post_recv(self, peer: int, channel: _C.Channel, stage: int, microbatch: int) -> None: ...
 
-    def wait_recv(self, peer: int, channel: "_C.Channel", microbatch: int) -> list[torch.Tensor]: ...
+    def wait_recv(self, peer: int, channel: _C.Channel, stage: int,
+                  microbatch: int) -> list[torch.Tensor]: ...
 
     def allreduce(self, ranks: Sequence[int], tensors: Sequence[torch.Tensor]) -> PendingReduce: ...
 
@@ -82,15 +92,16 @@ class ProcessTransport:
             if len(key) > 1 and key not in self._groups:
                 self._groups[key] = dist.new_group(list(key))  # collective: all ranks, same order
 
-    def send(self, peer: int, channel: "_C.Channel", microbatch: int,
+    def send(self, peer: int, channel: _C.Channel, stage: int, microbatch: int,
              tensors: Sequence[torch.Tensor]) -> None:
-        self._engine.send(peer, channel, microbatch, list(tensors))
+        self._engine.send(peer, channel, stage, microbatch, list(tensors))
 
-    def post_recv(self, peer: int, channel: "_C.Channel", microbatch: int) -> None:
-        self._engine.post_recv(peer, channel, microbatch)
+    def post_recv(self, peer: int, channel: _C.Channel, stage: int, microbatch: int) -> None:
+        self._engine.post_recv(peer, channel, stage, microbatch)
 
-    def wait_recv(self, peer: int, channel: "_C.Channel", microbatch: int) -> list[torch.Tensor]:
-        return self._engine.wait_recv(peer, channel, microbatch)
+    def wait_recv(self, peer: int, channel: _C.Channel, stage: int,
+                  microbatch: int) -> list[torch.Tensor]:
+        return self._engine.wait_recv(peer, channel, stage, microbatch)
 
     def allreduce(self, ranks: Sequence[int], tensors: Sequence[torch.Tensor]) -> PendingReduce:
         group = self._groups[tuple(sorted(ranks))]
@@ -109,25 +120,27 @@ class ProcessTransport:
 
 class ThreadHub:
     """The shared state of ranks that run as threads of one process: a queue per directed
-    link and channel, and a rendezvous for all-reduces."""
+    link, channel and receiving stage, and a rendezvous for all-reduces."""
 
     def __init__(self, world_size: int, timeout_s: float, depth: int = 64) -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._depth = depth
         self._lock = threading.Lock()
-        self._queues: dict[tuple[int, int, int], _C.ActivationQueue] = {}
-        self._reduces: dict[tuple[int, ...], "_ThreadReduce"] = {}
+        self._queues: dict[tuple[int, int, int, int], _C.ActivationQueue] = {}
+        self._reduces: dict[tuple[int, ...], _ThreadReduce] = {}
 
-    def queue(self, src: int, dst: int, channel: "_C.Channel") -> _C.ActivationQueue:
-        key = (src, dst, int(channel))
+    def queue(self, src: int, dst: int, channel: _C.Channel, stage: int) -> _C.ActivationQueue:
+        """The queue from rank `src` to rank `dst` of `channel` messages for `stage`."""
+        key = (src, dst, int(channel), stage)
         with self._lock:
             if key not in self._queues:
                 self._queues[key] = _C.ActivationQueue(
-                    self._depth, f"{channel.name.lower()} from rank {src} to rank {dst}")
+                    self._depth,
+                    f"{channel.name.lower()} from rank {src} to rank {dst} for stage {stage}")
             return self._queues[key]
 
-    def reduce(self, ranks: Sequence[int]) -> "_ThreadReduce":
+    def reduce(self, ranks: Sequence[int]) -> _ThreadReduce:
         key = tuple(sorted(ranks))
         with self._lock:
             if key not in self._reduces:
@@ -175,27 +188,27 @@ class ThreadTransport:
         self._hub = hub
         self._sent = 0
 
-    def send(self, peer: int, channel: "_C.Channel", microbatch: int,
+    def send(self, peer: int, channel: _C.Channel, stage: int, microbatch: int,
              tensors: Sequence[torch.Tensor]) -> None:
-        self._hub.queue(self.rank, peer, channel).push(
+        self._hub.queue(self.rank, peer, channel, stage).push(
             [t.detach() for t in tensors], microbatch=microbatch, timeout=self._hub.timeout_s)
         self._sent += 1
 
-    def post_recv(self, peer: int, channel: "_C.Channel", microbatch: int) -> None:
+    def post_recv(self, peer: int, channel: _C.Channel, stage: int, microbatch: int) -> None:
         return None  # the queue already holds what the peer sent
 
-    def wait_recv(self, peer: int, channel: "_C.Channel", microbatch: int) -> list[torch.Tensor]:
-        q = self._hub.queue(peer, self.rank, channel)
+    def wait_recv(self, peer: int, channel: _C.Channel, stage: int,
+                  microbatch: int) -> list[torch.Tensor]:
+        q = self._hub.queue(peer, self.rank, channel, stage)
+        what = f"{channel.name.lower()} of stage {stage}, microbatch {microbatch} from rank {peer}"
         try:
             bundle = q.pop(timeout=self._hub.timeout_s)
         except _C.QueueTimeout:
             raise _C.QueueTimeout(
-                f"rank {self.rank} waited {self._hub.timeout_s} s for the "
-                f"{channel.name.lower()} of microbatch {microbatch} from rank {peer}; "
+                f"rank {self.rank} waited {self._hub.timeout_s} s for the {what}; "
                 f"is rank {peer} alive and running the same schedule?") from None
         if bundle.microbatch != microbatch:
-            raise RuntimeError(f"rank {self.rank}: expected the {channel.name.lower()} of "
-                               f"microbatch {microbatch} from rank {peer}, got microbatch "
+            raise RuntimeError(f"rank {self.rank}: expected the {what}, got microbatch "
                                f"{bundle.microbatch}; the ranks disagree on the schedule")
         return list(bundle.tensors)
 

@@ -1,5 +1,5 @@
-// Native tests of CommEngine over an in-process loopback ProcessGroup: ordering, tags, shape
-// negotiation, timeouts and shutdown, with two engines driven from two threads (and so checked
+// Native tests of CommEngine over an in-process loopback ProcessGroup: ordering, tags, links
+// per receiving stage, shape negotiation, timeouts and shutdown, with two engines driven from two threads (and so checked
 // by ThreadSanitizer in CI). The loopback group stands in for gloo, whose headers libtorch does
 // not ship; CommEngine only uses ProcessGroup::send/recv and Work::wait.
 #include <gtest/gtest.h>
@@ -81,23 +81,23 @@ TEST(CommEngine, ActivationsForwardAndGradientsBackInOrder) {
   Pair pair;
   constexpr int kMicrobatches = 50;
   std::thread stage1([&] {
-    for (int mb = 0; mb < kMicrobatches; ++mb) pair.b.post_recv(0, Channel::kActivation, mb);
+    for (int mb = 0; mb < kMicrobatches; ++mb) pair.b.post_recv(0, Channel::kActivation, 1, mb);
     for (int mb = 0; mb < kMicrobatches; ++mb) {
-      auto got = pair.b.wait_recv(0, Channel::kActivation, mb);
+      auto got = pair.b.wait_recv(0, Channel::kActivation, 1, mb);
       ASSERT_EQ(got.size(), 2u);
       EXPECT_EQ(got[0][1][2].item<float>(), static_cast<float>(mb));
       EXPECT_EQ(got[1][0].item<int64_t>(), mb);
-      pair.b.send(0, Channel::kGradient, mb, {got[0] * -1});
+      pair.b.send(0, Channel::kGradient, 0, mb, {got[0] * -1});
     }
     pair.b.flush();
   });
   for (int mb = 0; mb < kMicrobatches; ++mb) {
-    pair.a.send(1, Channel::kActivation, mb,
+    pair.a.send(1, Channel::kActivation, 1, mb,
                 {at::full({3, 4}, static_cast<float>(mb)), at::full({1}, mb, at::kLong)});
-    pair.a.post_recv(1, Channel::kGradient, mb);
+    pair.a.post_recv(1, Channel::kGradient, 0, mb);
   }
   for (int mb = 0; mb < kMicrobatches; ++mb) {
-    auto grad = pair.a.wait_recv(1, Channel::kGradient, mb);
+    auto grad = pair.a.wait_recv(1, Channel::kGradient, 0, mb);
     EXPECT_EQ(grad.at(0)[0][0].item<float>(), -static_cast<float>(mb));
   }
   stage1.join();
@@ -110,38 +110,123 @@ TEST(CommEngine, ActivationsForwardAndGradientsBackInOrder) {
 
 TEST(CommEngine, RejectsShapesThatDifferFromTheNegotiatedOnes) {
   Pair pair;
-  pair.a.send(1, Channel::kActivation, 0, {at::zeros({2, 2})});
-  EXPECT_THROW(pair.a.send(1, Channel::kActivation, 1, {at::zeros({3, 2})}), std::invalid_argument);
-  EXPECT_THROW(pair.a.send(1, Channel::kActivation, 1, {at::zeros({2, 2}, at::kDouble)}),
+  pair.a.send(1, Channel::kActivation, 1, 0, {at::zeros({2, 2})});
+  try {
+    pair.a.send(1, Channel::kActivation, 1, 1, {at::zeros({3, 2})});
+    FAIL() << "expected the new shape to be rejected";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("for stage 1"), std::string::npos) << what;
+    EXPECT_NE(what.find("[3, 2]"), std::string::npos) << what;
+    EXPECT_NE(what.find("[2, 2]"), std::string::npos) << what;
+  }
+  EXPECT_THROW(pair.a.send(1, Channel::kActivation, 1, 1, {at::zeros({2, 2}, at::kDouble)}),
                std::invalid_argument);
+  // Another stage is another link, with shapes of its own.
+  pair.a.send(1, Channel::kActivation, 3, 0, {at::zeros({3, 2})});
   pair.a.flush();
 }
 
 TEST(CommEngine, WaitingForAMessageThatNeverComesTimesOut) {
   auto box = std::make_shared<Mailbox>();
   CommEngine engine(c10::make_intrusive<LoopbackGroup>(box, 1, 2), 0.2);
-  engine.post_recv(0, Channel::kActivation, 7);
+  engine.post_recv(0, Channel::kActivation, 3, 7);
   try {
-    engine.wait_recv(0, Channel::kActivation, 7);
+    engine.wait_recv(0, Channel::kActivation, 3, 7);
     FAIL() << "expected a timeout";
   } catch (const QueueTimeout& e) {
-    EXPECT_NE(std::string(e.what()).find("microbatch 7 from rank 0"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("activation of stage 3, microbatch 7 from rank 0"),
+              std::string::npos)
+        << e.what();
   } catch (const std::runtime_error& e) {
-    // The receive thread's own timeout can win the race; it names the link too.
-    EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
+    // The receive thread's own timeout can win the race; the message names the same transfer.
+    EXPECT_NE(std::string(e.what()).find("activation of stage 3, microbatch 7 from rank 0"),
+              std::string::npos)
+        << e.what();
   }
   engine.shutdown(0.5);
 }
 
 TEST(CommEngine, RejectsItselfAndUnknownPeers) {
   Pair pair;
-  EXPECT_THROW(pair.a.send(0, Channel::kActivation, 0, {at::zeros(1)}), std::invalid_argument);
-  EXPECT_THROW(pair.a.post_recv(5, Channel::kActivation, 0), std::invalid_argument);
+  EXPECT_THROW(pair.a.send(0, Channel::kActivation, 1, 0, {at::zeros(1)}), std::invalid_argument);
+  EXPECT_THROW(pair.a.post_recv(5, Channel::kActivation, 1, 0), std::invalid_argument);
+}
+
+TEST(CommEngine, RejectsStagesThatDoNotFitInATag) {
+  Pair pair;
+  EXPECT_THROW(pair.a.post_recv(1, Channel::kGradient, -1, 0), std::invalid_argument);
+  try {
+    pair.a.send(1, Channel::kActivation, CommEngine::kMaxStages, 0, {at::zeros(1)});
+    FAIL() << "expected stage " << CommEngine::kMaxStages << " to be rejected";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("stage 512"), std::string::npos) << e.what();
+  }
+  pair.a.send(1, Channel::kActivation, CommEngine::kMaxStages - 1, 0, {at::zeros(1)});
+  pair.a.flush();
+}
+
+// Rank 0 holds stages 0 and 2, rank 1 holds stages 1 and 3: the boundaries 0->1 and 2->3 share
+// the rank pair. Each runs the same microbatch numbers, in opposite orders and with different
+// shapes; every message must arrive intact on its own link.
+TEST(CommEngine, StagesSharingARankPairHaveTheirOwnLinks) {
+  Pair pair;
+  constexpr int kMicrobatches = 20;
+  auto value = [](int stage, int mb) { return static_cast<float>(stage * 1000 + mb); };
+  auto expect_message = [&](int stage, int mb, std::vector<int64_t> shape) {
+    auto got = pair.b.wait_recv(0, Channel::kActivation, stage, mb);
+    ASSERT_EQ(got.size(), 1u);
+    EXPECT_EQ(got[0].sizes().vec(), shape) << "stage " << stage << ", microbatch " << mb;
+    EXPECT_TRUE(at::equal(got[0], at::full(shape, value(stage, mb))))
+        << "stage " << stage << ", microbatch " << mb;
+  };
+  std::thread rank1([&] {
+    try {
+      for (int i = 0; i < kMicrobatches; ++i) {
+        pair.b.post_recv(0, Channel::kActivation, 3, kMicrobatches - 1 - i);
+        pair.b.post_recv(0, Channel::kActivation, 1, i);
+      }
+      // Drain stage 3 first: its messages must not be held up behind stage 1's.
+      for (int i = 0; i < kMicrobatches; ++i) expect_message(3, kMicrobatches - 1 - i, {5});
+      for (int mb = 0; mb < kMicrobatches; ++mb) expect_message(1, mb, {2, 3});
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << e.what();  // e.g. a message that landed on the other stage's link
+    }
+  });
+  for (int i = 0; i < kMicrobatches; ++i) {
+    pair.a.send(1, Channel::kActivation, 1, i, {at::full({2, 3}, value(1, i))});
+    const int mb = kMicrobatches - 1 - i;
+    pair.a.send(1, Channel::kActivation, 3, mb, {at::full({5}, value(3, mb))});
+  }
+  pair.a.flush();
+  rank1.join();
+  EXPECT_EQ(pair.a.stats().messages_sent, 2 * kMicrobatches);
+  EXPECT_EQ(pair.b.stats().messages_received, 2 * kMicrobatches);
+}
+
+TEST(CommEngine, MicrobatchesWrapAroundTheirTagField) {
+  Pair pair;
+  constexpr int64_t kWrap = int64_t{1} << 20;  // same tag as microbatch 0
+  std::thread rank1([&] {
+    try {
+      for (int64_t mb : {int64_t{0}, kWrap, 2 * kWrap + 1}) {
+        pair.b.post_recv(0, Channel::kActivation, 1, mb);
+        EXPECT_EQ(pair.b.wait_recv(0, Channel::kActivation, 1, mb).at(0).item<int64_t>(), mb);
+      }
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << e.what();
+    }
+  });
+  for (int64_t mb : {int64_t{0}, kWrap, 2 * kWrap + 1}) {
+    pair.a.send(1, Channel::kActivation, 1, mb, {at::full({1}, mb, at::kLong)});
+  }
+  pair.a.flush();
+  rank1.join();
 }
 
 TEST(CommEngine, ShutdownStopsIdleLinksAndRefusesNewWork) {
   Pair pair;
-  pair.a.post_recv(1, Channel::kGradient, 0);  // starts a link whose threads now wait
+  pair.a.post_recv(1, Channel::kGradient, 0, 0);  // starts a link whose threads now wait
   pair.a.shutdown(1.0);
-  EXPECT_THROW(pair.a.send(1, Channel::kActivation, 0, {at::zeros(1)}), QueueClosed);
+  EXPECT_THROW(pair.a.send(1, Channel::kActivation, 1, 0, {at::zeros(1)}), QueueClosed);
 }

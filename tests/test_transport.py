@@ -1,0 +1,103 @@
+"""The transports on their own, without the executor: links per (peer, channel, stage).
+
+A rank that holds several pipeline stages (rank 0 with stages 0 and 2, rank 1 with 1 and 3)
+shares one rank pair between several stage boundaries. Each boundary is its own link, keyed by
+the stage that receives the message, so two boundaries may run the same microbatch numbers in
+opposite orders and with different shapes without ever handing one stage the other's tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipedream_fast import _C
+from pipedream_fast.launch import launch
+from pipedream_fast.runtime.transport import (ACTIVATION, GRADIENT, ProcessTransport, ThreadHub,
+                                              ThreadTransport)
+
+MICROBATCHES = 6
+
+
+def payload(channel: _C.Channel, stage: int, mb: int) -> torch.Tensor:
+    """What stage `stage` must receive for `mb`: a shape per link, values naming the message."""
+    shape = (2, 3) if stage < 2 else (5,)
+    return torch.full(shape, float(1000 * int(channel) + 100 * stage + mb))
+
+
+def send_both_boundaries(transport, peer: int, channel: _C.Channel,
+                         stages: tuple[int, int]) -> None:
+    """Sends to the first stage in microbatch order and to the second in reverse, interleaved."""
+    for i in range(MICROBATCHES):
+        for stage, mb in ((stages[0], i), (stages[1], MICROBATCHES - 1 - i)):
+            transport.send(peer, channel, stage, mb, [payload(channel, stage, mb)])
+
+
+def receive_both_boundaries(transport, peer: int, channel: _C.Channel,
+                            stages: tuple[int, int]) -> list[str]:
+    """Posts and collects both links' messages (second stage first); returns the mismatches."""
+    orders = {stages[0]: list(range(MICROBATCHES)),
+              stages[1]: list(reversed(range(MICROBATCHES)))}
+    for stage, order in orders.items():
+        for mb in order:
+            transport.post_recv(peer, channel, stage, mb)
+    wrong = []
+    for stage in reversed(stages):
+        for mb in orders[stage]:
+            got = transport.wait_recv(peer, channel, stage, mb)
+            want = payload(channel, stage, mb)
+            if len(got) != 1 or got[0].shape != want.shape or not torch.equal(got[0], want):
+                wrong.append(f"{channel.name} stage {stage} mb {mb}: {got}")
+    return wrong
+
+
+def test_thread_transport_keeps_stage_boundaries_of_one_rank_pair_apart():
+    hub = ThreadHub(2, timeout_s=10.0)
+    rank0, rank1 = ThreadTransport(hub, 0), ThreadTransport(hub, 1)
+    send_both_boundaries(rank0, 1, ACTIVATION, (1, 3))
+    send_both_boundaries(rank1, 0, GRADIENT, (0, 2))
+    assert receive_both_boundaries(rank1, 0, ACTIVATION, (1, 3)) == []
+    assert receive_both_boundaries(rank0, 1, GRADIENT, (0, 2)) == []
+    assert "for stage 3" in hub.queue(0, 1, ACTIVATION, 3).name
+    hub.close()
+
+
+def test_thread_transport_errors_name_the_stage():
+    hub = ThreadHub(2, timeout_s=0.1)
+    rank0, rank1 = ThreadTransport(hub, 0), ThreadTransport(hub, 1)
+    with pytest.raises(_C.QueueTimeout, match="activation of stage 3, microbatch 5 from rank 0"):
+        rank1.wait_recv(0, ACTIVATION, 3, 5)
+    rank1.send(0, GRADIENT, 2, 4, [torch.zeros(1)])
+    with pytest.raises(RuntimeError, match="gradient of stage 2, microbatch 5 from rank 1, got "
+                                           "microbatch 4"):
+        rank0.wait_recv(1, GRADIENT, 2, 5)
+    hub.close()
+
+
+def _process_boundaries_job(rank: int, world: int) -> dict[str, list[str]]:
+    """Rank 0 holds stages 0 and 2, rank 1 holds 1 and 3: activations to stages 1 and 3 go
+    0 -> 1, gradients to stages 0 and 2 go 1 -> 0, all on the one rank pair."""
+    transport = ProcessTransport([[0], [1], [0], [1]], timeout_s=30.0)
+    try:
+        if rank == 0:
+            send_both_boundaries(transport, 1, ACTIVATION, (1, 3))
+            wrong = receive_both_boundaries(transport, 1, GRADIENT, (0, 2))
+        else:
+            send_both_boundaries(transport, 0, GRADIENT, (0, 2))
+            wrong = receive_both_boundaries(transport, 0, ACTIVATION, (1, 3))
+        transport.flush()
+        try:
+            transport.send(1 - rank, ACTIVATION, 512, 0, [torch.zeros(1)])
+            rejected = "no error"
+        except ValueError as err:
+            rejected = str(err)
+        return {"wrong": wrong, "rejected": [rejected]}
+    finally:
+        transport.close()
+
+
+@pytest.mark.slow
+def test_process_transport_keeps_stage_boundaries_of_one_rank_pair_apart():
+    for result in launch(_process_boundaries_job, 2, timeout=60):
+        assert result["wrong"] == []
+        assert "stage 512" in result["rejected"][0], result["rejected"]
