@@ -15,7 +15,8 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 PROFILE_FORMAT = "pipedream_fast.profile/1"
 PLAN_FORMAT = "pipedream_fast.plan/1"
@@ -100,7 +101,7 @@ class BlockProfile:
         return out
 
     @classmethod
-    def from_dict(cls, data: Any, index: int, source: str | None = None) -> "BlockProfile":
+    def from_dict(cls, data: Any, index: int, source: str | None = None) -> BlockProfile:
         what = f"profile block {index}"
         if not isinstance(data, dict):
             raise FormatError(f"{what}{_where(source)} must be a JSON object")
@@ -141,7 +142,7 @@ class Profile:
         return out
 
     @classmethod
-    def from_dict(cls, data: Any, source: str | None = None) -> "Profile":
+    def from_dict(cls, data: Any, source: str | None = None) -> Profile:
         _check_format(data, PROFILE_FORMAT, "profile", source)
         model = _require(data, "model", str, "profile", source)
         batch_size = _require(data, "batch_size", int, "profile", source)
@@ -156,7 +157,7 @@ class Profile:
         _write_json(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "Profile":
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
         return cls.from_dict(_read_json(path, "profile"), source=os.fspath(path))
 
 
@@ -180,7 +181,7 @@ class StagePlan:
         return out
 
     @classmethod
-    def from_dict(cls, data: Any, index: int, source: str | None = None) -> "StagePlan":
+    def from_dict(cls, data: Any, index: int, source: str | None = None) -> StagePlan:
         what = f"plan stage {index}"
         if not isinstance(data, dict):
             raise FormatError(f"{what}{_where(source)} must be a JSON object")
@@ -220,14 +221,16 @@ class Plan:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    def stage_of_rank(self, rank: int) -> int:
-        for index, stage in enumerate(self.stages):
-            if rank in stage.ranks:
-                return index
-        raise FormatError(f"rank {rank} is in no stage of the plan (workers: {self.workers})")
+    def stages_of_rank(self, rank: int) -> tuple[int, ...]:
+        """The stages a rank holds (several in interleaved placements)."""
+        stages = tuple(i for i, stage in enumerate(self.stages) if rank in stage.ranks)
+        if not stages:
+            raise FormatError(f"rank {rank} is in no stage of the plan (workers: {self.workers})")
+        return stages
 
     def validate(self, source: str | None = None) -> None:
-        """Stages tile the blocks from 0 without gaps; ranks are 0..workers-1, each used once."""
+        """Stages tile the blocks from 0 without gaps; every rank 0..workers-1 holds at least
+        one stage, and no stage lists a rank twice (a rank may hold several stages)."""
         if not self.stages:
             raise FormatError(f"plan{_where(source)} has no stages")
         expected_start = 0
@@ -241,15 +244,15 @@ class Plan:
                 raise FormatError(
                     f"plan stage {index}{_where(source)} has replicas={stage.replicas} "
                     f"but {len(stage.ranks)} ranks {list(stage.ranks)}")
-            overlap = seen.intersection(stage.ranks)
-            if overlap:
-                raise FormatError(f"plan stage {index}{_where(source)} reuses ranks {sorted(overlap)}")
+            if len(set(stage.ranks)) != len(stage.ranks):
+                raise FormatError(f"plan stage {index}{_where(source)} lists a rank twice: "
+                                  f"{list(stage.ranks)}")
             seen.update(stage.ranks)
             expected_start = stage.stop
         if seen != set(range(self.workers)):
             raise FormatError(
                 f"plan{_where(source)} declares workers={self.workers} but its stages use ranks "
-                f"{sorted(seen)}; every rank 0..{self.workers - 1} must appear exactly once")
+                f"{sorted(seen)}; every rank 0..{self.workers - 1} must hold a stage")
 
     def check_matches(self, profile: Profile) -> None:
         """Raise unless this plan was made for `profile` (same model, batch size, block count)."""
@@ -277,7 +280,7 @@ class Plan:
         return out
 
     @classmethod
-    def from_dict(cls, data: Any, source: str | None = None) -> "Plan":
+    def from_dict(cls, data: Any, source: str | None = None) -> Plan:
         _check_format(data, PLAN_FORMAT, "plan", source)
         prof = _require(data, "profile", dict, "plan", source)
         predicted = _require(data, "predicted", dict, "plan", source)
@@ -299,5 +302,5 @@ class Plan:
         _write_json(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "Plan":
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
         return cls.from_dict(_read_json(path, "plan"), source=os.fspath(path))

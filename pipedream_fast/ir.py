@@ -53,8 +53,12 @@ The validator executes the lists symbolically under these rules; an executor tha
 list literally and blocks no more than this cannot deadlock on a schedule that passes:
 
 1. RECV posts a receive buffer and never blocks; the rank moves on at once.
-2. SEND blocks the rank until the peer has *reached* (posted) the matching RECV; then the
-   tensor is delivered. Sends are unbuffered: nothing is in transit while a sender moves on.
+2. A link (sender, receiver, what, receiving stage) holds at most one message in transit.
+   SEND delivers the tensor if the peer has *reached* (posted) the matching RECV; otherwise
+   it leaves it in transit and the rank moves on if the link holds no other message, or it
+   blocks until the link's earlier message has been delivered. A message in transit is
+   delivered when the peer posts its RECV. (Both transports queue several messages per link
+   before a sender blocks, so they never block more than this.)
 3. FORWARD/BACKWARD block until the tensor of their earlier RECV has been delivered (a
    compute whose input was never received on this rank is an error, not a wait).
 4. ALLREDUCE blocks until every rank of `stage_ranks[stage]` has reached its matching one.
@@ -84,10 +88,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 SCHEDULE_FORMAT = "pipedream_fast.schedule/1"
 
@@ -96,7 +102,7 @@ class ScheduleError(ValueError):
     """An invalid schedule; `rank`, `index` and `action` locate the offending action if any."""
 
     def __init__(self, message: str, rank: int | None = None, index: int | None = None,
-                 action: "Action | None" = None) -> None:
+                 action: Action | None = None) -> None:
         where = ""
         if rank is not None:
             where = f"rank {rank}"
@@ -109,6 +115,26 @@ class ScheduleError(ValueError):
         self.rank = rank
         self.index = index
         self.action = action
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """What one action kind is, declared once; interpreters add one handler per kind.
+
+    code: the text form's code; microbatch / version: whether the action names them (a peer
+    is named exactly by communication); compute: forward/backward work that needs an input
+    tensor; tensor: for communication, "act" or "grad"; sends: its direction; timing: how the
+    simulator times it ("compute", "update" and "bookkeeping" run on the rank, "post" and
+    "send" take no rank time, "collective" waits for its group).
+    """
+
+    code: str
+    microbatch: bool
+    version: bool
+    compute: bool = False
+    tensor: str | None = None
+    sends: bool = False
+    timing: str = "bookkeeping"
 
 
 class ActionKind(str, Enum):
@@ -125,24 +151,35 @@ class ActionKind(str, Enum):
     AVERAGE = "average"
 
     @property
+    def spec(self) -> KindSpec:
+        return KIND_SPECS[self]
+
+    @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.FORWARD, ActionKind.BACKWARD)
+        return KIND_SPECS[self].compute
 
     @property
     def is_p2p(self) -> bool:
-        return self in _P2P
+        return KIND_SPECS[self].tensor is not None
 
 
 K = ActionKind
-_P2P = frozenset({K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD})
-_CODES = {K.FORWARD: "F", K.BACKWARD: "B", K.SEND_ACT: "sF", K.RECV_ACT: "rF",
-          K.SEND_GRAD: "sB", K.RECV_GRAD: "rB", K.ALLREDUCE: "AR", K.OPTIMIZER_STEP: "U",
-          K.SNAPSHOT: "S", K.RELEASE: "X", K.AVERAGE: "AV"}
-_KINDS = {code: kind for kind, code in _CODES.items()}
-# Which optional fields each kind carries; all others must be left unset.
-_NEEDS_MB = frozenset({K.FORWARD, K.BACKWARD}) | _P2P
-_NEEDS_VERSION = frozenset({K.FORWARD, K.BACKWARD, K.ALLREDUCE, K.OPTIMIZER_STEP, K.SNAPSHOT,
-                            K.RELEASE, K.AVERAGE})
+KIND_SPECS: dict[ActionKind, KindSpec] = {
+    K.FORWARD: KindSpec("F", microbatch=True, version=True, compute=True, timing="compute"),
+    K.BACKWARD: KindSpec("B", microbatch=True, version=True, compute=True, timing="compute"),
+    K.SEND_ACT: KindSpec("sF", microbatch=True, version=False, tensor="act", sends=True,
+                         timing="send"),
+    K.RECV_ACT: KindSpec("rF", microbatch=True, version=False, tensor="act", timing="post"),
+    K.SEND_GRAD: KindSpec("sB", microbatch=True, version=False, tensor="grad", sends=True,
+                          timing="send"),
+    K.RECV_GRAD: KindSpec("rB", microbatch=True, version=False, tensor="grad", timing="post"),
+    K.ALLREDUCE: KindSpec("AR", microbatch=False, version=True, timing="collective"),
+    K.OPTIMIZER_STEP: KindSpec("U", microbatch=False, version=True, timing="update"),
+    K.SNAPSHOT: KindSpec("S", microbatch=False, version=True),
+    K.RELEASE: KindSpec("X", microbatch=False, version=True),
+    K.AVERAGE: KindSpec("AV", microbatch=False, version=True, timing="update"),
+}
+_KINDS = {spec.code: kind for kind, spec in KIND_SPECS.items()}
 _TOKEN = re.compile(r"(?P<stage>\d+)(?P<code>sF|rF|sB|rB|AR|AV|F|B|U|S|X)(?P<mb>\d+)?"
                     r"(?:(?P<dir>[<>])(?P<peer>\d+))?(?:@(?P<version>\d+))?(?:c(?P<copy>\d+))?"
                     r"(?::(?P<mbs>\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*))?")
@@ -190,15 +227,16 @@ class Action:
         if self.stage < 0 or self.copy < 0:
             raise ScheduleError(f"{what}: stage and copy must be >= 0, got {self.stage}, "
                                 f"{self.copy}")
-        if (self.microbatch is not None) != (kind in _NEEDS_MB):
-            raise ScheduleError(f"{what} must {'' if kind in _NEEDS_MB else 'not '}name a "
+        spec = KIND_SPECS[kind]
+        if (self.microbatch is not None) != spec.microbatch:
+            raise ScheduleError(f"{what} must {'' if spec.microbatch else 'not '}name a "
                                 f"microbatch")
         if self.microbatch is not None and self.microbatch < 0:
             raise ScheduleError(f"{what}: microbatch must be >= 0, got {self.microbatch}")
         if (self.peer is not None) != kind.is_p2p:
             raise ScheduleError(f"{what} must {'' if kind.is_p2p else 'not '}name a peer rank")
-        if (self.version is not None) != (kind in _NEEDS_VERSION):
-            raise ScheduleError(f"{what} must {'' if kind in _NEEDS_VERSION else 'not '}"
+        if (self.version is not None) != spec.version:
+            raise ScheduleError(f"{what} must {'' if spec.version else 'not '}"
                                 f"name a weight version")
         if self.version is not None and self.version < 0:
             raise ScheduleError(f"{what}: version must be >= 0, got {self.version}")
@@ -212,12 +250,34 @@ class Action:
         if kind.is_p2p and self.copy:
             raise ScheduleError(f"{what}: communication carries no weight copy")
 
+    # Narrowing accessors: the fields an action's kind guarantees (see KindSpec), as ints.
+    @property
+    def mb(self) -> int:
+        """The microbatch of a forward, backward or transfer."""
+        if self.microbatch is None:
+            raise ScheduleError(f"a {self.kind.value} action names no microbatch")
+        return self.microbatch
+
+    @property
+    def ver(self) -> int:
+        """The weight version of a compute, update, snapshot, release or all-reduce."""
+        if self.version is None:
+            raise ScheduleError(f"a {self.kind.value} action names no weight version")
+        return self.version
+
+    @property
+    def peer_rank(self) -> int:
+        """The other rank of a transfer."""
+        if self.peer is None:
+            raise ScheduleError(f"a {self.kind.value} action names no peer rank")
+        return self.peer
+
     def to_text(self) -> str:
-        out = f"{self.stage}{_CODES[self.kind]}"
+        out = f"{self.stage}{KIND_SPECS[self.kind].code}"
         if self.microbatch is not None:
             out += str(self.microbatch)
         if self.peer is not None:
-            out += (">" if self.kind in (K.SEND_ACT, K.SEND_GRAD) else "<") + str(self.peer)
+            out += (">" if KIND_SPECS[self.kind].sends else "<") + str(self.peer)
         if self.version is not None:
             out += f"@{self.version}"
         if self.copy:
@@ -229,7 +289,7 @@ class Action:
     __str__ = to_text
 
     @classmethod
-    def parse(cls, token: str) -> "Action":
+    def parse(cls, token: str) -> Action:
         """Inverse of `to_text`; raises ScheduleError naming the token and the expected shape."""
         m = _TOKEN.fullmatch(token.strip())
         if m is None:
@@ -237,7 +297,7 @@ class Action:
                                 f"'1rB3<2', '0U@2:4-7' (see pipedream_fast.ir for the grammar)")
         kind = _KINDS[m["code"]]
         if m["dir"] is not None:
-            want = ">" if kind in (K.SEND_ACT, K.SEND_GRAD) else "<"
+            want = ">" if KIND_SPECS[kind].sends else "<"
             if not kind.is_p2p or m["dir"] != want:
                 raise ScheduleError(f"action {token!r}: {kind.value} takes "
                                     f"{repr(want) + ' PEER' if kind.is_p2p else 'no peer'}")
@@ -270,25 +330,44 @@ def allreduce(stage: int, version: int, copy: int = 0) -> Action:
     return Action(K.ALLREDUCE, stage, version=version, copy=copy)
 
 
-@dataclass
+ProgramStream = Callable[[int], Iterable[Action]]
+
+
 class Schedule:
-    """Per-rank action lists plus the layout and the bounds an executor allocates for."""
+    """Per-rank programs plus the layout and the bounds an executor allocates for.
 
-    name: str
-    num_stages: int
-    num_microbatches: int
-    stage_ranks: tuple[tuple[int, ...], ...]  # stage -> its replica ranks
-    actions: tuple[tuple[Action, ...], ...]  # rank -> ordered actions
-    max_versions: tuple[int, ...]  # rank -> declared bound on live weight versions
-    max_inflight: tuple[int, ...]  # rank -> declared bound on stashed (in-flight) microbatches
-    params: dict[str, Any] = field(default_factory=dict)  # generator parameters, informative
+    A schedule is either a *stream* (`stream(rank)` yields rank's actions lazily, as the
+    generators in `pipedream_fast.schedules` make them: start-up and memory do not depend on
+    `num_microbatches`) or explicit per-rank `actions` (hand-written, parsed from JSON/text).
+    `actions` materialises a stream on first use, for the finite windows the validator, the
+    simulator and the JSON/text forms work on; the executor only ever walks `program(rank)`.
+    `window(n)`, where the generator supplies one, is the same schedule on n microbatches.
+    """
 
-    def __post_init__(self) -> None:
-        self.stage_ranks = tuple(tuple(r) for r in self.stage_ranks)
-        self.actions = tuple(tuple(a) for a in self.actions)
-        self.max_versions = tuple(self.max_versions)
-        self.max_inflight = tuple(self.max_inflight)
-        n = len(self.actions)
+    def __init__(self, name: str, num_stages: int, num_microbatches: int,
+                 stage_ranks: Sequence[Sequence[int]],
+                 actions: Sequence[Sequence[Action]] | None,
+                 max_versions: Sequence[int], max_inflight: Sequence[int],
+                 params: dict[str, Any] | None = None, *,
+                 stream: ProgramStream | None = None,
+                 window: Callable[[int], Schedule] | None = None,
+                 validation_microbatches: int | None = None) -> None:
+        if (actions is None) == (stream is None):
+            raise ScheduleError(f"schedule {name!r} needs exactly one of actions and stream")
+        self.name = name
+        self.num_stages = num_stages
+        self.num_microbatches = num_microbatches
+        self.stage_ranks: tuple[tuple[int, ...], ...] = tuple(tuple(r) for r in stage_ranks)
+        self._actions = None if actions is None else tuple(tuple(a) for a in actions)
+        self.max_versions: tuple[int, ...] = tuple(max_versions)
+        self.max_inflight: tuple[int, ...] = tuple(max_inflight)
+        self.params: dict[str, Any] = dict(params or {})
+        self._stream = stream
+        self._window = window
+        # A stream is proven on a window of this many microbatches: its warm-up, several
+        # periods of its steady state and its drain (see `validate`).
+        self.validation_microbatches = validation_microbatches
+        n = len(self.max_versions) if self._actions is None else len(self._actions)
         if self.num_stages < 1 or self.num_microbatches < 1:
             raise ScheduleError(f"schedule {self.name!r} needs >= 1 stage and >= 1 microbatch, "
                                 f"got {self.num_stages} and {self.num_microbatches}")
@@ -301,14 +380,53 @@ class Schedule:
                 raise ScheduleError(f"stage {s} must list >= 1 distinct ranks, got {list(ranks)}")
             used.update(ranks)
         if used != set(range(n)):
-            raise ScheduleError(f"schedule {self.name!r} has action lists for {n} ranks but its "
+            raise ScheduleError(f"schedule {self.name!r} has programs for {n} ranks but its "
                                 f"stages use ranks {sorted(used)}; they must be 0..{n - 1}")
         if len(self.max_versions) != n or len(self.max_inflight) != n:
             raise ScheduleError(f"max_versions and max_inflight need one bound per rank ({n})")
 
+    def program(self, rank: int) -> Iterator[Action]:
+        """Rank's actions in order, produced lazily for a stream."""
+        if self._actions is not None:
+            return iter(self._actions[rank])
+        assert self._stream is not None
+        return iter(self._stream(rank))
+
+    @property
+    def actions(self) -> tuple[tuple[Action, ...], ...]:
+        """Every rank's whole action list (materialised once; O(num_microbatches))."""
+        if self._actions is None:
+            self._actions = tuple(tuple(self.program(r)) for r in range(self.num_ranks))
+        return self._actions
+
+    def _key(self) -> tuple:
+        return (self.name, self.num_stages, self.num_microbatches, self.stage_ranks,
+                self.actions, self.max_versions, self.max_inflight, self.params)
+
+    def __eq__(self, other: object) -> bool:
+        """Same layout, bounds, parameters and actions (a stream is materialised to compare)."""
+        return isinstance(other, Schedule) and self._key() == other._key()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it replaced
+
+    def __repr__(self) -> str:
+        kind = "stream" if self.is_stream else "actions"
+        return (f"Schedule({self.name!r}, stages={self.num_stages}, "
+                f"microbatches={self.num_microbatches}, ranks={self.num_ranks}, {kind})")
+
+    @property
+    def is_stream(self) -> bool:
+        return self._stream is not None
+
+    def window(self, num_microbatches: int) -> Schedule:
+        """The same schedule on `num_microbatches` microbatches (itself if it cannot shrink)."""
+        if self._window is None or num_microbatches >= self.num_microbatches:
+            return self
+        return self._window(num_microbatches)
+
     @property
     def num_ranks(self) -> int:
-        return len(self.actions)
+        return len(self.max_versions)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, ranks in enumerate(self.stage_ranks) if rank in ranks)
@@ -327,7 +445,7 @@ class Schedule:
                 "actions": [[a.to_text() for a in acts] for acts in self.actions]}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Schedule":
+    def from_dict(cls, data: Mapping[str, Any]) -> Schedule:
         if not isinstance(data, Mapping) or data.get("format") != SCHEDULE_FORMAT:
             tag = data.get("format") if isinstance(data, Mapping) else type(data).__name__
             raise ScheduleError(f"schedule JSON has format {tag!r}, expected {SCHEDULE_FORMAT!r}")
@@ -346,14 +464,14 @@ class Schedule:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Schedule":
+    def from_json(cls, text: str) -> Schedule:
         return cls.from_dict(json.loads(text))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "Schedule":
+    def load(cls, path: str | Path) -> Schedule:
         return cls.from_json(Path(path).read_text())
 
     # --- compact text -----------------------------------------------------------------------
@@ -370,7 +488,7 @@ class Schedule:
         return "\n".join(lines) + "\n"
 
     @classmethod
-    def from_text(cls, text: str) -> "Schedule":
+    def from_text(cls, text: str) -> Schedule:
         header: dict[str, str] = {}
         ranks: dict[int, list[Action]] = {}
         for lineno, raw in enumerate(text.splitlines(), 1):
@@ -461,6 +579,8 @@ class _Validator:
         self.forward_rank: dict[tuple[int, int], int] = {}
         self.backward_rank: dict[tuple[int, int], int] = {}
         self.ranks: list[_RankState] = []
+        # link (what, receiving stage, sender, receiver) -> the send whose message is in transit
+        self.in_transit: dict[tuple[str, int, int, int], tuple[int, int]] = {}
 
     def fail(self, st: _RankState | int, index: int, message: str) -> ScheduleError:
         rank = st if isinstance(st, int) else st.rank
@@ -487,7 +607,7 @@ class _Validator:
                 if not 0 <= other <= last or a.peer not in s.stage_ranks[other] or a.peer == rank:
                     raise self.fail(rank, i, f"peer rank {a.peer} must be another rank of "
                                              f"neighbouring stage {other}")
-                key = _p2p_key(a.kind, a.stage, a.microbatch, rank, a.peer)
+                key = _p2p_key(a.kind, a.stage, a.mb, rank, a.peer_rank)
                 side = (key, a.kind in (K.SEND_ACT, K.SEND_GRAD))
                 if side in endpoints:
                     raise self.fail(rank, i, f"duplicates action {endpoints[side][1]} of rank "
@@ -505,6 +625,24 @@ class _Validator:
                 raise self.fail(rank, i, f"unmatched {a.kind.value}: rank {a.peer} has no "
                                          f"{want.to_text()}")
             self.partner[(rank, i)] = match
+        self.check_link_order(endpoints)
+
+    def check_link_order(self, endpoints: dict[tuple, tuple[int, int]]) -> None:
+        """Transports keep one FIFO link per (sender, receiver, what, receiving stage): the
+        sender's order of microbatches on a link must be the receiver's order of receives."""
+        order: dict[tuple, list[tuple[int, int, int]]] = defaultdict(list)
+        for ((what, stage, mb, src, dst), is_send), (rank, i) in endpoints.items():
+            order[(what, stage, src, dst, is_send)].append((i, mb, rank))
+        for (what, stage, src, dst, is_send), sends in order.items():
+            if not is_send:
+                continue
+            recvs = sorted(order[(what, stage, src, dst, False)])
+            for (i, mb, _), (j, want, _) in zip(sorted(sends), recvs):
+                if mb != want:
+                    raise self.fail(src, i, f"sends the {what} of microbatch {mb} to stage "
+                                            f"{stage} on rank {dst}, which receives microbatch "
+                                            f"{want} there next (action {j}); each link carries "
+                                            f"its microbatches in one order on both ends")
 
     # -- symbolic execution ---------------------------------------------------------------
     def run(self) -> ValidationReport:
@@ -528,7 +666,11 @@ class _Validator:
             a = st.actions[st.pc]
             if a.kind in (K.RECV_ACT, K.RECV_GRAD):
                 what = "act" if a.kind is K.RECV_ACT else "grad"
-                st.posted[(what, a.stage, a.microbatch)] = st.pc
+                st.posted[(what, a.stage, a.mb)] = st.pc
+                link = (what, a.stage, a.peer_rank, st.rank)
+                if self.in_transit.get(link) == self.partner[(st.rank, st.pc)]:
+                    del self.in_transit[link]  # its sender moved on already: delivered now
+                    st.have.add((what, a.stage, a.mb))
             elif a.kind in (K.SEND_ACT, K.SEND_GRAD):
                 if not self.send(st, a):
                     return moved
@@ -552,18 +694,23 @@ class _Validator:
         return key if key in st.posted and key not in st.have else None
 
     def send(self, st: _RankState, a: Action) -> bool:
-        """Deliver once the peer has posted the matching receive; False while blocked."""
+        """Deliver if the peer has posted the matching receive, else leave the message in
+        transit on a free link; False while blocked (see rule 2)."""
         i = st.pc
         if a.kind is K.SEND_ACT and (a.stage, a.microbatch) not in st.forwarded:
             raise self.fail(st, i, "sends an activation before the forward that makes it")
         if a.kind is K.SEND_GRAD and (a.stage, a.microbatch) not in st.backwarded:
             raise self.fail(st, i, "sends a gradient before the backward that makes it")
         prank, pi = self.partner[(st.rank, i)]
-        if self.ranks[prank].pc <= pi:
-            return False
         recv = self.s.actions[prank][pi]
         what = "act" if recv.kind is K.RECV_ACT else "grad"
-        self.ranks[prank].have.add((what, recv.stage, recv.microbatch))
+        if self.ranks[prank].pc <= pi:
+            link = (what, recv.stage, st.rank, prank)
+            if link in self.in_transit:
+                return False
+            self.in_transit[link] = (st.rank, i)
+            return True
+        self.ranks[prank].have.add((what, recv.stage, recv.mb))
         return True
 
     def allreduce(self, st: _RankState, a: Action) -> bool:
@@ -604,78 +751,94 @@ class _Validator:
                                f"already RELEASEd)")
 
     def execute(self, st: _RankState, i: int, a: Action) -> None:
-        s, key = self.s, (a.stage, a.microbatch)
-        w = st.weights.get((a.stage, a.copy))
-        if a.kind is K.FORWARD:
-            if key in self.forward_rank:
-                raise self.fail(st, i, f"microbatch {a.microbatch} was already forwarded on stage "
-                                       f"{a.stage} by rank {self.forward_rank[key]}")
-            local = (a.stage - 1, a.microbatch) in st.forwarded
-            if a.stage > 0 and ("act", *key) not in st.have and not local:
-                raise self.fail(st, i, "forward before its input arrived: no earlier "
-                                       f"RECV_ACT of microbatch {a.microbatch} on this rank")
-            self.require_live(st, i, w, a.version)
-            self.forward_rank[key] = st.rank
-            st.forwarded.add(key)
-            st.in_flight[key] = (a.version, a.copy)
-            st.peak_inflight = max(st.peak_inflight, len(st.in_flight))
-            if len(st.in_flight) > s.max_inflight[st.rank]:
-                raise self.fail(st, i, f"{len(st.in_flight)} microbatches in flight, more than "
-                                       f"the declared max_inflight {s.max_inflight[st.rank]}")
-        elif a.kind is K.BACKWARD:
-            if key not in st.in_flight:
-                where = self.forward_rank.get(key)
-                raise self.fail(st, i, "backward before its forward" if where is None else
-                                "backward repeated" if key in self.backward_rank else
-                                f"backward on a rank other than its forward's (rank {where})")
-            local = (a.stage + 1, a.microbatch) in st.backwarded
-            if a.stage < s.num_stages - 1 and ("grad", *key) not in st.have and not local:
-                raise self.fail(st, i, "backward before its output gradient arrived: no earlier "
-                                       f"RECV_GRAD of microbatch {a.microbatch} on this rank")
-            version, copy = st.in_flight[key]
-            if (a.version, a.copy) != (version, copy):
-                raise self.fail(st, i, f"backward uses weight version {a.version} (copy {a.copy}) "
-                                       f"but its forward used version {version} (copy {copy})")
-            self.require_live(st, i, w, a.version)
-            del st.in_flight[key]
-            st.backwarded.add(key)
-            self.backward_rank[key] = st.rank
-            w.pending.add(a.microbatch)
-        elif a.kind is K.OPTIMIZER_STEP:
-            if a.version != w.newest + 1:
-                raise self.fail(st, i, f"step must create version {w.newest + 1}, not {a.version}")
-            missing = w.pending - set(a.microbatches)
-            if missing:
-                raise self.fail(st, i, f"step omits microbatches {sorted(missing)} whose "
-                                       f"gradients are in the buffer")
-            remote = set(a.microbatches) - w.pending
-            if remote and w.reduced != a.version:
-                raise self.fail(st, i, f"step applies microbatches {sorted(remote)} from other "
-                                       f"replicas without an ALLREDUCE for version {a.version}")
-            undone = [m for m in remote if (a.stage, m) not in self.backward_rank]
-            if undone:
-                raise self.fail(st, i, f"step applies microbatches {undone} that no replica "
-                                       f"has backwarded yet")
-            w.newest, w.reduced = a.version, None
-            w.pending.clear()
-            self.check_versions(st, i)
-        elif a.kind is K.SNAPSHOT:
-            if a.version != w.newest or a.version in w.retained:
-                raise self.fail(st, i, f"can only snapshot the newest version {w.newest} once")
-            w.retained.add(a.version)
-        elif a.kind is K.RELEASE:
-            if a.version not in w.retained:
-                raise self.fail(st, i, f"releases version {a.version}, which is not retained")
-            w.retained.discard(a.version)
-        elif a.kind is K.AVERAGE:
-            copies = [v for (stage, _), v in st.weights.items() if stage == a.stage]
-            want = max(c.newest for c in copies) + 1
-            if a.version != want or any(c.pending for c in copies):
-                raise self.fail(st, i, f"average must create version {want} from copies with "
-                                       f"no pending gradients")
-            for c in copies:
-                c.newest = a.version
-            self.check_versions(st, i)
+        """Applies the rules of a's kind (one method per kind that changes rank state)."""
+        rules: dict[ActionKind, Callable[[_RankState, int, Action], None]] = {
+            K.FORWARD: self.exec_forward, K.BACKWARD: self.exec_backward,
+            K.OPTIMIZER_STEP: self.exec_step, K.SNAPSHOT: self.exec_snapshot,
+            K.RELEASE: self.exec_release, K.AVERAGE: self.exec_average}
+        rules[a.kind](st, i, a)
+
+    def exec_forward(self, st: _RankState, i: int, a: Action) -> None:
+        key = (a.stage, a.mb)
+        if key in self.forward_rank:
+            raise self.fail(st, i, f"microbatch {a.mb} was already forwarded on stage "
+                                   f"{a.stage} by rank {self.forward_rank[key]}")
+        local = (a.stage - 1, a.mb) in st.forwarded
+        if a.stage > 0 and ("act", *key) not in st.have and not local:
+            raise self.fail(st, i, "forward before its input arrived: no earlier "
+                                   f"RECV_ACT of microbatch {a.mb} on this rank")
+        self.require_live(st, i, st.weights[(a.stage, a.copy)], a.ver)
+        self.forward_rank[key] = st.rank
+        st.forwarded.add(key)
+        st.in_flight[key] = (a.ver, a.copy)
+        st.peak_inflight = max(st.peak_inflight, len(st.in_flight))
+        if len(st.in_flight) > self.s.max_inflight[st.rank]:
+            raise self.fail(st, i, f"{len(st.in_flight)} microbatches in flight, more than "
+                                   f"the declared max_inflight {self.s.max_inflight[st.rank]}")
+
+    def exec_backward(self, st: _RankState, i: int, a: Action) -> None:
+        key = (a.stage, a.mb)
+        if key not in st.in_flight:
+            where = self.forward_rank.get(key)
+            raise self.fail(st, i, "backward before its forward" if where is None else
+                            "backward repeated" if key in self.backward_rank else
+                            f"backward on a rank other than its forward's (rank {where})")
+        local = (a.stage + 1, a.mb) in st.backwarded
+        if a.stage < self.s.num_stages - 1 and ("grad", *key) not in st.have and not local:
+            raise self.fail(st, i, "backward before its output gradient arrived: no earlier "
+                                   f"RECV_GRAD of microbatch {a.mb} on this rank")
+        version, copy = st.in_flight[key]
+        if (a.ver, a.copy) != (version, copy):
+            raise self.fail(st, i, f"backward uses weight version {a.ver} (copy {a.copy}) "
+                                   f"but its forward used version {version} (copy {copy})")
+        w = st.weights[(a.stage, a.copy)]
+        self.require_live(st, i, w, a.ver)
+        del st.in_flight[key]
+        st.backwarded.add(key)
+        self.backward_rank[key] = st.rank
+        w.pending.add(a.mb)
+
+    def exec_step(self, st: _RankState, i: int, a: Action) -> None:
+        w = st.weights[(a.stage, a.copy)]
+        if a.ver != w.newest + 1:
+            raise self.fail(st, i, f"step must create version {w.newest + 1}, not {a.ver}")
+        missing = w.pending - set(a.microbatches)
+        if missing:
+            raise self.fail(st, i, f"step omits microbatches {sorted(missing)} whose "
+                                   f"gradients are in the buffer")
+        remote = set(a.microbatches) - w.pending
+        if remote and w.reduced != a.ver:
+            raise self.fail(st, i, f"step applies microbatches {sorted(remote)} from other "
+                                   f"replicas without an ALLREDUCE for version {a.ver}")
+        undone = [m for m in remote if (a.stage, m) not in self.backward_rank]
+        if undone:
+            raise self.fail(st, i, f"step applies microbatches {undone} that no replica "
+                                   f"has backwarded yet")
+        w.newest, w.reduced = a.ver, None
+        w.pending.clear()
+        self.check_versions(st, i)
+
+    def exec_snapshot(self, st: _RankState, i: int, a: Action) -> None:
+        w = st.weights[(a.stage, a.copy)]
+        if a.ver != w.newest or a.ver in w.retained:
+            raise self.fail(st, i, f"can only snapshot the newest version {w.newest} once")
+        w.retained.add(a.ver)
+
+    def exec_release(self, st: _RankState, i: int, a: Action) -> None:
+        w = st.weights[(a.stage, a.copy)]
+        if a.ver not in w.retained:
+            raise self.fail(st, i, f"releases version {a.ver}, which is not retained")
+        w.retained.discard(a.ver)
+
+    def exec_average(self, st: _RankState, i: int, a: Action) -> None:
+        copies = [v for (stage, _), v in st.weights.items() if stage == a.stage]
+        want = max(c.newest for c in copies) + 1
+        if a.ver != want or any(c.pending for c in copies):
+            raise self.fail(st, i, f"average must create version {want} from copies with "
+                                   f"no pending gradients")
+        for c in copies:
+            c.newest = a.ver
+        self.check_versions(st, i)
 
     def deadlock(self) -> ScheduleError:
         waits = []
@@ -690,12 +853,19 @@ class _Validator:
                 continue
             if a.kind.is_compute:
                 head += " for its input"
-                i = st.posted[self.input_pending(st, a)]
+                pending = self.input_pending(st, a)
+                assert pending is not None  # why this compute blocks
+                i = st.posted[pending]
             prank, pi = self.partner[(st.rank, i)]
+            if a.kind.is_p2p:  # a blocked send waits for the delivery of its link's message
+                recv = self.s.actions[prank][pi]
+                what = "act" if recv.kind is K.RECV_ACT else "grad"
+                prank, pi = self.partner[self.in_transit[(what, recv.stage, st.rank, prank)]]
+                head += " behind the message in transit on its link"
             waits.append(f"{head} until rank {prank} reaches action {pi} "
                          f"({self.s.actions[prank][pi].to_text()})")
         first = next(st for st in self.ranks if not st.done)
-        return self.fail(first, first.pc, "deadlock under blocking send/recv: " + "; ".join(waits))
+        return self.fail(first, first.pc, "deadlock under the blocking rule: " + "; ".join(waits))
 
     def check_end(self) -> None:
         s = self.s
@@ -722,9 +892,18 @@ class _Validator:
 def validate(schedule: Schedule) -> ValidationReport:
     """Check `schedule` by symbolic execution (rules in the module docstring).
 
+    A generated stream longer than its `validation_microbatches` is proven on that window: the
+    same generator with the same parameters on fewer microbatches, which holds the warm-up,
+    at least three periods of the steady state (every dependency of a periodic action lies
+    within them) and the drain. Generators are periodic by construction, so the actions of a
+    longer run are those of the window's steady state shifted by whole periods.
+
     Raises ScheduleError naming the rank, the action index and the action for: a backward
     before its forward, a missing input, an unmatched send/receive, a deadlock under the
     blocking rule, more live versions or in-flight microbatches than declared, a weight
     version used after it is gone or a backward whose version differs from its forward's.
     """
+    window = schedule.validation_microbatches
+    if schedule.is_stream and window is not None and window < schedule.num_microbatches:
+        schedule = schedule.window(window)
     return _Validator(schedule).run()

@@ -15,7 +15,8 @@ import copy
 import queue
 import threading
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -50,34 +51,41 @@ class LocalPipeline:
         check_plan_fits(self.plan, chain)
         self._loss_fn = loss_fn
         self._optimizer = optimizer
-        self._modules: dict[int, nn.Module] = {}  # rank -> its stage module
-        for stage in self.plan.stages:
+        self._modules: dict[tuple[int, int], nn.Module] = {}  # (stage, rank) -> its module
+        for index, stage in enumerate(self.plan.stages):
             module = chain.stage_module(stage.start, stage.stop)
             for i, rank in enumerate(stage.ranks):
-                self._modules[rank] = module if i == 0 else copy.deepcopy(module)
-        self._runtimes: dict[int, StageRuntime] = {}
+                self._modules[(index, rank)] = module if i == 0 else copy.deepcopy(module)
+        self._runtimes: dict[tuple[int, int], StageRuntime] = {}
         self.last_stats: dict[int, dict[str, Any]] = {}
         self.last_events: list[Any] = []
 
-    def _runtime(self, rank: int, schedule: Schedule) -> StageRuntime:
-        if rank not in self._runtimes:
-            self._runtimes[rank] = stage_runtime(self.plan, rank, self._modules[rank],
-                                                 self._optimizer, schedule, self._loss_fn)
-        check_runtime_fits(self._runtimes[rank], schedule, rank)
-        return self._runtimes[rank]
+    def _runtimes_of(self, rank: int, schedule: Schedule) -> dict[int, StageRuntime]:
+        """The stage runtimes of one rank (thread), made on first use."""
+        out = {}
+        for stage in schedule.stages_of(rank):
+            key = (stage, rank)
+            if key not in self._runtimes:
+                self._runtimes[key] = stage_runtime(self.plan, stage, rank, self._modules[key],
+                                                    self._optimizer, schedule, self._loss_fn)
+            check_runtime_fits(self._runtimes[key], schedule, rank)
+            out[stage] = self._runtimes[key]
+        return out
 
     def train(self, loader: Iterable[Any], steps: int) -> Iterator[torch.Tensor]:
         """Trains `steps` minibatches; yields each minibatch's mean microbatch loss."""
         schedule = build_schedule(self.plan, self.schedule_name, steps, self.chunks)
-        runtimes = {rank: self._runtime(rank, schedule) for rank in range(schedule.num_ranks)}
-        feed = MicrobatchFeed(iter(loader), self.chunks, feed_uses(schedule, runtimes))
+        ranks = range(schedule.num_ranks)
+        runtimes = {rank: self._runtimes_of(rank, schedule) for rank in ranks}
+        feed = MicrobatchFeed(iter(loader), self.chunks, feed_uses(schedule, ranks))
         hub = ThreadHub(schedule.num_ranks, self.timeout)
         results: queue.Queue[tuple[str, Any]] = queue.Queue()
         executors = []
-        for rank, runtime in runtimes.items():
-            runtime.begin_run()
-            inputs, targets = data_sources(feed, runtime, self._input_names)
-            executors.append(Executor(schedule, rank, {runtime.stage: runtime},
+        for rank in ranks:
+            for runtime in runtimes[rank].values():
+                runtime.begin_run()
+            inputs, targets = data_sources(feed, schedule, rank, self._input_names)
+            executors.append(Executor(schedule, rank, runtimes[rank],
                                       ThreadTransport(hub, rank), inputs, targets,
                                       trace=self.trace))
 
@@ -119,4 +127,5 @@ class LocalPipeline:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters and buffers under their original names."""
-        return named_state([self._modules[s.ranks[0]] for s in self.plan.stages], self._names)
+        return named_state([self._modules[(i, s.ranks[0])] for i, s in enumerate(self.plan.stages)],
+                           self._names)

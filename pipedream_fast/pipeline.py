@@ -18,7 +18,8 @@ import os
 from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,12 +31,13 @@ from pipedream_fast.runtime.executor import Executor
 from pipedream_fast.runtime.stage import OptimizerFactory, StageRuntime
 from pipedream_fast.runtime.transport import ProcessTransport
 from pipedream_fast.tracing import trace as trace_model
-from pipedream_fast.training import (SYNCHRONOUS, MicrobatchFeed, build_schedule,
+from pipedream_fast.schedules import SYNCHRONOUS, kind
+from pipedream_fast.training import (MicrobatchFeed, StepTracker, build_schedule, check_backend,
                                      check_plan_fits, check_runtime_fits, check_trainable,
                                      data_sources, feed_uses, model_fingerprint, named_state,
                                      original_names, positional_inputs, stage_runtime)
 
-CHECKPOINT_FORMAT = "pipedream_fast.checkpoint/1"
+CHECKPOINT_FORMAT = "pipedream_fast.checkpoint/2"  # /2: one entry per stage the rank holds
 
 
 def _default_device() -> torch.device:
@@ -89,19 +91,26 @@ class Pipeline:
         self._input_names = chain.input_names
         check_plan_fits(self.plan, chain)
         self._check_same_model_everywhere(chain)
-        self.stage_index = self.plan.stage_of_rank(self.rank)
-        stage_plan = self.plan.stages[self.stage_index]
-        module = chain.stage_module(stage_plan.start, stage_plan.stop)
-        self._materialize(module, self.device)
-        self._module = module.to(self.device)
+        self.stage_indices = self.plan.stages_of_rank(self.rank)
+        self._modules: dict[int, nn.Module] = {}  # the stages this rank holds
+        for index in self.stage_indices:
+            stage_plan = self.plan.stages[index]
+            module = chain.stage_module(stage_plan.start, stage_plan.stop)
+            self._materialize(module, self.device)
+            self._modules[index] = module.to(self.device)
         self._optimizer_factory = optimizer
-        self._runtime: StageRuntime | None = None
-        self._optimizer_state: dict[str, Any] | None = None
+        self._runtimes: dict[int, StageRuntime] = {}
+        self._optimizer_states: dict[int, Any] = {}
         self._transport = ProcessTransport([s.ranks for s in self.plan.stages], timeout,
                                            device=self.device)
         self._step = 0  # minibatches trained so far
         self.last_stats: dict[str, Any] = {}
         self.last_events: list[Any] = []
+
+    @property
+    def stage_modules(self) -> dict[int, nn.Module]:
+        """The stages this rank holds (several in interleaved plans), by stage index."""
+        return dict(self._modules)
 
     # --- set-up ------------------------------------------------------------------------------
     def _resolve_plan(self, model: nn.Module, plan: Any, example_inputs: Any,
@@ -159,8 +168,7 @@ class Pipeline:
                                   f"every rank must construct the same model")
 
     def _planner_schedule(self) -> str:
-        return {"pipedream-vsync": "pipedream", "data-parallel": "1f1b"}.get(
-            self.schedule_name, self.schedule_name)
+        return kind(self.schedule_name).plans_as or self.schedule_name
 
     @staticmethod
     def _materialize(module: nn.Module, device: torch.device) -> None:
@@ -174,14 +182,17 @@ class Pipeline:
             if callable(reset):
                 reset()
 
-    def _runtime_for(self, schedule: Schedule) -> StageRuntime:
-        if self._runtime is None:
-            self._runtime = stage_runtime(self.plan, self.rank, self._module,
-                                          self._optimizer_factory, schedule, self.loss_fn)
-            if self._optimizer_state is not None and self._runtime.optimizer is not None:
-                self._runtime.optimizer.load_state_dict(self._optimizer_state)
-        check_runtime_fits(self._runtime, schedule, self.rank)
-        return self._runtime
+    def _runtimes_for(self, schedule: Schedule) -> dict[int, StageRuntime]:
+        for index, module in self._modules.items():
+            if index not in self._runtimes:
+                runtime = stage_runtime(self.plan, index, self.rank, module,
+                                        self._optimizer_factory, schedule, self.loss_fn)
+                state = self._optimizer_states.pop(index, None)
+                if state is not None and runtime.optimizer is not None:
+                    runtime.optimizer.load_state_dict(state)
+                self._runtimes[index] = runtime
+            check_runtime_fits(self._runtimes[index], schedule, self.rank)
+        return self._runtimes
 
     def _chunks_for(self, batch_inputs: Any) -> int:
         if self.chunks is not None:
@@ -208,30 +219,26 @@ class Pipeline:
             raise ValueError("the data loader is empty")
         chunks = self._chunks_for(first[0])
         schedule = build_schedule(self.plan, self.schedule_name, steps, chunks)
-        runtime = self._runtime_for(schedule)
+        check_backend(schedule, str(dist.get_backend()))
+        runtimes = self._runtimes_for(schedule)
 
         def replay() -> Iterator[Any]:
             yield first
             yield from batches
 
-        feed = MicrobatchFeed(replay(), chunks, feed_uses(schedule, {self.rank: runtime}))
-        inputs, targets = data_sources(feed, runtime, self._input_names, self.device)
-        executor = Executor(schedule, self.rank, {self.stage_index: runtime}, self._transport,
+        feed = MicrobatchFeed(replay(), chunks, feed_uses(schedule, [self.rank]))
+        inputs, targets = data_sources(feed, schedule, self.rank, self._input_names, self.device)
+        executor = Executor(schedule, self.rank, runtimes, self._transport,
                             inputs, targets, trace=self.trace)
-        # Minibatch k is done on this rank after its last action on any of its microbatches.
-        finishes: dict[int, list[int]] = defaultdict(list)
-        last_index: dict[int, int] = {}
-        for i, a in enumerate(executor.actions):
-            for mb in (a.microbatch,) if a.microbatch is not None else a.microbatches:
-                last_index[mb // chunks] = i
-        for step, i in last_index.items():
-            finishes[i].append(step)
+        tracker = StepTracker(schedule, self.rank, chunks)
         losses: dict[int, list[torch.Tensor]] = defaultdict(list)
-        runtime.begin_run()
-        for index, action, loss in executor.run():
+        for runtime in runtimes.values():
+            runtime.begin_run()
+        for _, action, loss in executor.run():
             if loss is not None:
+                assert action.microbatch is not None
                 losses[action.microbatch // chunks].append(loss)
-            for step in sorted(finishes.get(index, ())):
+            for step in tracker.done(action, steps):
                 got = losses.pop(step, [])
                 yield torch.stack(got).mean() if got else None
         self._step += steps
@@ -251,8 +258,8 @@ class Pipeline:
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's parameters and buffers, original keys, on rank 0 (None elsewhere).
         Collective: every rank must call it."""
-        first_replica = self.plan.stages[self.stage_index].ranks[0] == self.rank
-        mine = named_state([self._module], self._names) if first_replica else {}
+        mine = named_state([m for i, m in self._modules.items()
+                            if self.plan.stages[i].ranks[0] == self.rank], self._names)
         gathered: list[Any] = [None] * self.world_size if self.rank == 0 else None  # type: ignore
         dist.gather_object(mine, gathered, dst=0)
         if self.rank != 0:
@@ -267,12 +274,14 @@ class Pipeline:
         atomically; rank 0 adds the plan. Collective."""
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        runtime = self._runtime
-        state = {"format": CHECKPOINT_FORMAT, "rank": self.rank, "stage": self.stage_index,
-                 "step": self._step, "schedule": self.schedule_name,
-                 "model": self._module.state_dict(),
-                 "optimizer": runtime.optimizer.state_dict() if runtime and runtime.optimizer
-                 else None}
+        stages = {}
+        for index, module in self._modules.items():
+            runtime = self._runtimes.get(index)
+            optimizer = runtime.optimizer if runtime is not None else None
+            stages[index] = {"model": module.state_dict(),
+                             "optimizer": optimizer.state_dict() if optimizer else None}
+        state = {"format": CHECKPOINT_FORMAT, "rank": self.rank, "step": self._step,
+                 "schedule": self.schedule_name, "stages": stages}
         tmp = folder / f"rank{self.rank}.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, folder / f"rank{self.rank}.pt")
@@ -283,7 +292,7 @@ class Pipeline:
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: nn.Module,
              loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: OptimizerFactory,
-             **kwargs: Any) -> "Pipeline":
+             **kwargs: Any) -> Pipeline:
         """Rebuilds a Pipeline saved with `save` (same world size) and restores its state."""
         folder = Path(path)
         pipe = cls(model, loss_fn, optimizer, plan=folder / "plan.json", **kwargs)
@@ -292,12 +301,15 @@ class Pipeline:
             raise FileNotFoundError(f"checkpoint {folder} has no file for rank {pipe.rank}; was it "
                                     f"saved with {pipe.world_size} ranks?")
         state = torch.load(file, weights_only=False)
-        if state.get("format") != CHECKPOINT_FORMAT or state["stage"] != pipe.stage_index:
-            raise FormatError(f"{file} is not a checkpoint of stage {pipe.stage_index} "
-                              f"(format {state.get('format')!r}, stage {state.get('stage')})")
-        pipe._module.load_state_dict(state["model"])
+        held = sorted(state.get("stages", {})) if isinstance(state, dict) else None
+        if state.get("format") != CHECKPOINT_FORMAT or held != list(pipe.stage_indices):
+            raise FormatError(f"{file} is not a checkpoint of stages {list(pipe.stage_indices)} "
+                              f"(format {state.get('format')!r}, stages {held})")
+        for index, saved in state["stages"].items():
+            pipe._modules[index].load_state_dict(saved["model"])
+            if saved["optimizer"] is not None:
+                pipe._optimizer_states[index] = saved["optimizer"]
         pipe._step = int(state["step"])
-        pipe._optimizer_state = state["optimizer"]
         return pipe
 
     def close(self) -> None:

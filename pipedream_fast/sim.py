@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Sequence
 
 from pipedream_fast.formats import FormatError, Plan, Profile
 from pipedream_fast.ir import Action, ActionKind, Schedule, ScheduleError, validate
@@ -34,11 +35,13 @@ from pipedream_fast.staleness import DelayReport, weight_delays
 from pipedream_fast.topology import Topology
 
 K = ActionKind
-_COMPUTE_LIKE = (K.FORWARD, K.BACKWARD, K.OPTIMIZER_STEP, K.AVERAGE, K.SNAPSHOT, K.RELEASE)
+# Kinds that occupy the rank (what "busy" counts), read off each kind's declared timing.
+_COMPUTE_LIKE = tuple(k for k in K if k.spec.timing in ("compute", "update", "bookkeeping"))
 
 
 class CostModel(Protocol):
-    time_unit: str
+    @property
+    def time_unit(self) -> str: ...
 
     def compute(self, rank: int, action: Action) -> float: ...
 
@@ -84,7 +87,7 @@ class ProfileCosts:
 
     @classmethod
     def from_plan(cls, profile: Profile, plan: Plan, bandwidth: float = 10e9,
-                  latency_ms: float = 0.0, optimizer_ms: float = 0.0) -> "ProfileCosts":
+                  latency_ms: float = 0.0, optimizer_ms: float = 0.0) -> ProfileCosts:
         plan.check_matches(profile)
         if not (bandwidth > 0 and math.isfinite(bandwidth)) or latency_ms < 0:
             raise ValueError(f"bandwidth must be a positive number of bytes/s and latency >= 0 "
@@ -190,11 +193,10 @@ class SimResult:
 
 def _tensor(rank: int, a: Action) -> tuple:
     """The tensor a send, receive or compute moves or needs: (what, receiving stage, mb, rank)."""
-    if a.kind is K.SEND_ACT:
-        return ("act", a.stage + 1, a.microbatch, a.peer)
-    if a.kind is K.SEND_GRAD:
-        return ("grad", a.stage - 1, a.microbatch, a.peer)
-    what = "act" if a.kind in (K.RECV_ACT, K.FORWARD) else "grad"
+    spec = a.kind.spec
+    if spec.sends:
+        return (spec.tensor, a.stage + (1 if spec.tensor == "act" else -1), a.microbatch, a.peer)
+    what = spec.tensor or ("act" if a.kind is K.FORWARD else "grad")
     return (what, a.stage, a.microbatch, rank)
 
 
@@ -217,15 +219,17 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimResult:
 
     def step(rank: int) -> bool:
         a, now = schedule.actions[rank][pc[rank]], clock[rank]
-        if a.kind in (K.RECV_ACT, K.RECV_GRAD):
+        timing = a.kind.spec.timing
+        if timing == "post":
             posted[rank].add(_tensor(rank, a))
             emit(rank, now, now, now)
-        elif a.kind in (K.SEND_ACT, K.SEND_GRAD):
+        elif timing == "send":
+            assert a.peer is not None
             link = (rank, a.peer)
             begin = max(now, link_free.get(link, 0.0))
             link_free[link] = arrival[_tensor(rank, a)] = begin + costs.transfer(a, rank, a.peer)
             emit(rank, now, now, now)
-        elif a.kind is K.ALLREDUCE:
+        elif timing == "collective":
             at_allreduce.setdefault(rank, now)
             group = schedule.stage_ranks[a.stage]
             if any(r not in at_allreduce or schedule.actions[r][pc[r]] != a for r in group):

@@ -8,25 +8,24 @@ how ranks are started and how tensors travel; everything here is common to them.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from collections import defaultdict
+from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from pipedream_fast.formats import FormatError, Plan
-from pipedream_fast.ir import ActionKind, Schedule
+from pipedream_fast.ir import Action, Schedule, validate
 from pipedream_fast.runtime.stage import OptimizerFactory, StageRuntime
-from pipedream_fast.schedules import SCHEDULE_NAMES, make_schedule
+from pipedream_fast.schedules import TRAINABLE, kind, make_schedule
 from pipedream_fast.tracing import LayerChain
-
-SYNCHRONOUS = ("gpipe", "1f1b", "data-parallel")
-TRAINABLE = tuple(s for s in SCHEDULE_NAMES if s != "localsgd")
 
 
 def check_trainable(schedule: str) -> None:
-    if schedule not in TRAINABLE:
-        raise ValueError(f"schedule {schedule!r} cannot be trained; choose one of "
-                         f"{', '.join(TRAINABLE)} (localsgd is simulated only)")
+    if kind(schedule).trainable is False:
+        raise ValueError(f"schedule {schedule!r} cannot be trained (simulation only); choose "
+                         f"one of {', '.join(TRAINABLE)}")
 
 
 def check_plan_fits(plan: Plan, chain: LayerChain) -> None:
@@ -68,8 +67,8 @@ def split_microbatches(value: Any, chunks: int) -> list[Any]:
         parts = [split_microbatches(v, chunks) for v in value]
         return [type(value)(p[i] for p in parts) for i in range(chunks)]
     if isinstance(value, dict):
-        parts = {k: split_microbatches(v, chunks) for k, v in value.items()}
-        return [{k: p[i] for k, p in parts.items()} for i in range(chunks)]
+        by_key = {k: split_microbatches(v, chunks) for k, v in value.items()}
+        return [{k: p[i] for k, p in by_key.items()} for i in range(chunks)]
     raise TypeError(f"cannot split a {type(value).__name__} into microbatches: inputs and "
                     f"targets must be tensors, or tuples, lists or dicts of tensors")
 
@@ -87,15 +86,16 @@ def positional_inputs(inputs: Any, input_names: Sequence[str]) -> tuple[Any, ...
 class MicrobatchFeed:
     """Microbatches of a loader, read lazily in order and kept until every user has taken them.
 
-    `uses[mb]` says how many takes microbatch `mb` gets (the first stage's inputs and the last
-    stage's targets, possibly on different threads); microbatches nobody uses are dropped.
+    `uses(mb)` says how many takes microbatch `mb` gets in this process (one per rank that
+    feeds the first stage or the last stage with it); microbatches nobody uses are dropped, so
+    the feed holds only the microbatches in flight, however long the run.
     """
 
-    def __init__(self, batches: Iterator[Any], chunks: int, uses: dict[int, int]) -> None:
+    def __init__(self, batches: Iterator[Any], chunks: int, uses: Callable[[int], int]) -> None:
         self._batches = batches
         self._chunks = chunks
-        self._uses = dict(uses)
-        self._cache: dict[int, Any] = {}
+        self._uses = uses
+        self._cache: dict[int, tuple[Any, int]] = {}  # mb -> (value, takes left)
         self._next_step = 0
         self._lock = threading.Lock()
 
@@ -114,26 +114,32 @@ class MicrobatchFeed:
                                     f"{type(batch).__name__}")
                 base = self._next_step * self._chunks
                 for i, part in enumerate(zip(*(split_microbatches(x, self._chunks) for x in batch))):
-                    if self._uses.get(base + i):
-                        self._cache[base + i] = part
+                    if self._uses(base + i):
+                        self._cache[base + i] = (part, self._uses(base + i))
                 self._next_step += 1
-            value = self._cache[mb]
-            self._uses[mb] -= 1
-            if self._uses[mb] == 0:
+            value, left = self._cache[mb]
+            if left == 1:
                 del self._cache[mb]
+            else:
+                self._cache[mb] = (value, left - 1)
             return value
 
 
-def feed_uses(schedule: Schedule, runtimes: dict[int, StageRuntime]) -> dict[int, int]:
-    """How many takes each microbatch gets from the ranks in `runtimes` (rank -> runtime)."""
-    uses: dict[int, int] = {}
-    for rank, runtime in runtimes.items():
-        if not (runtime.is_first or runtime.is_last):
-            continue
-        for a in schedule.actions[rank]:  # one take per forward (see data_sources)
-            if a.kind is ActionKind.FORWARD and a.stage == runtime.stage:
-                uses[a.microbatch] = uses.get(a.microbatch, 0) + 1
-    return uses
+def runs_on(schedule: Schedule, stage: int, mb: int) -> int:
+    """The rank that runs microbatch mb on stage (replicas take microbatches round-robin)."""
+    ranks = schedule.stage_ranks[stage]
+    return ranks[mb % len(ranks)]
+
+
+def reads_data(schedule: Schedule, rank: int, mb: int) -> bool:
+    """Whether rank reads microbatch mb from the loader: it feeds it to the first stage or
+    computes its loss on the last stage (a rank doing both reads it once)."""
+    return rank in (runs_on(schedule, 0, mb), runs_on(schedule, schedule.num_stages - 1, mb))
+
+
+def feed_uses(schedule: Schedule, ranks: Sequence[int]) -> Callable[[int], int]:
+    """How many takes each microbatch gets from `ranks` (the ranks of this process)."""
+    return lambda mb: sum(reads_data(schedule, rank, mb) for rank in ranks)
 
 
 def to_device(value: Any, device: torch.device) -> Any:
@@ -147,46 +153,113 @@ def to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-def data_sources(feed: MicrobatchFeed, runtime: StageRuntime, input_names: Sequence[str],
-                 device: torch.device = torch.device("cpu")
+CPU = torch.device("cpu")
+
+
+def data_sources(feed: MicrobatchFeed, schedule: Schedule, rank: int,
+                 input_names: Sequence[str], device: torch.device = CPU
                  ) -> tuple[Callable[[int], tuple[Any, ...]] | None, Callable[[int], Any] | None]:
     """The executor's input source (first stage) and target source (last stage) for a rank,
-    on the rank's device. A rank holding both reads each microbatch once."""
+    on the rank's device. A rank holding both for a microbatch reads it once."""
+    last = schedule.num_stages - 1
+    stages = set(schedule.stages_of(rank))
     targets: dict[int, Any] = {}
 
     def inputs(mb: int) -> tuple[Any, ...]:
         x, y = feed.take(mb)
-        if runtime.is_last:
+        if last in stages and runs_on(schedule, last, mb) == rank:
             targets[mb] = y
         return positional_inputs(to_device(x, device), input_names)
 
     def target(mb: int) -> Any:
-        return to_device(targets.pop(mb) if runtime.is_first else feed.take(mb)[1], device)
+        y = targets.pop(mb) if mb in targets else feed.take(mb)[1]
+        return to_device(y, device)
 
-    return (inputs if runtime.is_first else None), (target if runtime.is_last else None)
+    return (inputs if 0 in stages else None), (target if last in stages else None)
 
 
 def build_schedule(plan: Plan, name: str, steps: int, chunks: int) -> Schedule:
-    """The IR for `steps` minibatches of `chunks` microbatches on the plan's stages and ranks."""
+    """The IR for `steps` minibatches of `chunks` microbatches on the plan's stages and ranks,
+    as a stream (nothing is generated before the run walks it)."""
     kwargs: dict[str, Any] = {"stage_ranks": [list(s.ranks) for s in plan.stages]}
-    if name in SYNCHRONOUS + ("2bw",):
+    if kind(name).chunked_steps:
         kwargs["step_microbatches"] = chunks  # one update per minibatch
-    return make_schedule(name, len(plan.stages), steps * chunks, **kwargs)
+    schedule = make_schedule(name, len(plan.stages), steps * chunks, **kwargs)
+    validate(schedule)  # proven on its window before any rank runs it
+    return schedule
 
 
-def stage_runtime(plan: Plan, rank: int, module: nn.Module, optimizer: OptimizerFactory,
-                  schedule: Schedule, loss_fn: Callable[[Any, Any], torch.Tensor]) -> StageRuntime:
-    stage = plan.stage_of_rank(rank)
+def stage_runtime(plan: Plan, stage: int, rank: int, module: nn.Module,
+                  optimizer: OptimizerFactory, schedule: Schedule,
+                  loss_fn: Callable[[Any, Any], torch.Tensor]) -> StageRuntime:
     return StageRuntime(stage, module, optimizer, slots=schedule.max_versions[rank],
                         is_first=stage == 0, is_last=stage == len(plan.stages) - 1,
                         loss_fn=loss_fn)
 
 
+def check_backend(schedule: Schedule, backend: str) -> None:
+    """NCCL matches point-to-point messages between two ranks by the order they are issued
+    and ignores tags, so two links in one direction between the same ranks (two stage
+    boundaries, or activations and gradients, as interleaved placements have) could swap
+    messages. Refuse those before training rather than risk it."""
+    if backend != "nccl":
+        return
+    links: dict[tuple[int, int], set[str]] = defaultdict(set)
+    for s in range(schedule.num_stages - 1):
+        for a in schedule.stage_ranks[s]:
+            for b in schedule.stage_ranks[s + 1]:
+                if a != b:
+                    links[(a, b)].add(f"activations to stage {s + 1}")
+                    links[(b, a)].add(f"gradients to stage {s}")
+    for (src, dst), kinds in sorted(links.items()):
+        if len(kinds) > 1:
+            what = " and ".join(sorted(kinds))
+            raise ValueError(f"with NCCL, rank {src} would send rank {dst} {what} on separate links, and NCCL matches messages by issue order, not "
+                             f"by tag; this placement runs on gloo (CPU) only for now, or use a "
+                             f"plan with one stage per rank")
+
+
+class StepTracker:
+    """Says when a rank is done with each step (minibatch), from the actions it performs.
+
+    A rank is done with step k once it has run the forward and the backward of every
+    microbatch of step k that its stages take, in order of steps. The count is known from the
+    layout alone, so nothing about the stream has to be generated ahead.
+    """
+
+    def __init__(self, schedule: Schedule, rank: int, chunks: int) -> None:
+        self._schedule = schedule
+        self._rank = rank
+        self._chunks = chunks
+        self._stages = schedule.stages_of(rank)
+        self._left: dict[int, int] = {}  # step -> computes still to run on this rank
+        self._next = 0
+
+    def _expected(self, step: int) -> int:
+        mbs = range(step * self._chunks, (step + 1) * self._chunks)
+        return 2 * sum(runs_on(self._schedule, s, mb) == self._rank
+                       for s in self._stages for mb in mbs)
+
+    def done(self, action: Action, steps: int) -> list[int]:
+        """The steps (< `steps`) this action completes, in order."""
+        if action.kind.is_compute:
+            assert action.microbatch is not None
+            step = action.microbatch // self._chunks
+            left = self._left.get(step, self._expected(step))
+            self._left[step] = left - 1
+        finished = []
+        while self._next < steps and self._left.get(self._next, self._expected(self._next)) == 0:
+            self._left.pop(self._next, None)
+            finished.append(self._next)
+            self._next += 1
+        return finished
+
+
 def check_runtime_fits(runtime: StageRuntime, schedule: Schedule, rank: int) -> None:
     if runtime.ring is not None and runtime.ring.capacity < schedule.max_versions[rank]:
         raise ValueError(f"this run keeps {schedule.max_versions[rank]} weight versions on rank "
-                         f"{rank} but the stage was set up for {runtime.ring.capacity}; use the "
-                         f"same chunks in every call")
+                         f"{rank} but stage {runtime.stage} was set up for "
+                         f"{runtime.ring.capacity}; use the same chunks in every call")
 
 
 def original_names(model: nn.Module) -> dict[int, str]:

@@ -13,7 +13,8 @@ distributed runtime must reproduce.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn

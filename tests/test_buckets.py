@@ -14,7 +14,7 @@ class _Recorder:
         self.started: list[torch.Tensor] = []
         self.waited = 0
 
-    def __call__(self, tensors: list[torch.Tensor]) -> "_Recorder":
+    def __call__(self, tensors: list[torch.Tensor]) -> _Recorder:
         self.started.extend(tensors)
         return self
 

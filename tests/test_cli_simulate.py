@@ -65,6 +65,18 @@ def test_custom_costs_and_schedule_options(run) -> None:
     assert code == 0 and json.loads(out)["params"]["model_replicas"] == 2
 
 
+def test_interleaved_stages_per_rank(run) -> None:
+    code, out, _ = run("--schedule", "interleaved-1f1b", "--stages", "4", "--stages-per-rank",
+                       "2", "--microbatches", "8", "--step-microbatches", "4", "--forward-cost",
+                       "0.5", "--backward-cost", "0.5", "--json")
+    data = json.loads(out)
+    assert code == 0 and [r["stages"] for r in data["per_rank"]] == [[0, 2], [1, 3]]
+    assert data["makespan"] == pytest.approx(2 * 8 + 2 * (2 - 1) / 2 * 2)  # 2 steps, bubble / v
+    code, _, err = run("--schedule", "1f1b", "--stages", "4", "--stages-per-rank", "2",
+                       "--replicas", "1,1,1,1", "--microbatches", "8")
+    assert code == 2 and "not both" in err
+
+
 def test_profile_and_plan(run, tmp_path) -> None:
     profile, plan = two_stage_plan((2, 1), None)
     profile.save(tmp_path / "p.json")

@@ -17,6 +17,8 @@ from pipedream_fast.schedules import SCHEDULE_NAMES
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "torchrun_train.py"
 TRAINABLE = [s for s in SCHEDULE_NAMES if s not in ("localsgd", "data-parallel")]
+# Interleaved 1F1B needs a looped placement without replicas: not the 2+1 layout.
+REPLICABLE = [s for s in TRAINABLE if s != "interleaved-1f1b"]
 CNN_BLOCKS = 9
 
 
@@ -36,8 +38,8 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("layout", ["2-stage", "2+1"])
-@pytest.mark.parametrize("schedule", TRAINABLE)
+@pytest.mark.parametrize("layout, schedule", [("2-stage", s) for s in TRAINABLE] +
+                         [("2+1", s) for s in REPLICABLE])
 def test_train_every_schedule_with_threads(tmp_path, capsys, layout, schedule):
     plan = write_plan(tmp_path / "plan.json", layout)
     assert main(["train", "--model", "cnn", "--plan", str(plan), "--threads",
@@ -45,7 +47,16 @@ def test_train_every_schedule_with_threads(tmp_path, capsys, layout, schedule):
                  "--batch-size", "8", "--chunks", "4"]) == 0
     out = capsys.readouterr().out
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
-    assert len(losses) == 2 and all(0 < l < 10 for l in losses), out
+    assert len(losses) == 2 and all(0 < x < 10 for x in losses), out
+
+
+def test_train_interleaved_plans_stages_looped_over_the_ranks(capsys):
+    assert main(["train", "--model", "mlp", "--threads", "2", "--schedule", "interleaved-1f1b",
+                 "--steps", "2", "--batch-size", "8", "--chunks", "2"]) == 0
+    out = capsys.readouterr().out
+    placement = re.findall(r"on ranks \[(\d)\]", out)
+    assert placement == ["0", "1", "0", "1"], out  # 2 ranks x 2 stages, stage k on rank k % 2
+    assert len(re.findall(r"loss \d+\.\d+", out)) == 2
 
 
 @pytest.mark.parametrize("layout,schedule", [("2-stage", "pipedream"), ("2+1", "2bw")])
@@ -84,12 +95,14 @@ def weight_norms(output: str) -> dict[str, str]:
 @pytest.mark.parametrize("layout", ["2-stage", "2+1"])
 def test_a_plain_torchrun_script_trains_the_cnn_with_every_schedule(layout):
     nproc, extra = (3, ["--replicate-first"]) if layout == "2+1" else (2, [])
-    result = torchrun(nproc, str(EXAMPLE), "--model", "cnn", "--schedule", ",".join(TRAINABLE),
+    schedules = REPLICABLE if layout == "2+1" else TRAINABLE
+    result = torchrun(nproc, str(EXAMPLE), "--model", "cnn", "--schedule", ",".join(schedules),
                       "--steps", "2", "--batch-size", "8", *extra)
     assert result.returncode == 0, result.stderr
-    assert set(weight_norms(result.stdout)) == set(TRAINABLE)
-    for schedule in TRAINABLE:
-        assert len(re.findall(rf"{schedule}: rank {nproc - 1} step \d loss", result.stdout)) == 2
+    assert set(weight_norms(result.stdout)) == set(schedules)
+    for schedule in schedules:
+        lines = re.findall(rf"^{schedule}: rank {nproc - 1} step \d loss", result.stdout, re.M)
+        assert len(lines) == 2
 
 
 def test_run_and_torchrun_train_the_same_weights():

@@ -58,7 +58,7 @@ def _nccl_job(rank: int, world: int) -> float:
     pipe = Pipeline(model, nn.functional.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.1),
                     plan=plan, schedule="pipedream", chunks=4, timeout=60)
     data = [(torch.randn(16, 32), torch.randint(0, 10, (16,))) for _ in range(4)]
-    losses = [l for l in pipe.train(data, 4) if l is not None]
+    losses = [x for x in pipe.train(data, 4) if x is not None]
     pipe.close()
     return float(losses[-1]) if losses else float("nan")
 

@@ -41,7 +41,14 @@ def test_plan_round_trip(tmp_path) -> None:
                                  "speedup_vs_data_parallel": 2.0}
     again = Plan.load(path)
     assert again.stages == plan().stages and again.stages[1].extra == {"x": 1}
-    assert again.stage_of_rank(2) == 1
+    assert again.stages_of_rank(2) == (1,)
+
+
+def test_plan_may_place_several_stages_on_a_rank() -> None:
+    looped = Plan(model="m", batch_size=8, workers=2, schedule="interleaved-1f1b",
+                  stages=[StagePlan(i, i + 1, 1, (i % 2,), 1.0) for i in range(4)],
+                  bottleneck_ms=1.0, data_parallel_ms=1.0)
+    assert looped.stages_of_rank(0) == (0, 2) and looped.stages_of_rank(1) == (1, 3)
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -73,8 +80,8 @@ def test_malformed_json_names_file_and_position(tmp_path) -> None:
 @pytest.mark.parametrize("stages, message", [
     ([StagePlan(0, 1, 1, (0,), 1.0), StagePlan(2, 3, 2, (1, 2), 1.0)], "must start at block 1"),
     ([StagePlan(0, 3, 2, (0,), 1.0)], "replicas=2 but 1 ranks"),
-    ([StagePlan(0, 1, 1, (0,), 1.0), StagePlan(1, 3, 2, (0, 1), 1.0)], "reuses ranks"),
-    ([StagePlan(0, 3, 2, (0, 1), 1.0)], "every rank 0..2 must appear"),
+    ([StagePlan(0, 1, 1, (0,), 1.0), StagePlan(1, 3, 2, (2, 2), 1.0)], "lists a rank twice"),
+    ([StagePlan(0, 3, 2, (0, 1), 1.0)], "every rank 0..2 must hold a stage"),
 ])
 def test_invalid_plans(stages, message: str) -> None:
     with pytest.raises(FormatError, match=message):

@@ -94,7 +94,10 @@ def test_bad_tokens(token: str, phrase: str) -> None:
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_json_and_text_round_trip(name: str, tmp_path) -> None:
     stages, replicas = (1, [2]) if name == "data-parallel" else (3, None)
-    s = make_schedule(name, stages, 7, replicas=replicas)
+    if name == "interleaved-1f1b":
+        s = make_schedule(name, 4, 8, stages_per_rank=2)
+    else:
+        s = make_schedule(name, stages, 7, replicas=replicas)
     assert Schedule.from_json(s.to_json()) == s
     assert Schedule.from_text(s.to_text()) == s
     s.save(tmp_path / "ir.json")
@@ -132,13 +135,30 @@ def test_forward_needs_a_received_input_and_send_needs_its_forward() -> None:
 
 
 def test_deadlock_names_every_blocked_rank() -> None:
-    # Rank 1 takes microbatch 1 first, rank 0 sends 0 first: rank 0 blocks in its send of
-    # mb 0 (rank 1 has not posted that receive), rank 1 waits in F1 for mb 1's activation.
+    # Rank 0 runs B0 before sending mb 1's activation; rank 1 runs F1 before B0, so each waits
+    # in a compute for an input the other sends only after its own wait.
+    r0 = "0F0@0 0rB0<1 0sF0>1 0B0@0 0F1@0 0rB1<1 0sF1>1 0B1@0 0U@1:0-1"
+    r1 = "1rF0<0 1F0@0 1rF1<0 1F1@0 1B0@0 1sB0>0 1B1@0 1sB1>0 1U@1:0-1"
+    err = rejects(sched(r0, r1, mbs=2, inflight="2 2"), 0, 3, "deadlock")
+    assert ("rank 0 waits at action 3 (0B0@0) for its input until rank 1 reaches action 5"
+            in str(err))
+    assert ("rank 1 waits at action 3 (1F1@0) for its input until rank 0 reaches action 6"
+            in str(err))
+
+
+def test_a_link_holds_one_message_in_transit() -> None:
+    # Rank 0 sends mbs 0 and 1 before rank 1 posts either receive: the first waits in transit,
+    # the second blocks until rank 1 takes the first, which it does: no deadlock.
+    r0 = "0F0@0 0sF0>1 0F1@0 0sF1>1 0rB0<1 0rB1<1 0B0@0 0B1@0 0U@1:0-1"
+    r1 = "1rF0<0 1F0@0 1B0@0 1sB0>0 1rF1<0 1F1@0 1B1@0 1sB1>0 1U@1:0-1"
+    validate(sched(r0, r1, mbs=2, inflight="2 1"))
+
+
+def test_link_order_must_match_on_both_ends() -> None:
+    # Rank 1 takes microbatch 1 first, rank 0 sends 0 first on the same link.
     r0 = "0F0@0 0rB0<1 0sF0>1 0F1@0 0rB1<1 0sF1>1 0B0@0 0B1@0 0U@1:0-1"
     r1 = "1rF1<0 1F1@0 1rF0<0 1F0@0 1B0@0 1sB0>0 1B1@0 1sB1>0 1U@1:0-1"
-    err = rejects(sched(r0, r1, mbs=2, inflight="2 2"), 0, 2, "deadlock")
-    assert ("rank 1 waits at action 1 (1F1@0) for its input until rank 0 reaches action 5"
-            in str(err))
+    rejects(sched(r0, r1, mbs=2, inflight="2 2"), 0, 2, "receives microbatch 1 there next")
 
 
 def test_declared_bounds() -> None:

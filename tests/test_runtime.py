@@ -28,6 +28,10 @@ LAYOUTS = {
     "2-stage": [((0, 3), (0,)), ((3, 5), (1,))],
     "2+1": [((0, 3), (0, 1)), ((3, 5), (2,))],
     "dp2": [((0, 5), (0, 1))],
+    # Looped placements of deep_cnn for interleaved-1f1b: stage g on rank g mod p.
+    "looped-2x2": [((0, 2), (0,)), ((2, 5), (1,)), ((5, 7), (0,)), ((7, 9), (1,))],
+    "looped-3x2": [((0, 1), (0,)), ((1, 2), (1,)), ((2, 4), (2,)), ((4, 5), (0,)),
+                   ((5, 7), (1,)), ((7, 9), (2,))],
 }
 
 
@@ -37,9 +41,25 @@ def tiny_cnn() -> nn.Sequential:
                          nn.Flatten(), nn.Linear(4 * 4 * 4, 5))
 
 
-def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def deep_cnn() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
+                         nn.Tanh(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64, 16), nn.ReLU(),
+                         nn.Linear(16, 5))
+
+
+def model_for(layout: str) -> nn.Sequential:
+    return deep_cnn() if layout.startswith("looped") else tiny_cnn()
+
+
+def chunks_for(layout: str) -> int:
+    """Interleaved steps run in rounds of the ranks: 6 microbatches on 3 ranks."""
+    return 6 if layout == "looped-3x2" else CHUNKS
+
+
+def batches(steps: int = STEPS, batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, 3, 8, 8, generator=g), torch.randint(0, 5, (BATCH,), generator=g))
+    return [(torch.randn(batch, 3, 8, 8, generator=g), torch.randint(0, 5, (batch,), generator=g))
             for _ in range(steps)]
 
 
@@ -55,7 +75,7 @@ def optimizer(name: str):
 
 def plan_for(layout: str) -> Plan:
     stages = [StagePlan(a, b, len(ranks), ranks, 1.0) for (a, b), ranks in LAYOUTS[layout]]
-    workers = sum(len(r) for _, r in LAYOUTS[layout])
+    workers = len({r for _, ranks in LAYOUTS[layout] for r in ranks})
     return Plan(model="tiny_cnn", batch_size=BATCH, workers=workers, schedule="1f1b",
                 stages=stages, bottleneck_ms=1.0, data_parallel_ms=1.0)
 
@@ -65,16 +85,17 @@ def train_job(rank: int, world: int, runs: list[tuple[str, str, str]]) -> dict:
     gathered state and the last stage's losses."""
     out = {}
     for layout, schedule, opt in runs:
-        pipe = Pipeline(tiny_cnn(), loss_fn, optimizer(opt), plan=plan_for(layout),
-                        schedule=schedule, chunks=CHUNKS, timeout=60)
-        losses = [l for l in pipe.train(batches(), steps=STEPS)]
+        chunks = chunks_for(layout)
+        pipe = Pipeline(model_for(layout), loss_fn, optimizer(opt), plan=plan_for(layout),
+                        schedule=schedule, chunks=chunks, timeout=60)
+        losses = list(pipe.train(batches(batch=2 * chunks), steps=STEPS))
         out[(layout, schedule, opt)] = (losses, pipe.state_dict())
         pipe.close()
     return out
 
 
 def stage_modules(layout: str) -> list[nn.Module]:
-    children = list(tiny_cnn().children())
+    children = list(model_for(layout).children())
     return [nn.Sequential(*children[a:b]) for (a, b), _ in LAYOUTS[layout]]
 
 
@@ -107,13 +128,15 @@ def max_difference(a: dict, b: dict) -> float:
 def two_ranks() -> dict:
     runs = [("2-stage", s, "sgd") for s in SCHEDULES] + [("2-stage", "1f1b", "adam"),
                                                         ("2-stage", "pipedream", "adam"),
-                                                        ("dp2", "data-parallel", "sgd")]
+                                                        ("dp2", "data-parallel", "sgd"),
+                                                        ("looped-2x2", "interleaved-1f1b", "sgd")]
     return launch(train_job, 2, runs, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def three_ranks() -> dict:
-    return launch(train_job, 3, [("2+1", s, "sgd") for s in SCHEDULES], timeout=120)
+    runs = [("2+1", s, "sgd") for s in SCHEDULES] + [("looped-3x2", "interleaved-1f1b", "sgd")]
+    return launch(train_job, 3, runs, timeout=120)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -121,7 +144,7 @@ def test_flush_schedules_equal_gradient_accumulation(two_ranks, schedule):
     losses, state = two_ranks[0][("2-stage", schedule, "sgd")]
     assert_same_state(state, train_reference(tiny_cnn(), batches(), CHUNKS, loss_fn, optimizer("sgd")))
     last_stage_losses = two_ranks[1][("2-stage", schedule, "sgd")][0]
-    assert len(last_stage_losses) == STEPS and all(torch.isfinite(l) for l in last_stage_losses)
+    assert len(last_stage_losses) == STEPS and all(torch.isfinite(x) for x in last_stage_losses)
     assert losses == [None] * STEPS  # rank 0 holds the first stage: no loss there
 
 
@@ -154,6 +177,21 @@ def test_replicated_first_stage(three_ranks, schedule):
     else:
         want = train_reference(tiny_cnn(), batches(), CHUNKS, loss_fn, optimizer("sgd"))
     assert_same_state(state, want)
+
+
+@pytest.mark.parametrize("world, layout", [(2, "looped-2x2"), (3, "looped-3x2")])
+def test_interleaved_1f1b_equals_gradient_accumulation(two_ranks, three_ranks, world, layout):
+    """Several stages per rank across processes: messages are matched by (stage, microbatch)
+    on links per stage boundary, and every rank's stages step on the averaged gradients."""
+    results = two_ranks if world == 2 else three_ranks
+    losses, state = results[0][(layout, "interleaved-1f1b", "sgd")]
+    chunks = chunks_for(layout)
+    want = train_reference(deep_cnn(), batches(batch=2 * chunks), chunks, loss_fn,
+                           optimizer("sgd"))
+    assert_same_state(state, want)
+    last_rank = LAYOUTS[layout][-1][1][0]
+    last_losses = results[last_rank][(layout, "interleaved-1f1b", "sgd")][0]
+    assert len(last_losses) == STEPS and all(torch.isfinite(x) for x in last_losses)
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -224,17 +262,18 @@ def _step_async_job(rank: int, world: int) -> str:
 # --- one process, one thread per rank ---------------------------------------------------------
 
 @pytest.mark.parametrize("layout,schedule", [("2-stage", "1f1b"), ("2-stage", "pipedream"),
-                                             ("2+1", "2bw"), ("dp2", "data-parallel")])
+                                             ("2+1", "2bw"), ("dp2", "data-parallel"),
+                                             ("looped-2x2", "interleaved-1f1b")])
 def test_thread_per_rank_pipeline_matches_the_references(layout, schedule):
     from pipedream_fast.local_pipeline import LocalPipeline
-    pipe = LocalPipeline(tiny_cnn(), loss_fn, optimizer("sgd"), plan_for(layout),
+    pipe = LocalPipeline(model_for(layout), loss_fn, optimizer("sgd"), plan_for(layout),
                          schedule=schedule, chunks=CHUNKS, timeout=60)
     losses = list(pipe.train(batches(), steps=STEPS))
     assert len(losses) == STEPS
     if schedule in ASYNC:
         want = reference_async(layout, schedule, "sgd")
     else:
-        want = train_reference(tiny_cnn(), batches(), CHUNKS, loss_fn, optimizer("sgd"))
+        want = train_reference(model_for(layout), batches(), CHUNKS, loss_fn, optimizer("sgd"))
     assert_same_state(pipe.state_dict(), want)
 
 
@@ -311,9 +350,10 @@ def meta_job(rank: int, world: int) -> list[str]:
     pipe = Pipeline(model, loss_fn, optimizer("sgd"), plan=plan_for("2-stage"),
                     schedule="pipedream", chunks=CHUNKS, timeout=60)
     losses = list(pipe.train(batches(), steps=STEPS))
-    devices = sorted({str(p.device) for p in pipe._module.parameters()})
+    devices = sorted({str(p.device) for m in pipe.stage_modules.values()
+                      for p in m.parameters()})
     pipe.close()
-    assert all(l is None or torch.isfinite(l) for l in losses)
+    assert all(x is None or torch.isfinite(x) for x in losses)
     return devices
 
 

@@ -4,6 +4,7 @@ hold, read off the IR itself."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -11,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipedream_fast.ir import Action, ActionKind, Schedule, ScheduleError, validate
-from pipedream_fast.schedules import SCHEDULE_NAMES, make_schedule
+from pipedream_fast.schedules import SCHEDULE_NAMES, TRAINABLE, kind, make_schedule
+from pipedream_fast.sim import UnitCosts, simulate
 from pipedream_fast.schedules.common import Layout
 
 K = ActionKind
@@ -20,6 +22,11 @@ K = ActionKind
 @st.composite
 def configs(draw: st.DrawFn, names=SCHEDULE_NAMES) -> tuple[str, dict]:
     name = draw(st.sampled_from(names))
+    if name == "interleaved-1f1b":
+        p, v = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+        m = p * draw(st.integers(1, 3))
+        return name, {"num_stages": p * v, "num_microbatches": m * draw(st.integers(1, 3)),
+                      "stages_per_rank": v, "step_microbatches": m}
     stages = 1 if name == "data-parallel" else draw(st.integers(1, 5))
     n = draw(st.integers(1, 24))
     kw: dict = {"num_stages": stages, "num_microbatches": n}
@@ -60,7 +67,7 @@ def test_every_generated_schedule_validates(config: tuple[str, dict]) -> None:
             assert layout.rank_of(a.stage, a.microbatch) == rank
 
 
-@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("name", [n for n in SCHEDULE_NAMES if n != "interleaved-1f1b"])
 def test_small_grid_validates(name: str) -> None:
     for stages in ([1] if name == "data-parallel" else [1, 2, 3, 4]):
         for n in (1, 2, 5, 9):
@@ -87,14 +94,16 @@ def positions(s: Schedule, kinds: set[ActionKind]) -> list[tuple[int, int]]:
 
 MUTABLE = [("gpipe", 3, 6, [1, 2, 1]), ("1f1b", 3, 7, [1, 1, 2]), ("pipedream", 4, 9, None),
            ("pipedream-vsync", 3, 8, [2, 1, 1]), ("2bw", 3, 9, None), ("localsgd", 3, 8, None),
-           ("data-parallel", 1, 6, [3])]
+           ("data-parallel", 1, 6, [3]), ("interleaved-1f1b", 4, 8, None)]
 
 
 @pytest.mark.parametrize("name, stages, n, replicas", MUTABLE)
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
 def test_mutated_copies_are_rejected(name, stages, n, replicas, data) -> None:
-    s = make_schedule(name, stages, n, replicas=replicas)
+    kw = ({"stages_per_rank": 2, "step_microbatches": 4} if name == "interleaved-1f1b"
+          else {"replicas": replicas})
+    s = make_schedule(name, stages, n, **kw)
     validate(s)
 
     def pick(kinds: set[ActionKind]) -> tuple[int, int] | None:
@@ -136,15 +145,16 @@ def test_mutated_copies_are_rejected(name, stages, n, replicas, data) -> None:
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "pipedream", "pipedream-vsync", "2bw"])
-def test_swapped_microbatches_deadlock(name: str) -> None:
-    """The last stage takes microbatch 1 before 0 while its neighbour sends 0 first."""
+def test_swapped_microbatches_are_rejected(name: str) -> None:
+    """The last stage takes microbatch 1 before 0 while its neighbour sends 0 first: a FIFO
+    link would hang (and under the blocking rule it deadlocks)."""
     s = make_schedule(name, 3, 6)
     last = s.num_ranks - 1
     swap = {0: 1, 1: 0}
     acts = [Action(a.kind, a.stage, swap.get(a.microbatch, a.microbatch), a.peer, a.version,
                    a.copy, tuple(sorted(swap.get(m, m) for m in a.microbatches)))
             for a in s.actions[last]]
-    with pytest.raises(ScheduleError, match="deadlock") as info:
+    with pytest.raises(ScheduleError, match="in one order on both ends") as info:
         validate(mutate(s, last, acts))
     assert info.value.rank is not None and info.value.action is not None
 
@@ -213,7 +223,7 @@ def test_vertical_sync_reads_stage_zero_versions() -> None:
 def test_2bw_double_buffering(replicas, m) -> None:
     stages = 3 if replicas is None else 2
     s = make_schedule("2bw", stages, 40, replicas=replicas, step_microbatches=m)
-    for (stage, mb), version in forward_versions(s).items():
+    for (_, mb), version in forward_versions(s).items():
         assert version == max(mb // m - 1, 0)  # W(t+1) = W(t) - lr * grad f(W(t-1))
     report = validate(s)
     assert max(report.peak_versions) == 2
@@ -251,13 +261,85 @@ def test_custom_stage_ranks() -> None:
     (lambda: make_schedule("zero-bubble", 2, 4), "unknown schedule"),
     (lambda: make_schedule("gpipe", 2, 4, replicas=[1]), "one count"),
     (lambda: make_schedule("gpipe", 2, 4, local_steps=2), "only to localsgd"),
-    (lambda: make_schedule("pipedream", 2, 4, step_microbatches=2), "applies to"),
+    (lambda: make_schedule("pipedream", 2, 4, step_microbatches=2), "takes no step_microbatches"),
     (lambda: make_schedule("2bw", 3, 9, step_microbatches=2), "at most 2"),
     (lambda: make_schedule("2bw", 2, 9, replicas=[2, 1], step_microbatches=3), "multiple"),
     (lambda: make_schedule("localsgd", 2, 4, replicas=[2, 1]), "model_replicas"),
     (lambda: make_schedule("data-parallel", 3, 4), "--stages 1 --replicas W"),
-    (lambda: make_schedule("gpipe", 2, 4, stage_ranks=[[0], [2]]), "exactly once"),
+    (lambda: make_schedule("gpipe", 2, 4, stage_ranks=[[0], [2]]), "must use every rank"),
+    (lambda: make_schedule("gpipe", 2, 4, stage_ranks=[[0], [0]]), "one stage per rank"),
+    (lambda: make_schedule("interleaved-1f1b", 4, 8, stage_ranks=[[0], [0], [1], [1]]),
+     "looped placement"),
+    (lambda: make_schedule("interleaved-1f1b", 4, 6, stages_per_rank=2, step_microbatches=3),
+     "multiple of 2"),
+    (lambda: make_schedule("1f1b", 4, 6, stages_per_rank=3), "must divide the 4 stages"),
     (lambda: make_schedule("gpipe", 0, 4), "at least 1 stage")])
 def test_bad_parameters(call, phrase: str) -> None:
     with pytest.raises(ValueError, match=phrase):
         call()
+
+
+# --- interleaved 1F1B -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 4), (3, 2, 6), (4, 2, 8), (4, 3, 8), (2, 4, 8)])
+def test_interleaved_1f1b_bubble_is_1f1b_over_v(p: int, v: int, m: int) -> None:
+    """With each of the v stages of a rank costing 1/v, the idle time at the flush shrinks
+    from 1F1B's 2(p - 1) to 2(p - 1)/v, per step."""
+    steps = 3
+    inter = simulate(make_schedule("interleaved-1f1b", p * v, m * steps, stages_per_rank=v,
+                                   step_microbatches=m), UnitCosts(1 / v, 1 / v))
+    plain = simulate(make_schedule("1f1b", p, m * steps, step_microbatches=m), UnitCosts())
+    work = 2 * m * steps
+    assert plain.makespan - work == pytest.approx(2 * (p - 1) * steps)
+    assert inter.makespan - work == pytest.approx((plain.makespan - work) / v)
+
+
+def test_interleaved_1f1b_places_and_orders_like_megatron() -> None:
+    s = make_schedule("interleaved-1f1b", 4, 8, stages_per_rank=2, step_microbatches=4)
+    assert s.stage_ranks == ((0,), (1,), (0,), (1,))
+    order = [a.to_text() for a in compute(s, 0)]
+    # Rank 0: warm-up 2(p-1) + (v-1)p = 4 forwards, chunk 0 then chunk 1 in rounds of p = 2.
+    assert order[:6] == ["0F0@0", "0F1@0", "2F0@0", "2F1@0", "0F2@0", "2B0@0"]
+    for rank in range(2):  # every stage steps once per step, on the averaged step
+        steps = [a for a in s.actions[rank] if a.kind is K.OPTIMIZER_STEP]
+        assert [(a.stage, a.microbatches) for a in steps] == \
+            [(st, tuple(range(g, g + 4))) for g in (0, 4) for st in (rank + 2, rank)]
+    assert validate(s).peak_versions == (2, 2)
+
+
+# --- streams --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", TRAINABLE)
+def test_a_million_microbatches_start_at_once(name: str) -> None:
+    kw: dict = {"step_microbatches": 4} if kind(name).chunked_steps else {}
+    if name == "interleaved-1f1b":
+        kw["stages_per_rank"] = 2
+    stages = 1 if name == "data-parallel" else 4
+    s = make_schedule(name, stages, 10**6, replicas=[2] if name == "data-parallel" else None,
+                      **kw)
+    report = validate(s)  # on the validation window, not a million microbatches
+    assert s.validation_microbatches is not None and s.validation_microbatches < 200
+    assert all(p <= b for p, b in zip(report.peak_versions, s.max_versions))
+    first = [list(itertools.islice(s.program(r), 50)) for r in range(s.num_ranks)]
+    assert all(len(f) == 50 for f in first)
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_a_window_is_the_prefix_of_the_stream(name: str) -> None:
+    """The window the validator proves runs the same actions as the long stream, up to the
+    window's drain: the steady state is periodic."""
+    kw: dict = {"step_microbatches": 4} if kind(name).chunked_steps else {}
+    if name == "interleaved-1f1b":
+        kw["stages_per_rank"] = 2
+    stages = 1 if name == "data-parallel" else 4
+    long = make_schedule(name, stages, 4000, replicas=[3] if name == "data-parallel" else None,
+                         **kw)
+    window = long.window(long.validation_microbatches)
+    drain = window.num_microbatches - long.num_ranks * max(long.replicas)
+    for rank in range(long.num_ranks):
+        short = window.actions[rank]
+        head = list(itertools.islice(long.program(rank), len(short)))
+        agree = next((i for i, (a, b) in enumerate(zip(head, short)) if a != b), len(short))
+        # From the first difference on, the window only drains its last microbatches.
+        assert all(a.microbatch >= drain for a in short[agree:] if a.microbatch is not None)
+        assert agree > len(short) // 2

@@ -62,9 +62,12 @@ def test_runtime_style_events(tmp_path) -> None:
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_every_schedule_draws(name: str, tmp_path) -> None:
     stages, replicas = (1, [2]) if name == "data-parallel" else (3, [2, 1, 1])
+    kw: dict = {"replicas": replicas}
     if name == "localsgd":
-        replicas = None
-    result = simulate(make_schedule(name, stages, 8, replicas=replicas), UnitCosts(comm=0.2))
+        kw = {}
+    if name == "interleaved-1f1b":
+        stages, kw = 4, {"stages_per_rank": 2}
+    result = simulate(make_schedule(name, stages, 8, **kw), UnitCosts(comm=0.2))
     path = tmp_path / f"{name}.png"
     draw_timeline(result, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

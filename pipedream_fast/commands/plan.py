@@ -24,7 +24,8 @@ def _byte_count(text: str) -> int:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of bytes such as 16e9, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a number of bytes such as 16e9, got {text!r}") from None
     if value != int(value):
         raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r}")
     return int(value)
@@ -51,6 +52,9 @@ def register(subparsers: Any) -> None:
                              "baselines uniform, params (balance parameters), time (balance time)")
     parser.add_argument("--microbatches", type=int, default=None,
                         help="microbatches GPipe keeps in flight (default: the worker count)")
+    parser.add_argument("--stages-per-rank", type=int, default=1, metavar="V",
+                        help="plan workers x V stages balanced by time, stage k on rank k mod "
+                             "workers, for interleaved-1f1b (default 1)")
     parser.add_argument("--evaluate", metavar="PLAN", default=None,
                         help="instead of planning, re-cost this existing plan on the profile")
     parser.add_argument("--quiet", action="store_true", help="do not print the table")
@@ -66,12 +70,15 @@ def run(args: argparse.Namespace) -> int:
                          f"but --workers is {args.workers}; make the level counts multiply to it")
     if args.microbatches is not None and args.microbatches < 1:
         raise UsageError(f"--microbatches must be >= 1, got {args.microbatches}")
+    if args.stages_per_rank < 1:
+        raise UsageError(f"--stages-per-rank must be >= 1, got {args.stages_per_rank}")
     profile = Profile.load(args.profile)
     if args.evaluate:
         plan = evaluate_plan(Plan.load(args.evaluate), profile, topology, args.microbatches)
     else:
         plan = make_plan(profile, topology, schedule=args.schedule, straight=args.straight,
-                         strategy=args.strategy, microbatches=args.microbatches)
+                         strategy=args.strategy, microbatches=args.microbatches,
+                         stages_per_rank=args.stages_per_rank)
     if args.out:
         plan.save(args.out)
     if not args.quiet:
@@ -85,7 +92,7 @@ def _rank_ranges(ranks: tuple[int, ...]) -> str:
     """(0, 1, 2, 3, 8, 9) -> '0-3,8-9'."""
     parts: list[str] = []
     run_start = prev = ranks[0]
-    for rank in list(ranks[1:]) + [None]:  # type: ignore[list-item]
+    for rank in list(ranks[1:]) + [None]:
         if rank is not None and rank == prev + 1:
             prev = rank
             continue
@@ -113,8 +120,8 @@ def print_plan(plan: Plan, profile: Profile) -> None:
     from rich.table import Table
 
     topology = plan.extra.get("topology", {})
-    levels = ", ".join(f"{l['workers']} x {l['bandwidth'] / 1e9:g} GB/s"
-                       for l in topology.get("levels", []))
+    levels = ", ".join(f"{level['workers']} x {level['bandwidth'] / 1e9:g} GB/s"
+                       for level in topology.get("levels", []))
     table = Table(title=f"{plan.extra.get('strategy', 'plan')} plan for {plan.model} "
                         f"(batch {plan.batch_size}) on {levels or plan.workers} - "
                         f"schedule {plan.schedule}")

@@ -29,6 +29,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--stages", type=int, help="pipeline stages (taken from --plan if given)")
     p.add_argument("--microbatches", type=int, required=True, help="microbatches to run (N)")
     p.add_argument("--replicas", help="ranks per stage, e.g. 2,1,1 (default 1 each)")
+    p.add_argument("--stages-per-rank", type=int,
+                   help="v stages per rank, stage g on rank g mod (stages / v): interleaved-1f1b")
     p.add_argument("--step-microbatches", type=int,
                    help="microbatches per optimizer step: gpipe/1f1b/data-parallel (default "
                         "all N) and 2bw (default: the number of workers)")
@@ -95,6 +97,11 @@ def _layout(args: argparse.Namespace, plan: Plan | None) -> dict[str, Any]:
             raise UsageError("--stages is required unless --plan gives the stages")
         if args.schedule is None:
             raise UsageError("--schedule is required unless --plan names one")
+        if args.stages_per_rank is not None:
+            if replicas is not None:
+                raise UsageError("give --stages-per-rank or --replicas, not both")
+            return {"name": args.schedule, "num_stages": args.stages,
+                    "stages_per_rank": args.stages_per_rank}
         return {"name": args.schedule, "num_stages": args.stages, "replicas": replicas}
     if args.stages is not None and args.stages != plan.num_stages:
         raise UsageError(f"--stages {args.stages} contradicts the plan, which has "

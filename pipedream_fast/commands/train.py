@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -22,10 +23,7 @@ from torch import nn
 from pipedream_fast.cli import UsageError
 from pipedream_fast.formats import Plan
 from pipedream_fast.models import BUILTIN_MODELS, build_model
-from pipedream_fast.schedules import SCHEDULE_NAMES
-
-TRAINABLE = tuple(s for s in SCHEDULE_NAMES if s != "localsgd")
-PLANNER_SCHEDULE = {"pipedream-vsync": "pipedream", "data-parallel": "1f1b"}
+from pipedream_fast.schedules import TRAINABLE, kind
 
 
 def register(subparsers: Any) -> None:
@@ -43,13 +41,19 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--plan", default=None, help="plan JSON (default: profile and plan now)")
     parser.add_argument("--straight", action="store_true",
                         help="when planning: one rank per stage, no replicas")
+    parser.add_argument("--stages-per-rank", type=int, default=None, metavar="V",
+                        help="when planning: workers x V stages, looped over the ranks "
+                             "(default: 2 for interleaved-1f1b, else 1)")
     parser.add_argument("--bandwidth", type=float, default=1e9,
                         help="link bandwidth in bytes/s assumed when planning (default 1e9)")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per minibatch")
     parser.add_argument("--chunks", type=int, default=None,
-                        help="microbatches per minibatch (default: 1, and the worker count for "
-                             "gpipe, 1f1b and 2bw)")
+                        help="microbatches per minibatch (default: the worker count for "
+                             "schedules that update once per minibatch, else 1)")
     parser.add_argument("--steps", type=int, default=10, help="minibatches to train (default 10)")
+    parser.add_argument("--log-every", type=int, default=None,
+                        help="print the loss every N steps, after the first ten (default: every "
+                             "step up to 100 steps, else about 100 lines in all)")
     parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
@@ -97,15 +101,42 @@ def _rank_job(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
                     chunks=config["chunks"], timeout=config["timeout"],
                     trace=config["trace"] is not None)
     data = synthetic_batches(example, classes, config["batch_size"], config["steps"], config["seed"])
-    losses, times = [], []
+    clock = StepClock()
+    last_loss = None
     for step, loss in enumerate(pipe.train(data, config["steps"])):
-        times.append(time.perf_counter())
+        clock.tick()
         if loss is not None:
-            losses.append(float(loss))
-            print(f"step {step + 1:4d}/{config['steps']}  loss {float(loss):.4f}", flush=True)
+            last_loss = float(loss)
+            if _log_now(step, config):
+                print(f"step {step + 1:4d}/{config['steps']}  loss {last_loss:.4f}", flush=True)
     pipe.close()
-    return {"rank": rank, "losses": losses, "times": times, "stats": pipe.last_stats,
-            "events": pipe.last_events}
+    return {"rank": rank, "last_loss": last_loss, "times": clock.summary(),
+            "stats": pipe.last_stats, "events": pipe.last_events}
+
+
+class StepClock:
+    """When steps ended: the first, the last and how many (constant memory for any run)."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last: float | None = None
+        self.count = 0
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        self.first = now if self.first is None else self.first
+        self.last = now
+        self.count += 1
+
+    def summary(self) -> dict[str, Any]:
+        return {"first": self.first, "last": self.last, "count": self.count}
+
+
+def _log_now(step: int, config: dict[str, Any]) -> bool:
+    """Every step of short runs; of long ones the first ten, then about 100 lines in all."""
+    every = config["log_every"] or (1 if config["steps"] <= 100 else config["steps"] // 100)
+    first = step < 10
+    return first or (step + 1) % every == 0 or step + 1 == config["steps"]
 
 
 def _plan(args: argparse.Namespace, workers: int) -> Plan:
@@ -124,9 +155,10 @@ def _plan(args: argparse.Namespace, workers: int) -> Plan:
     profile = profile_model(module, example, args.batch_size, warmup=1, repeat=3, progress=False,
                             model_name=args.model)
     strategy = "data-parallel" if args.schedule == "data-parallel" else "dp"
+    v = args.stages_per_rank or (2 if args.schedule == "interleaved-1f1b" else 1)
     plan = make_plan(profile, Topology.parse(f"{workers}x{args.bandwidth}"),
-                     schedule=PLANNER_SCHEDULE.get(args.schedule, args.schedule),
-                     straight=args.straight, strategy=strategy)
+                     schedule=kind(args.schedule).plans_as or args.schedule,
+                     straight=args.straight, strategy=strategy, stages_per_rank=v)
     if plan.workers != workers:
         raise UsageError(f"the best plan for {args.model} uses {plan.workers} of {workers} "
                          f"workers; run with --nproc {plan.workers} or give a --plan")
@@ -140,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     from pipedream_fast.local_pipeline import LocalPipeline
     from pipedream_fast.trace import write_chrome_trace
 
-    for name in ("batch_size", "steps", "chunks", "nproc", "threads", "torch_threads"):
+    for name in ("batch_size", "steps", "chunks", "nproc", "threads", "torch_threads",
+                 "log_every", "stages_per_rank"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
@@ -148,8 +181,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--timeout must be positive seconds, got {args.timeout}")
     workers = args.nproc or args.threads or (Plan.load(args.plan).workers if args.plan else 2)
     plan = _plan(args, workers)
-    chunks = args.chunks or (workers if args.schedule in ("gpipe", "1f1b", "2bw") else 1)
+    chunks = args.chunks or (workers if kind(args.schedule).chunked_steps else 1)
     config = {"model": args.model, "batch_size": args.batch_size, "steps": args.steps,
+              "log_every": args.log_every,
               "schedule": args.schedule, "chunks": chunks, "optimizer": args.optimizer,
               "lr": args.lr, "seed": args.seed, "timeout": args.timeout, "trace": args.trace,
               "torch_threads": args.torch_threads, "plan": plan.to_dict()}
@@ -161,20 +195,22 @@ def run(args: argparse.Namespace) -> int:
                              schedule=args.schedule, chunks=chunks, timeout=args.timeout,
                              trace=args.trace is not None)
         data = synthetic_batches(example, classes, args.batch_size, args.steps, args.seed)
-        times = []
+        clock = StepClock()
         for step, loss in enumerate(pipe.train(data, args.steps)):
-            times.append(time.perf_counter())
-            print(f"step {step + 1:4d}/{args.steps}  loss {float(loss):.4f}", flush=True)
-        results = [{"rank": r, "times": times if r == 0 else [], "stats": s, "events": []}
-                   for r, s in pipe.last_stats.items()]
+            clock.tick()
+            if _log_now(step, config):
+                print(f"step {step + 1:4d}/{args.steps}  loss {float(loss):.4f}", flush=True)
+        results: list[dict[str, Any]] = [
+            {"rank": r, "times": clock.summary() if r == 0 else StepClock().summary(),
+             "stats": s, "events": []} for r, s in pipe.last_stats.items()]
         results[0]["events"] = pipe.last_events
     else:
         results = launch(_rank_job, workers, config, timeout=args.timeout)
     elapsed = time.perf_counter() - started
-    times = max((r["times"] for r in results), key=len)
-    if len(times) > 2:  # steady state: from the end of the first step on
-        rate = args.batch_size * (len(times) - 1) / (times[-1] - times[0])
-        print(f"throughput {rate:.1f} samples/s (steps 2-{len(times)}), "
+    times = max((r["times"] for r in results), key=lambda t: t["count"])
+    if times["count"] > 2:  # steady state: from the end of the first step on
+        rate = args.batch_size * (times["count"] - 1) / (times["last"] - times["first"])
+        print(f"throughput {rate:.1f} samples/s (steps 2-{times['count']}), "
               f"{elapsed:.1f} s in all with start-up")
     for r in sorted(results, key=lambda r: r["rank"]):
         s = r["stats"]
@@ -187,6 +223,6 @@ def run(args: argparse.Namespace) -> int:
         events = [type(e)(e.rank, e.kind, e.start_ms - origin, e.duration_ms, e.stage,
                           e.microbatch, e.version, e.args) for e in events]
         write_chrome_trace(events, args.trace, process=f"pipedream-fast train {args.schedule}",
-                           rank_stages={r: (plan.stage_of_rank(r),) for r in range(workers)})
+                           rank_stages={r: plan.stages_of_rank(r) for r in range(workers)})
         print(f"wrote {args.trace}")
     return 0

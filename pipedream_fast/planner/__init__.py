@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from pipedream_fast.formats import Plan, Profile, StagePlan
-from pipedream_fast.planner.baselines import BASELINES, baseline_stages
+from pipedream_fast.planner.baselines import BASELINES, balanced_partition, baseline_stages
 from pipedream_fast.planner.costs import SCHEDULES, Costs, MemoryModel
 from pipedream_fast.planner.dp import HierarchicalDP, data_parallel_tree
 from pipedream_fast.planner.flatten import (FlatStage, flat_times, flatten, nested_times,
@@ -87,14 +87,17 @@ def _structural_hint(costs: Costs, topology: Topology, straight: bool) -> str:
 
 def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedream",
               straight: bool = False, strategy: str = "dp",
-              microbatches: int | None = None) -> Plan:
+              microbatches: int | None = None, stages_per_rank: int = 1) -> Plan:
     """Plan `profile` on `topology`; see the module docstring for the strategies.
 
     `microbatches` is the number of microbatches GPipe keeps in flight (default: the worker
-    count); the memory limit is `topology.memory_per_worker`.
+    count); the memory limit is `topology.memory_per_worker`. `stages_per_rank` > 1 plans an
+    interleaved pipeline instead (see `interleaved_plan`).
     """
     if strategy not in STRATEGIES:
         raise PlanningError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if stages_per_rank != 1:
+        return interleaved_plan(profile, topology, stages_per_rank, schedule)
     began = time.perf_counter()
     costs = Costs.from_profile(profile)
     memory = MemoryModel(schedule, topology.memory_per_worker, microbatches or topology.workers)
@@ -127,6 +130,30 @@ def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedrea
                      data_parallel_ms, strategy, straight, began)
 
 
+def interleaved_plan(profile: Profile, topology: Topology, stages_per_rank: int,
+                     schedule: str = "1f1b") -> Plan:
+    """Workers x v stages balanced by time, stage k on rank k mod workers (the looped placement
+    of interleaved schedules), one replica each. The predicted time per minibatch is the
+    busiest rank's compute over its v stages."""
+    began = time.perf_counter()
+    costs = Costs.from_profile(profile)
+    workers, v = topology.workers, stages_per_rank
+    if v < 1 or workers * v > costs.num_blocks:
+        raise PlanningError(f"{workers} workers x {v} stages per rank need at least "
+                            f"{workers * v} blocks; the model has {costs.num_blocks}")
+    bounds = balanced_partition(np.diff(costs.compute[0]).tolist(), workers * v)
+    stages = [FlatStage(a, b, (k % workers,)) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    memory = MemoryModel(schedule, topology.memory_per_worker, topology.workers)
+    times, cuts = flat_times(stages, costs, topology)
+    data_parallel = flatten(data_parallel_tree(costs.num_blocks, topology), topology)
+    data_parallel_ms = nested_times(data_parallel, costs, topology)[0][0]
+    plan = _assemble(profile, topology, stages, times, cuts, stage_memory(stages, costs, memory),
+                     costs, memory, data_parallel_ms, "time", True, began, nested=False)
+    plan.bottleneck_ms = max(max(sum(times[k::workers]) for k in range(workers)), max(cuts or [0]))
+    plan.extra["stages_per_rank"] = v
+    return plan
+
+
 def evaluate_plan(plan: Plan, profile: Profile, topology: Topology,
                   microbatches: int | None = None) -> Plan:
     """Re-cost an existing plan (e.g. edited by hand, or for a new profile of the same model).
@@ -144,10 +171,15 @@ def evaluate_plan(plan: Plan, profile: Profile, topology: Topology,
     memory = MemoryModel(plan.schedule, topology.memory_per_worker,
                          microbatches or int(plan.extra.get("microbatches", topology.workers)))
     levels = [s.extra.get("levels") for s in plan.stages]
-    nested = all(isinstance(chain, list) and len(chain) == len(topology.levels) for chain in levels)
-    stages = [FlatStage(s.start, s.stop, tuple(s.ranks),
-                        tuple((c["start"], c["stop"], c["replicas"]) for c in chain) if nested else ())
-              for s, chain in zip(plan.stages, levels)]
+    chains = [chain for chain in levels
+              if isinstance(chain, list) and len(chain) == len(topology.levels)]
+    nested = len(chains) == len(levels)
+    if nested:
+        stages = [FlatStage(s.start, s.stop, tuple(s.ranks),
+                            tuple((c["start"], c["stop"], c["replicas"]) for c in chain))
+                  for s, chain in zip(plan.stages, chains)]
+    else:
+        stages = [FlatStage(s.start, s.stop, tuple(s.ranks)) for s in plan.stages]
     times, cuts = (nested_times if nested else flat_times)(stages, costs, topology)
     footprints = stage_memory(stages, costs, memory)
     data_parallel = flatten(data_parallel_tree(costs.num_blocks, topology), topology)
@@ -165,7 +197,7 @@ def _assemble(profile: Profile, topology: Topology, stages: list[FlatStage], tim
     extra = _plan_extra(stages, times, cuts, topology, strategy, straight, memory, profile, began)
     extra["cost_model"] = "hierarchical" if hierarchical else "slowest-link"
     return Plan(model=profile.model, batch_size=profile.batch_size,
-                workers=sum(s.replicas for s in stages), schedule=memory.schedule,
+                workers=len({r for s in stages for r in s.ranks}), schedule=memory.schedule,
                 stages=_stage_plans(stages, times, cuts, footprints, costs, hierarchical),
                 bottleneck_ms=max(times + cuts), data_parallel_ms=data_parallel_ms, extra=extra)
 
@@ -214,7 +246,7 @@ def _plan_extra(stages: list[FlatStage], times: list[float], cuts: list[float],
         bottleneck = {"kind": "stage", "stage": worst_stage, "ms": times[worst_stage]}
     extra: dict[str, Any] = {
         "topology": topology.to_dict(), "strategy": strategy, "straight": straight,
-        "idle_workers": topology.workers - sum(s.replicas for s in stages),
+        "idle_workers": topology.workers - len({r for s in stages for r in s.ranks}),
         "bottleneck": bottleneck, "profile_device": profile.device,
         "planner_ms": (time.perf_counter() - began) * 1e3}
     if memory.schedule == "gpipe":

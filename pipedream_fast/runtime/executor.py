@@ -1,22 +1,26 @@
-"""The executor: walks one rank's action list of the schedule IR, and nothing else decides.
+"""The executor: walks one rank's program of the schedule IR, and nothing else decides.
 
-Each action kind maps to one small method. Received tensors are posted at RECV and collected
-by the compute that needs them; activation stashing lives in `StageRuntime.inflight`, weight
-stashing in its weight ring. Before walking, `hoist_snapshots` moves each SNAPSHOT of a version
-up to the first forward on that version, so the forward already runs on the retained copy and
-the update that follows may overwrite the live weights in place (the values are the same: no
-update happens in between).
+The program is a stream: actions are generated as they are performed, so a run of any length
+starts at once and holds memory bounded by the schedule's period. Each action kind maps to
+one small method. Received tensors are posted at RECV and collected by the compute that needs
+them; activation stashing lives in `StageRuntime.inflight`, weight stashing in its weight
+ring (the IR places each SNAPSHOT before the first forward of its version, so that forward
+already runs on the retained copy and the update that follows may overwrite the live weights
+in place). Messages are addressed by (receiving stage, microbatch); a rank holding several
+stages hands tensors between its own neighbouring stages directly.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 
 from pipedream_fast.ir import Action, ActionKind, Schedule
+from pipedream_fast.schedules.lowering import Lookahead
 from pipedream_fast.runtime.buckets import GradientBuckets
 from pipedream_fast.runtime.stage import StageRuntime
 from pipedream_fast.runtime.transport import ACTIVATION, GRADIENT, PendingReduce, Transport
@@ -31,28 +35,6 @@ TargetSource = Callable[[int], Any]
 
 class RuntimeFailure(RuntimeError):
     """An action failed on this rank; the message names the rank, the action and the cause."""
-
-
-def hoist_snapshots(actions: Sequence[Action]) -> list[Action]:
-    """Moves every SNAPSHOT(stage, v) to just before the first FORWARD(stage, v) that precedes it
-    since the update that created v (see the module docstring)."""
-    out: list[Action] = list(actions)
-    for i, action in enumerate(actions):
-        if action.kind is not K.SNAPSHOT:
-            continue
-        first = None
-        for j in range(i - 1, -1, -1):
-            a = actions[j]
-            if a.stage != action.stage or a.copy != action.copy:
-                continue
-            if a.kind in (K.OPTIMIZER_STEP, K.AVERAGE):
-                break
-            if a.kind is K.FORWARD and a.version == action.version:
-                first = j
-        if first is not None:
-            out.remove(action)
-            out.insert(out.index(actions[first]), action)
-    return out
 
 
 @dataclass
@@ -83,12 +65,11 @@ class Executor:
         self.transport = transport
         self.inputs = inputs
         self.targets = targets
-        self.actions = hoist_snapshots(schedule.actions[rank])
         self.stats = ExecutorStats()
         self.events: list[TraceEvent] | None = [] if trace else None
+        self._program = Lookahead(schedule.program(rank))
         self._outputs: dict[tuple[int, int], tuple[Any, ...]] = {}   # (stage, mb) -> to send
         self._posted: dict[tuple[Any, int, int], int] = {}  # (channel, stage, mb) -> peer
-        self._completing = self._completing_backwards(self.actions)
         for index, stage in stages.items():
             ranks = schedule.stage_ranks[index]
             if len(ranks) > 1 and stage.grads:
@@ -99,19 +80,16 @@ class Executor:
                 stage.buckets.start_reduce = start
 
     # --- helpers -------------------------------------------------------------------------
-    @staticmethod
-    def _completing_backwards(actions: Sequence[Action]) -> set[int]:
-        """Indices of the backwards after which a stage's gradients are complete: the last
-        BACKWARD of the stage before each of its ALLREDUCEs. Buckets are armed for those."""
-        out: set[int] = set()
-        last: dict[tuple[int, int], int] = {}
-        for i, a in enumerate(actions):
-            key = (a.stage, a.copy)
-            if a.kind is K.BACKWARD:
-                last[key] = i
-            elif a.kind is K.ALLREDUCE and key in last:
-                out.add(last.pop(key))
-        return out
+    def _completes_gradients(self, a: Action) -> bool:
+        """Whether this backward is the stage's last before its next ALLREDUCE, so that its
+        gradients are complete and the buckets may start reducing during it."""
+        for b in self._program.ahead():
+            if (b.stage, b.copy) == (a.stage, a.copy):
+                if b.kind is K.ALLREDUCE:
+                    return True
+                if b.kind is K.BACKWARD:
+                    return False
+        return False
 
     def _recv(self, channel: Any, stage: int, mb: int) -> list[torch.Tensor]:
         key = (channel, stage, mb)
@@ -119,7 +97,7 @@ class Executor:
             raise RuntimeError(f"stage {stage} needs the {channel.name.lower()} of microbatch "
                                f"{mb} but the schedule posted no receive for it")
         start = time.perf_counter()
-        tensors = self.transport.wait_recv(self._posted.pop(key), channel, mb)
+        tensors = self.transport.wait_recv(self._posted.pop(key), channel, stage, mb)
         self.stats.wait_s += time.perf_counter() - start
         return tensors
 
@@ -129,44 +107,45 @@ class Executor:
         target = None
         if stage.is_first:
             assert self.inputs is not None, "the first stage needs an input source"
-            args = self.inputs(a.microbatch)
-        elif (a.stage - 1, a.microbatch) in self._outputs:  # produced on this rank
-            args = tuple(t.detach() for t in self._outputs.pop((a.stage - 1, a.microbatch)))
+            args = self.inputs(a.mb)
+        elif (a.stage - 1, a.mb) in self._outputs:  # produced on this rank
+            args = tuple(t.detach() for t in self._outputs.pop((a.stage - 1, a.mb)))
         else:
-            args = tuple(self._recv(ACTIVATION, a.stage, a.microbatch))
+            args = tuple(self._recv(ACTIVATION, a.stage, a.mb))
         if stage.is_last:
             assert self.targets is not None, "the last stage needs a target source"
-            target = self.targets(a.microbatch)
-        outputs = stage.forward(a.microbatch, a.version, args, target)
+            target = self.targets(a.mb)
+        outputs = stage.forward(a.mb, a.ver, args, target)
         if stage.is_last:
             return outputs[0].detach()
-        self._outputs[(a.stage, a.microbatch)] = outputs
+        self._outputs[(a.stage, a.mb)] = outputs
         return None
 
     def _backward(self, a: Action) -> None:
         stage = self.stages[a.stage]
         grads = None
         if not stage.is_last:
-            nxt = self.stages.get(a.stage + 1)
-            if nxt is not None:  # the next stage is on this rank: its input gradients, directly
-                grads = nxt.take_input_grads(a.microbatch)
+            consumers = self.schedule.stage_ranks[a.stage + 1]
+            if consumers[a.mb % len(consumers)] == self.rank:
+                # The next stage ran this microbatch on this rank: its input gradients, directly.
+                grads = self.stages[a.stage + 1].take_input_grads(a.mb)
             else:
-                grads = self._recv(GRADIENT, a.stage, a.microbatch)
-        stage.backward(a.microbatch, grads)
-        stage.finish_backward(a.microbatch)
+                grads = self._recv(GRADIENT, a.stage, a.mb)
+        stage.backward(a.mb, grads)
+        stage.finish_backward(a.mb)
 
     def _send_act(self, a: Action) -> None:
-        outputs = self._outputs.pop((a.stage, a.microbatch))
-        self.transport.send(a.peer, ACTIVATION, a.microbatch,
+        outputs = self._outputs.pop((a.stage, a.mb))
+        self.transport.send(a.peer_rank, ACTIVATION, a.stage + 1, a.mb,
                             [t.detach() for t in outputs if isinstance(t, torch.Tensor)])
 
     def _send_grad(self, a: Action) -> None:
-        grads = self.stages[a.stage].take_input_grads(a.microbatch)
-        self.transport.send(a.peer, GRADIENT, a.microbatch, grads)
+        grads = self.stages[a.stage].take_input_grads(a.mb)
+        self.transport.send(a.peer_rank, GRADIENT, a.stage - 1, a.mb, grads)
 
     def _post(self, channel: Any, a: Action) -> None:
-        self._posted[(channel, a.stage, a.microbatch)] = a.peer
-        self.transport.post_recv(a.peer, channel, a.microbatch)
+        self._posted[(channel, a.stage, a.mb)] = a.peer_rank
+        self.transport.post_recv(a.peer_rank, channel, a.stage, a.mb)
 
     def _allreduce(self, a: Action) -> None:
         buckets = self.stages[a.stage].buckets
@@ -179,46 +158,39 @@ class Executor:
             start = time.perf_counter()
             buckets.wait()
             self.stats.wait_s += time.perf_counter() - start
-        self.stages[a.stage].step(a.version, a.microbatches)
+        self.stages[a.stage].step(a.ver, a.microbatches)
 
-    def _perform(self, a: Action, index: int) -> Any:
-        kind = a.kind
-        if kind is K.FORWARD:
-            return self._forward(a)
-        if kind is K.BACKWARD:
-            buckets = self.stages[a.stage].buckets
-            if buckets is not None and index in self._completing:
-                buckets.arm()
-            self._backward(a)
-        elif kind is K.SEND_ACT:
-            self._send_act(a)
-        elif kind is K.SEND_GRAD:
-            self._send_grad(a)
-        elif kind is K.RECV_ACT:
-            self._post(ACTIVATION, a)
-        elif kind is K.RECV_GRAD:
-            self._post(GRADIENT, a)
-        elif kind is K.ALLREDUCE:
-            self._allreduce(a)
-        elif kind is K.OPTIMIZER_STEP:
-            self._step(a)
-        elif kind is K.SNAPSHOT:
-            self.stages[a.stage].snapshot(a.version)
-        elif kind is K.RELEASE:
-            self.stages[a.stage].release(a.version)
-        else:
-            raise NotImplementedError(f"the executor cannot run {kind.value} actions yet")
-        return None
+    def _backward_action(self, a: Action) -> None:
+        buckets = self.stages[a.stage].buckets
+        if buckets is not None and self._completes_gradients(a):
+            buckets.arm()
+        self._backward(a)
+
+    def _handlers(self) -> dict[ActionKind, Callable[[Action], Any]]:
+        """How this executor performs each action kind: one entry per kind of the IR."""
+        return {K.FORWARD: self._forward, K.BACKWARD: self._backward_action,
+                K.SEND_ACT: self._send_act, K.SEND_GRAD: self._send_grad,
+                K.RECV_ACT: lambda a: self._post(ACTIVATION, a),
+                K.RECV_GRAD: lambda a: self._post(GRADIENT, a),
+                K.ALLREDUCE: self._allreduce, K.OPTIMIZER_STEP: self._step,
+                K.SNAPSHOT: lambda a: self.stages[a.stage].snapshot(a.ver),
+                K.RELEASE: lambda a: self.stages[a.stage].release(a.ver),
+                K.AVERAGE: self._unsupported}
+
+    def _unsupported(self, a: Action) -> None:
+        raise NotImplementedError(f"the executor cannot run {a.kind.value} actions yet")
 
     # --- the loop --------------------------------------------------------------------------
     def run(self) -> Iterator[tuple[int, Action, torch.Tensor | None]]:
         """Performs every action; yields (index, action, loss) after each one, where loss is the
         detached loss of a last-stage forward and None otherwise."""
         start = time.perf_counter()
-        for index, action in enumerate(self.actions):
+        handlers = self._handlers()
+        index = 0
+        while (action := self._program.pop()) is not None:
             t0 = time.perf_counter()
             try:
-                result = self._perform(action, index)
+                result = handlers[action.kind](action)
             except Exception as err:
                 raise RuntimeFailure(f"rank {self.rank}, action {index} ({action.to_text()}): "
                                      f"{err}") from err
@@ -235,7 +207,8 @@ class Executor:
                     microbatch=action.microbatch, version=action.version,
                     args={"token": action.to_text()}))
             yield index, action, result
+            index += 1
         self.transport.flush()
-        self.stats.actions = len(self.actions)
+        self.stats.actions = index
         self.stats.total_s = time.perf_counter() - start
         self.stats.transport = self.transport.stats()

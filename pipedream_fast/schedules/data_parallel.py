@@ -7,6 +7,7 @@ from __future__ import annotations
 from pipedream_fast.ir import Schedule
 from pipedream_fast.schedules import one_f_one_b
 from pipedream_fast.schedules.common import Config
+from pipedream_fast.schedules.registry import ScheduleKind, flush_options, register
 
 
 def generate(config: Config) -> Schedule:
@@ -15,3 +16,9 @@ def generate(config: Config) -> Schedule:
                          f"{config.layout.num_stages} stages: use 1 stage and replicas=[workers] "
                          f"(CLI: --stages 1 --replicas W)")
     return one_f_one_b.generate(config, name="data-parallel")
+
+
+register(ScheduleKind(
+    name="data-parallel", order=6, generate=generate, options=flush_options, synchronous=True,
+    summary="the whole model on every worker, gradients all-reduced every step",
+    plans_as="1f1b", weight_versions=lambda noam: 1, stashed=lambda noam, microbatches: 1))

@@ -4,24 +4,32 @@ version; every microbatch of the minibatch stays stashed until the drain."""
 
 from __future__ import annotations
 
-from pipedream_fast.ir import Schedule
+from collections.abc import Iterator
+
+from pipedream_fast.ir import Action, Schedule
 from pipedream_fast.schedules.common import Config, Program, build
+from pipedream_fast.schedules.registry import ScheduleKind, flush_options, register
 
 
 def generate(config: Config) -> Schedule:
     layout = config.layout
-    programs, inflight = {}, {}
-    for s in range(layout.num_stages):
-        r = layout.replicas(s)
-        for i, rank in enumerate(layout.stage_ranks[s]):
-            p = Program(s)
-            locals_ = [[m for m in group if m % r == i] for group in config.groups()]
-            for group, local in zip(config.groups(), locals_):
-                for m in local:
-                    p.forward(m)
-                for m in local:
-                    p.backward(m)
-                p.step(group, replicated=r > 1)
-            programs[rank] = p.actions
-            inflight[rank] = max(len(local) for local in locals_)
-    return build("gpipe", config, programs, dict.fromkeys(programs, 1), inflight)
+
+    def compute(rank: int) -> Iterator[Action]:
+        s, i = layout.only_stage(rank, "gpipe")
+        r, p = layout.replicas(s), Program(s)
+        for g in range(config.num_groups()):
+            group = config.group(g)
+            local = group[(i - group.start) % r::r]
+            yield from (p.forward(m) for m in local)
+            yield from (p.backward(m) for m in local)
+            yield from p.step(group, replicated=r > 1)
+
+    ranks = range(layout.num_ranks)
+    inflight = {rank: config.most_local(*layout.only_stage(rank, "gpipe")) for rank in ranks}
+    return build("gpipe", config, compute, dict.fromkeys(ranks, 1), inflight)
+
+
+register(ScheduleKind(
+    name="gpipe", order=0, generate=generate, options=flush_options, synchronous=True,
+    summary="fill-drain: all forwards, all backwards, one update per step (GPipe)",
+    weight_versions=lambda noam: 1, stashed=lambda noam, microbatches: microbatches))

@@ -10,29 +10,57 @@ follows the round's last backward on stage 0. A trailing partial round is not av
 
 from __future__ import annotations
 
-from pipedream_fast.ir import Schedule
+from typing import Any
+from collections.abc import Iterator
+
+from pipedream_fast.ir import Action, Schedule
 from pipedream_fast.schedules.common import Config, Program, build, one_f_one_b
+from pipedream_fast.schedules.layout import Layout
+from pipedream_fast.schedules.registry import Options, ScheduleKind, register
 
 
 def generate(config: Config) -> Schedule:
     layout, replicas = config.layout, config.model_replicas
     round_size = replicas * config.local_steps
     n = layout.num_microbatches
-    programs, inflight = {}, {}
-    for s in range(layout.num_stages):
-        (rank,) = layout.stage_ranks[s]
-        limit = min(layout.num_stages - s, replicas)
+
+    def compute(rank: int) -> Iterator[Action]:
+        s, _ = layout.only_stage(rank, "localsgd")
         p = Program(s)
         for start in range(0, n, round_size):
-            mbs = list(range(start, min(n, start + round_size)))
-            for kind, m in one_f_one_b(mbs, limit):
+            mbs = range(start, min(n, start + round_size))
+            for kind, m in one_f_one_b(mbs, min(layout.num_stages - s, replicas)):
                 if kind == "F":
-                    p.forward(m, copy=m % replicas)
+                    yield p.forward(m, copy=m % replicas)
                 else:
-                    p.backward(m)
-                    p.step([m], replicated=False, copy=m % replicas)
+                    yield p.backward(m)
+                    yield from p.step([m], replicated=False, copy=m % replicas)
             if len(mbs) == round_size:
-                p.average()
-        programs[rank] = p.actions
-        inflight[rank] = limit
-    return build("localsgd", config, programs, dict.fromkeys(programs, replicas), inflight)
+                yield p.average(replicas)
+
+    ranks = range(layout.num_ranks)
+    inflight = {rank: min(layout.num_stages - layout.only_stage(rank, "localsgd")[0], replicas)
+                for rank in ranks}
+    return build("localsgd", config, compute, dict.fromkeys(ranks, replicas), inflight)
+
+
+def _options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
+    if options.step_microbatches is not None:
+        raise ValueError("localsgd takes local_steps and model_replicas, not step_microbatches")
+    if {len(r) for r in layout.stage_ranks} != {1}:
+        raise ValueError(f"localsgd replicates the whole model (model_replicas), not stages; "
+                         f"got stage replicas {[len(r) for r in layout.stage_ranks]}")
+    h = 1 if options.local_steps is None else options.local_steps
+    r = layout.num_stages if options.model_replicas is None else options.model_replicas
+    if h < 1 or r < 1:
+        raise ValueError(f"local_steps and model_replicas must be >= 1, got {h} and {r}")
+    return Config(layout, local_steps=h, model_replicas=r), {"local_steps": h,
+                                                             "model_replicas": r}
+
+
+register(ScheduleKind(
+    name="localsgd", order=5, generate=generate, options=_options, trainable=False,
+    chunked_steps=False, plans_as="pipedream",
+    summary="LocalSGD: R model replicas on one pipeline, averaged every H local steps",
+    weight_versions=lambda noam: noam, stashed=lambda noam, microbatches: noam,
+    period=lambda c: c.model_replicas * c.local_steps))

@@ -5,24 +5,34 @@ NOAM microbatches stashed instead of the whole minibatch."""
 
 from __future__ import annotations
 
-from pipedream_fast.ir import Schedule
+from collections.abc import Iterator
+
+from pipedream_fast.ir import Action, Schedule
 from pipedream_fast.schedules.common import Config, Program, build, one_f_one_b
+from pipedream_fast.schedules.registry import ScheduleKind, flush_options, register
 
 
 def generate(config: Config, name: str = "1f1b") -> Schedule:
     layout = config.layout
-    programs, inflight = {}, {}
-    for s in range(layout.num_stages):
-        r, noam = layout.replicas(s), layout.noam(s)
-        for i, rank in enumerate(layout.stage_ranks[s]):
-            p = Program(s)
-            most = 0
-            for group in config.groups():
-                local = [m for m in group if m % r == i]
-                for kind, m in one_f_one_b(local, noam):
-                    p.forward(m) if kind == "F" else p.backward(m)
-                p.step(group, replicated=r > 1)
-                most = max(most, len(local))
-            programs[rank] = p.actions
-            inflight[rank] = min(noam, most)
-    return build(name, config, programs, dict.fromkeys(programs, 1), inflight)
+
+    def compute(rank: int) -> Iterator[Action]:
+        s, i = layout.only_stage(rank, name)
+        r, noam, p = layout.replicas(s), layout.noam(s), Program(s)
+        for g in range(config.num_groups()):
+            group = config.group(g)
+            for kind, m in one_f_one_b(group[(i - group.start) % r::r], noam):
+                yield p.forward(m) if kind == "F" else p.backward(m)
+            yield from p.step(group, replicated=r > 1)
+
+    ranks = range(layout.num_ranks)
+    inflight = {}
+    for rank in ranks:
+        s, i = layout.only_stage(rank, name)
+        inflight[rank] = min(layout.noam(s), config.most_local(s, i))
+    return build(name, config, compute, dict.fromkeys(ranks, 1), inflight)
+
+
+register(ScheduleKind(
+    name="1f1b", order=1, generate=generate, options=flush_options, synchronous=True,
+    summary="one forward, one backward, flushed: one update per step (PipeDream-Flush)",
+    weight_versions=lambda noam: 1, stashed=lambda noam, microbatches: min(noam, microbatches)))

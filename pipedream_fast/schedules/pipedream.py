@@ -13,38 +13,52 @@ when both stages have the same replica count). Later stages then keep older vers
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
-from pipedream_fast.ir import Schedule
-from pipedream_fast.schedules.common import Config, Layout, Program, build, one_f_one_b
+from pipedream_fast.ir import Action, Schedule
+from pipedream_fast.schedules.common import Config, Program, build, one_f_one_b
+from pipedream_fast.schedules.layout import Layout
+from pipedream_fast.schedules.registry import Options, ScheduleKind, no_options, register
 
 
 def generate(config: Config, vertical_sync: bool = False) -> Schedule:
     layout = config.layout
+    name = "pipedream-vsync" if vertical_sync else "pipedream"
     n = layout.num_microbatches
-    programs, versions, inflight = {}, {}, {}
-    stage0_version: dict[int, int] = {}
-    for s in range(layout.num_stages):
-        r, noam = layout.replicas(s), layout.noam(s)
-        rounds = [list(range(q * r, min(n, q * r + r))) for q in range(math.ceil(n / r))]
-        for i, rank in enumerate(layout.stage_ranks[s]):
-            p = Program(s)
-            local = layout.local_mbs(s, i)
-            for kind, m in one_f_one_b(local, noam):
-                if kind == "B":
-                    p.backward(m)
-                    p.step(rounds[m // r], replicated=r > 1)
-                elif s == 0:
-                    stage0_version[m] = p.forward(m)
-                else:
-                    p.forward(m, (stage0_version[m] * layout.replicas(0)) // r
-                              if vertical_sync else None)
-            if len(local) < len(rounds):  # no microbatch of its own in the last round
-                p.step(rounds[-1], replicated=r > 1)
-            programs[rank] = p.actions
-            inflight[rank] = min(noam, len(local))
-            versions[rank] = vsync_versions(layout, s) if vertical_sync else noam
-    return build("pipedream-vsync" if vertical_sync else "pipedream", config, programs,
-                 versions, inflight)
+
+    def compute(rank: int) -> Iterator[Action]:
+        s, i = layout.only_stage(rank, name)
+        r, noam, p = layout.replicas(s), layout.noam(s), Program(s)
+        local = layout.local_mbs(s, i)
+        for kind, m in one_f_one_b(local, noam):
+            if kind == "B":
+                yield p.backward(m)
+                q = m // r  # the round of m: microbatches q*r .. q*r + r - 1
+                yield from p.step(range(q * r, min(n, q * r + r)), replicated=r > 1)
+            elif vertical_sync and s > 0:
+                yield p.forward(m, (stage0_version(layout, m) * layout.replicas(0)) // r)
+            else:
+                yield p.forward(m)
+        rounds = math.ceil(n / r)
+        if len(local) < rounds:  # no microbatch of its own in the last round
+            yield from p.step(range((rounds - 1) * r, n), replicated=r > 1)
+
+    ranks = range(layout.num_ranks)
+    versions, inflight = {}, {}
+    for rank in ranks:
+        s, i = layout.only_stage(rank, name)
+        inflight[rank] = min(layout.noam(s), len(layout.local_mbs(s, i)))
+        versions[rank] = vsync_versions(layout, s) if vertical_sync else layout.noam(s)
+    return build(name, config, compute, versions, inflight)
+
+
+def stage0_version(layout: Layout, mb: int) -> int:
+    """The version stage 0 reads for microbatch mb. Its replica steps once per backward, and
+    in 1F1B the forward of its k-th microbatch follows the backward of its (k - w)-th, w being
+    the warm-up: so the version is max(0, k - w + 1)."""
+    r0 = layout.replicas(0)
+    warmup = max(1, min(layout.noam(0), len(layout.local_mbs(0, mb % r0))))
+    return max(0, mb // r0 - warmup + 1)
 
 
 def vsync_versions(layout: Layout, stage: int) -> int:
@@ -59,3 +73,14 @@ def vsync_versions(layout: Layout, stage: int) -> int:
     """
     r0 = layout.replicas(0)
     return math.ceil(r0 * (layout.noam(0) - 1) / layout.replicas(stage)) + 1
+
+
+def _options(layout: Layout, options: Options) -> tuple[Config, dict]:
+    no_options("pipedream", options)
+    return Config(layout), {}
+
+
+register(ScheduleKind(
+    name="pipedream", order=2, generate=generate, options=_options, chunked_steps=False,
+    summary="asynchronous 1F1B with weight stashing: an update after every round",
+    weight_versions=lambda noam: noam, stashed=lambda noam, microbatches: noam))

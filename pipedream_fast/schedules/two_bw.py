@@ -9,30 +9,58 @@ number of workers (and a multiple of every replica count) at most 2 versions are
 
 from __future__ import annotations
 
-from pipedream_fast.ir import Schedule
+import math
+from typing import Any
+from collections.abc import Iterator
+
+from pipedream_fast.ir import Action, Schedule
 from pipedream_fast.schedules.common import Config, Program, build, one_f_one_b
+from pipedream_fast.schedules.layout import Layout
+from pipedream_fast.schedules.registry import Options, ScheduleKind, register
 
 
 def generate(config: Config) -> Schedule:
-    layout, m = config.layout, config.step_microbatches
-    groups = config.groups()
-    programs, inflight = {}, {}
-    for s in range(layout.num_stages):
-        r, noam = layout.replicas(s), layout.noam(s)
-        for i, rank in enumerate(layout.stage_ranks[s]):
-            p = Program(s)
-            local = layout.local_mbs(s, i)
-            last_of_group = {max(mb for mb in local if mb // m == g): g
-                             for g in {mb // m for mb in local}}
-            for kind, mb in one_f_one_b(local, noam):
-                if kind == "F":
-                    p.forward(mb, max(mb // m - 1, 0))
-                    continue
-                p.backward(mb)
-                if mb in last_of_group:
-                    p.step(groups[last_of_group[mb]], replicated=r > 1)
-            for g in sorted(set(range(len(groups))) - set(last_of_group.values())):
-                p.step(groups[g], replicated=r > 1)  # trailing group with none of its own
-            programs[rank] = p.actions
-            inflight[rank] = min(noam, len(local))
-    return build("2bw", config, programs, dict.fromkeys(programs, 2), inflight)
+    layout, m, n = config.layout, config.step_microbatches, config.layout.num_microbatches
+
+    def compute(rank: int) -> Iterator[Action]:
+        s, i = layout.only_stage(rank, "2bw")
+        r, noam, p = layout.replicas(s), layout.noam(s), Program(s)
+        local = layout.local_mbs(s, i)
+        for kind, mb in one_f_one_b(local, noam):
+            if kind == "F":
+                yield p.forward(mb, max(mb // m - 1, 0))
+                continue
+            yield p.backward(mb)
+            g = mb // m
+            if mb + r >= min(n, g * m + m):  # its replica's last microbatch of group g
+                yield from p.step(config.group(g), replicated=r > 1)
+        # A trailing short group with no microbatch of this replica still steps (all-reduce).
+        first_without = (local[-1] // m + 1) if len(local) else 0
+        for g in range(first_without, config.num_groups()):
+            yield from p.step(config.group(g), replicated=r > 1)
+
+    ranks = range(layout.num_ranks)
+    inflight = {}
+    for rank in ranks:
+        s, i = layout.only_stage(rank, "2bw")
+        inflight[rank] = min(layout.noam(s), len(layout.local_mbs(s, i)))
+    return build("2bw", config, compute, dict.fromkeys(ranks, 2), inflight)
+
+
+def _options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
+    if options.local_steps is not None or options.model_replicas is not None:
+        raise ValueError("local_steps and model_replicas apply only to localsgd")
+    reps = [len(r) for r in layout.stage_ranks]
+    workers, lcm = layout.num_ranks, math.lcm(*reps)
+    m = options.step_microbatches or math.ceil(workers / lcm) * lcm
+    if m < workers or m % lcm:
+        raise ValueError(f"2bw needs step_microbatches >= the number of workers ({workers}) "
+                         f"and a multiple of every replica count {reps}, so that at most 2 "
+                         f"weight versions are live; got {m}")
+    return Config(layout, step_microbatches=m), {"step_microbatches": m}
+
+
+register(ScheduleKind(
+    name="2bw", order=4, generate=generate, options=_options,
+    summary="PipeDream-2BW: double-buffered weights, an update every step_microbatches",
+    weight_versions=lambda noam: 2, stashed=lambda noam, microbatches: noam))
