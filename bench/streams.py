@@ -89,7 +89,7 @@ def rss_mib(pid: int) -> float:
 def part2(seconds: float) -> list[str]:
     command = [sys.executable, "-m", "pipedream_fast.cli", "train", "--model", "cnn",
                "--threads", "2", "--schedule", "pipedream", "--steps", "1000000",
-               "--batch-size", "32", "--log-every", "100"]
+               "--batch-size", "32", "--log-every", "20"]
     began = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
@@ -108,7 +108,7 @@ def part2(seconds: float) -> list[str]:
             now = time.perf_counter() - began
             if first_loss is not None and now >= next_sample:
                 samples.append((now, rss_mib(proc.pid), last_line))
-                next_sample = now + seconds / 8
+                next_sample = now + seconds / 10
             time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGKILL)
@@ -124,7 +124,7 @@ def part2(seconds: float) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=60.0, help="how long part 2 trains")
+    parser.add_argument("--seconds", type=float, default=150.0, help="how long part 2 trains")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     header = [
