@@ -30,7 +30,7 @@ from pipedream_fast.tracing import trace as trace_model
 from pipedream_fast.training import (MicrobatchFeed, build_schedule, check_plan_fits,
                                      check_runtime_fits,
                                      check_trainable, data_sources, feed_uses, named_state,
-                                     original_names, stage_runtime)
+                                     original_names, resolve_schedule, stage_runtime)
 
 
 class LocalPipeline:
@@ -41,7 +41,7 @@ class LocalPipeline:
                  chunks: int = 1, timeout: float = 300.0, trace: bool = False) -> None:
         check_trainable(schedule)
         self.plan = Plan.load(plan) if isinstance(plan, str) else plan
-        self.schedule_name = schedule
+        self.schedule_name = resolve_schedule(schedule, self.plan)
         self.chunks = chunks
         self.timeout = timeout
         self.trace = trace

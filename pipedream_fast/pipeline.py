@@ -35,7 +35,8 @@ from pipedream_fast.schedules import SYNCHRONOUS, kind
 from pipedream_fast.training import (MicrobatchFeed, StepTracker, build_schedule, check_backend,
                                      check_plan_fits, check_runtime_fits, check_trainable,
                                      data_sources, feed_uses, model_fingerprint, named_state,
-                                     original_names, positional_inputs, stage_runtime)
+                                     original_names, positional_inputs, resolve_schedule,
+                                     stage_runtime)
 
 CHECKPOINT_FORMAT = "pipedream_fast.checkpoint/2"  # /2: one entry per stage the rank holds
 
@@ -86,6 +87,7 @@ class Pipeline:
         self.timeout = timeout
         self.trace = trace
         self.plan = self._resolve_plan(model, plan, example_inputs, leaf_modules)
+        self.schedule_name = resolve_schedule(schedule, self.plan)
         self._names = original_names(model)
         chain = trace_model(model, leaf_modules=leaf_modules)
         self._input_names = chain.input_names
@@ -135,7 +137,7 @@ class Pipeline:
             if self.world_size == 1:
                 blocks = len(trace_model(model, leaf_modules=leaf_modules))
                 plan = Plan(model=type(model).__name__, batch_size=1, workers=1,
-                            schedule=self.schedule_name,
+                            schedule="1f1b" if self.schedule_name == "auto" else self.schedule_name,
                             stages=[StagePlan(0, blocks, 1, (0,), 0.0)],
                             bottleneck_ms=0.0, data_parallel_ms=0.0)
             else:
@@ -148,8 +150,12 @@ class Pipeline:
                 args = positional_inputs(example_inputs, trace_model(model).input_names)
                 profile = profile_model(model, args[0] if len(args) == 1 else args,
                                         batch_size=int(args[0].shape[0]), progress=False)
-                plan = make_plan(profile, Topology.parse(f"{self.world_size}x1e9"),
-                                 schedule=self._planner_schedule())
+                topology = Topology.parse(f"{self.world_size}x1e9")
+                if self.schedule_name == "auto":
+                    from pipedream_fast.planner.choose import choose_schedule
+                    plan = choose_schedule(profile, topology)
+                else:
+                    plan = make_plan(profile, topology, schedule=self._planner_schedule())
             payload[0] = plan.to_dict()
         dist.broadcast_object_list(payload, src=0)
         return Plan.from_dict(payload[0])

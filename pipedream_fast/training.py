@@ -23,9 +23,21 @@ from pipedream_fast.tracing import LayerChain
 
 
 def check_trainable(schedule: str) -> None:
+    if schedule == "auto":
+        return
     if kind(schedule).trainable is False:
         raise ValueError(f"schedule {schedule!r} cannot be trained (simulation only); choose "
-                         f"one of {', '.join(TRAINABLE)}")
+                         f"one of {', '.join(TRAINABLE)}, or auto")
+
+
+def resolve_schedule(schedule: str, plan: Plan) -> str:
+    """`auto` means the plan's schedule (`plan --schedule auto` chose it by simulation)."""
+    if schedule != "auto":
+        return schedule
+    if plan.schedule not in TRAINABLE:
+        raise ValueError(f"schedule='auto' takes the plan's schedule, but the plan names "
+                         f"{plan.schedule!r}; choose one of {', '.join(TRAINABLE)}")
+    return plan.schedule
 
 
 def check_plan_fits(plan: Plan, chain: LayerChain) -> None:
@@ -214,9 +226,10 @@ def check_backend(schedule: Schedule, backend: str) -> None:
     for (src, dst), kinds in sorted(links.items()):
         if len(kinds) > 1:
             what = " and ".join(sorted(kinds))
-            raise ValueError(f"with NCCL, rank {src} would send rank {dst} {what} on separate links, and NCCL matches messages by issue order, not "
-                             f"by tag; this placement runs on gloo (CPU) only for now, or use a "
-                             f"plan with one stage per rank")
+            raise ValueError(f"with NCCL, rank {src} would send rank {dst} {what} on separate "
+                             f"links, and NCCL matches messages by issue order, not by tag; "
+                             f"this placement runs on gloo (CPU) only for now, or use a plan "
+                             f"with one stage per rank")
 
 
 class StepTracker:

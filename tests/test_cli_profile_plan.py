@@ -10,6 +10,7 @@ import pytest
 
 from pipedream_fast import cli
 from pipedream_fast.formats import Plan, Profile
+from pipedream_fast.schedules import TRAINABLE
 
 
 @pytest.fixture(autouse=True)
@@ -74,6 +75,22 @@ def test_plan_options(mlp_profile: Path, tmp_path: Path, extra: list[str]) -> No
         assert all(s.replicas == 1 for s in plan.stages)
     if "data-parallel" in extra:
         assert len(plan.stages) == 1 and plan.stages[0].replicas == 4
+
+
+def test_plan_chooses_the_schedule(mlp_profile: Path, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    assert run("plan", "--profile", mlp_profile, "--topology", "2x1e8", "--schedule", "auto",
+               "--out", out) == 0
+    text = capsys.readouterr().out
+    assert "schedules compared" in text and "chosen" in text
+    plan = Plan.load(out)
+    assert plan.schedule in TRAINABLE
+    assert {r["schedule"] for r in plan.extra["schedule_choice"]} == set(TRAINABLE)
+    assert run("plan", "--profile", mlp_profile, "--topology", "2x1e8", "--stages-per-rank",
+               "2", "--schedule", "1f1b", "--quiet", "--out", out) == 0
+    looped = Plan.load(out)
+    assert [s.ranks for s in looped.stages] == [(0,), (1,), (0,), (1,)]
 
 
 def test_evaluate_an_existing_plan(mlp_profile: Path, tmp_path: Path,

@@ -384,3 +384,44 @@ def test_activation_fallback_without_saved_bytes() -> None:
     assert costs.activations[0, 2] == 7 + 10 + 20
     assert costs.activations[1, 3] == 10 + 20 + 30
     assert costs.activations[2, 3] == 20 + 30
+
+
+# ---- choosing the schedule -------------------------------------------------------------------
+
+def two_part_profile(parameter_bytes: int) -> Profile:
+    """Four equal blocks; `parameter_bytes` each decides how dear data parallelism is."""
+    blocks = [BlockProfile(name=f"b{k}", forward_ms=10.0, backward_ms=20.0,
+                           activation_bytes=10**5, parameter_bytes=parameter_bytes,
+                           optimizer_state_bytes=parameter_bytes, extra={"saved_bytes": 10**5})
+              for k in range(4)]
+    return Profile(model="four", batch_size=8, device="cpu", blocks=blocks)
+
+
+def test_the_planner_chooses_a_pipeline_where_gradients_are_dear() -> None:
+    from pipedream_fast.planner.choose import choose_schedule
+    plan = choose_schedule(two_part_profile(10**8), Topology.parse("2x1e8"))
+    rows = {r["schedule"]: r for r in plan.extra["schedule_choice"]}
+    assert plan.schedule != "data-parallel" and len(plan.stages) > 1
+    assert rows["data-parallel"]["samples_per_s"] < rows[plan.schedule]["samples_per_s"]
+    assert rows[plan.schedule]["why"].startswith("chosen")
+
+
+def test_the_planner_chooses_data_parallelism_where_gradients_are_cheap() -> None:
+    from pipedream_fast.planner.choose import choose_schedule
+    plan = choose_schedule(two_part_profile(10), Topology.parse("2x1e10"))
+    rows = {r["schedule"]: r for r in plan.extra["schedule_choice"]}
+    best = max(r["samples_per_s"] for r in rows.values() if r["samples_per_s"] is not None)
+    assert rows[plan.schedule]["samples_per_s"] >= 0.99 * best
+    assert len(plan.stages) == 1 and plan.stages[0].replicas == 2  # data parallel wins
+
+
+def test_the_chosen_schedule_fits_the_memory_limit() -> None:
+    from pipedream_fast.planner.choose import choose_schedule
+    profile = two_part_profile(10**8)
+    free = choose_schedule(profile, Topology.parse("2x1e8"))
+    need = max(s.extra["memory_bytes"] for s in free.stages)
+    tight = choose_schedule(profile, Topology.parse("2x1e8", memory_per_worker=need - 1))
+    assert max(s.extra["memory_bytes"] for s in tight.stages) < need
+    assert tight.schedule != free.schedule
+    refused = [r for r in tight.extra["schedule_choice"] if r["samples_per_s"] is None]
+    assert refused and all("per worker" in r["why"] for r in refused)

@@ -17,6 +17,7 @@ from typing import Any
 from pipedream_fast.cli import UsageError
 from pipedream_fast.formats import Plan, Profile
 from pipedream_fast.planner import SCHEDULES, STRATEGIES, evaluate_plan, make_plan
+from pipedream_fast.planner.choose import choose_schedule
 from pipedream_fast.topology import Topology
 
 
@@ -45,8 +46,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--memory-per-worker", type=_byte_count, default=None, metavar="BYTES",
                         help="per-worker memory; plans that do not fit are excluded")
     parser.add_argument("--straight", action="store_true", help="one worker per stage (no replicas)")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="pipedream",
-                        help="decides weight versions and in-flight microbatches (default pipedream)")
+    parser.add_argument("--schedule", choices=SCHEDULES + ("auto",), default="pipedream",
+                        help="decides weight versions and in-flight microbatches (default "
+                             "pipedream); auto: plan every trainable schedule and keep the one "
+                             "the simulator predicts fastest within the memory limit")
     parser.add_argument("--strategy", choices=STRATEGIES, default="dp",
                         help="dp: PipeDream's dynamic program (default); data-parallel; or the "
                              "baselines uniform, params (balance parameters), time (balance time)")
@@ -75,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     profile = Profile.load(args.profile)
     if args.evaluate:
         plan = evaluate_plan(Plan.load(args.evaluate), profile, topology, args.microbatches)
+    elif args.schedule == "auto":
+        plan = choose_schedule(profile, topology, straight=args.straight)
     else:
         plan = make_plan(profile, topology, schedule=args.schedule, straight=args.straight,
                          strategy=args.strategy, microbatches=args.microbatches,
@@ -155,5 +160,14 @@ def print_plan(plan: Plan, profile: Profile) -> None:
     console.print(f"bottleneck: {plan.bottleneck_ms:.2f} ms per minibatch ({at}); "
                   f"data parallel: {plan.data_parallel_ms:.2f} ms; "
                   f"speedup vs data parallel: {plan.speedup_vs_data_parallel:.2f}x")
+    choice = plan.extra.get("schedule_choice")
+    if choice:
+        table = Table(title="schedules compared (simulated, microbatches of the profiled size)")
+        for column in ("schedule", "samples/s", "why"):
+            table.add_column(column, justify="right" if column == "samples/s" else "left")
+        for row in choice:
+            rate = row["samples_per_s"]
+            table.add_row(row["schedule"], "" if rate is None else f"{rate:.1f}", row["why"])
+        console.print(table)
     console.print(f"workers used: {plan.workers}" + (f" ({idle} idle)" if idle else "")
                   + f"; cost model: {plan.extra.get('cost_model', '?')}", highlight=False)

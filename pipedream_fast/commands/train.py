@@ -24,6 +24,7 @@ from pipedream_fast.cli import UsageError
 from pipedream_fast.formats import Plan
 from pipedream_fast.models import BUILTIN_MODELS, build_model
 from pipedream_fast.schedules import TRAINABLE, kind
+from pipedream_fast.training import resolve_schedule
 
 
 def register(subparsers: Any) -> None:
@@ -34,7 +35,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--model", default="cnn", metavar="NAME_OR_MODULE:FACTORY",
                         help=f"built-in ({', '.join(BUILTIN_MODELS)}) or package.module:factory "
                              f"(default: cnn)")
-    parser.add_argument("--schedule", default="pipedream", choices=TRAINABLE)
+    parser.add_argument("--schedule", default="pipedream", choices=TRAINABLE + ("auto",),
+                        help="default pipedream; auto: the planner compares every trainable "
+                             "schedule in the simulator and keeps the fastest (with --plan: the "
+                             "plan's schedule)")
     workers = parser.add_mutually_exclusive_group()
     workers.add_argument("--nproc", type=int, default=None, help="ranks as processes (default 2)")
     workers.add_argument("--threads", type=int, default=None, help="ranks as threads of one process")
@@ -154,11 +158,17 @@ def _plan(args: argparse.Namespace, workers: int) -> Plan:
     print(f"profiling {args.model} at batch size {args.batch_size} ...", flush=True)
     profile = profile_model(module, example, args.batch_size, warmup=1, repeat=3, progress=False,
                             model_name=args.model)
-    strategy = "data-parallel" if args.schedule == "data-parallel" else "dp"
-    v = args.stages_per_rank or (2 if args.schedule == "interleaved-1f1b" else 1)
-    plan = make_plan(profile, Topology.parse(f"{workers}x{args.bandwidth}"),
-                     schedule=kind(args.schedule).plans_as or args.schedule,
-                     straight=args.straight, strategy=strategy, stages_per_rank=v)
+    topology = Topology.parse(f"{workers}x{args.bandwidth}")
+    if args.schedule == "auto":
+        from pipedream_fast.planner.choose import choose_schedule
+        plan = choose_schedule(profile, topology, straight=args.straight)
+        print(f"schedule: {plan.schedule} (fastest predicted of "
+              f"{len(plan.extra['schedule_choice'])} compared)", flush=True)
+    else:
+        strategy = "data-parallel" if args.schedule == "data-parallel" else "dp"
+        v = args.stages_per_rank or (2 if args.schedule == "interleaved-1f1b" else 1)
+        plan = make_plan(profile, topology, schedule=kind(args.schedule).plans_as or args.schedule,
+                         straight=args.straight, strategy=strategy, stages_per_rank=v)
     if plan.workers != workers:
         raise UsageError(f"the best plan for {args.model} uses {plan.workers} of {workers} "
                          f"workers; run with --nproc {plan.workers} or give a --plan")
@@ -181,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--timeout must be positive seconds, got {args.timeout}")
     workers = args.nproc or args.threads or (Plan.load(args.plan).workers if args.plan else 2)
     plan = _plan(args, workers)
+    if args.schedule == "auto":
+        args.schedule = resolve_schedule("auto", plan)
     chunks = args.chunks or (workers if kind(args.schedule).chunked_steps else 1)
     config = {"model": args.model, "batch_size": args.batch_size, "steps": args.steps,
               "log_every": args.log_every,

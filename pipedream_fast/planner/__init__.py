@@ -56,7 +56,7 @@ def smallest_memory(costs: Costs, topology: Topology, memory: MemoryModel,
     have; bisect over those, solving the DP as a feasibility test at each probe.
     """
     valid = np.triu(np.ones_like(costs.params, dtype=bool), k=1)
-    noams = range(1, topology.workers + 1) if memory.schedule in ("pipedream", "2bw", "1f1b") else [1]
+    noams = range(1, topology.workers + 1) if memory.varies_with_noam else [1]
     candidates = np.unique(np.concatenate(
         [dataclasses.replace(memory, limit=None).stage_bytes(costs, n)[valid] for n in noams]))
 

@@ -34,8 +34,10 @@ from typing import overload
 import numpy as np
 
 from pipedream_fast.formats import Profile
+from pipedream_fast.schedules import kind, names
 
-SCHEDULES = ("pipedream", "2bw", "1f1b", "gpipe")
+# Schedules with memory rules of their own; the others plan as one of these (`plans_as`).
+SCHEDULES = tuple(n for n in names() if kind(n).plans_as is None)
 
 
 def ranges(prefix: np.ndarray) -> np.ndarray:
@@ -107,21 +109,26 @@ class MemoryModel:
     microbatches: int = 1  # gpipe: microbatches in flight per minibatch
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.schedule not in names():
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(names())}")
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
 
     @property
-    def depends_on_position(self) -> bool:
+    def varies_with_noam(self) -> bool:
         """Whether a stage's footprint depends on how many workers follow it (NOAM)."""
-        return self.limit is not None and self.schedule != "gpipe"
+        return any(f(1) != f(2) for f in (self.versions, self.in_flight))
 
+    @property
+    def depends_on_position(self) -> bool:
+        return self.limit is not None and self.varies_with_noam
+
+    # The rules themselves are declared with each schedule (`ScheduleKind`).
     def versions(self, noam: int) -> int:
-        return {"pipedream": noam, "2bw": 2}.get(self.schedule, 1)
+        return kind(self.schedule).weight_versions(noam)
 
     def in_flight(self, noam: int) -> int:
-        return self.microbatches if self.schedule == "gpipe" else noam
+        return kind(self.schedule).stashed(noam, self.microbatches)
 
     def stage_bytes(self, costs: Costs, noam: int) -> np.ndarray:
         """(L+1, L+1) bytes one replica of stage [i, j) needs at this NOAM."""

@@ -1,0 +1,86 @@
+"""Choosing the schedule: plan every trainable schedule, predict each plan with the simulator
+running that very schedule, keep the fastest one that fits in memory.
+
+The prediction is samples per second over the same number of microbatches of the profiled
+size for every schedule, so fill and drain count as they will in a run. Every candidate and
+why it won or lost is kept in the plan (`extra["schedule_choice"]`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipedream_fast.formats import Plan, Profile
+from pipedream_fast.schedules import TRAINABLE, kind, make_schedule
+from pipedream_fast.topology import Topology
+
+STEPS = 8  # steps simulated per candidate: enough for the steady state to dominate
+
+
+def _plan_for(name: str, profile: Profile, topology: Topology, straight: bool) -> Plan:
+    from pipedream_fast.planner import make_plan
+
+    if name == "data-parallel":
+        return make_plan(profile, topology, schedule="1f1b", strategy="data-parallel")
+    if name == "interleaved-1f1b":
+        return make_plan(profile, topology, schedule="1f1b", stages_per_rank=2)
+    return make_plan(profile, topology, schedule=kind(name).plans_as or name, straight=straight)
+
+
+def predict(profile: Profile, plan: Plan, name: str, steps: int = STEPS) -> float:
+    """Samples/s of `name` on `plan` in the simulator: `steps` x workers microbatches of the
+    profiled size for every schedule (those that step per minibatch take one microbatch per
+    worker per step), so fill and drain weigh the same for all."""
+    from pipedream_fast.sim import ProfileCosts, simulate
+
+    n = steps * plan.workers
+    options: dict[str, Any] = ({"step_microbatches": plan.workers} if kind(name).chunked_steps
+                               else {})
+    schedule = make_schedule(name, len(plan.stages), n,
+                             stage_ranks=[list(s.ranks) for s in plan.stages], **options)
+    result = simulate(schedule, ProfileCosts.from_plan(profile, plan))
+    return n * profile.batch_size / result.makespan * 1e3
+
+
+def _memory(plan: Plan) -> int:
+    return max(int(s.extra.get("memory_bytes", 0)) for s in plan.stages)
+
+
+def choose_schedule(profile: Profile, topology: Topology, straight: bool = False,
+                    candidates: tuple[str, ...] = TRAINABLE) -> Plan:
+    """The plan of the candidate schedule with the highest predicted throughput among those
+    that fit the memory limit. Candidates within 1% of the best count as a tie, broken in
+    favour of synchronous schedules (exact minibatch SGD), then of less memory per worker.
+    Raises the last PlanningError if no candidate fits."""
+    from pipedream_fast.planner import PlanningError
+
+    rows: list[dict[str, Any]] = []
+    fitting: dict[str, tuple[float, Plan]] = {}
+    error: PlanningError | None = None
+    for name in candidates:
+        try:
+            plan = _plan_for(name, profile, topology, straight)
+            rate = predict(profile, plan, name)
+        except (PlanningError, ValueError) as err:
+            rows.append({"schedule": name, "samples_per_s": None, "why": str(err)})
+            error = err if isinstance(err, PlanningError) else error
+            continue
+        rows.append({"schedule": name, "samples_per_s": rate, "memory_bytes": _memory(plan)})
+        fitting[name] = (rate, plan)
+    if not fitting:
+        raise error or PlanningError("no trainable schedule has a plan for this topology")
+    top = max(rate for rate, _ in fitting.values())
+    tied = [n for n, (rate, _) in fitting.items() if rate >= 0.99 * top]
+    chosen = min(tied, key=lambda n: (not kind(n).synchronous, _memory(fitting[n][1])))
+    rate, plan = fitting[chosen]
+    for row in rows:
+        if row["samples_per_s"] is None:
+            continue
+        if row["schedule"] == chosen:
+            row["why"] = ("chosen: fastest predicted" if len(tied) == 1 else
+                          "chosen among ties within 1%: synchronous first, then least memory")
+        else:
+            row["why"] = f"{row['samples_per_s'] / rate:.2f}x the chosen"
+    plan.schedule = chosen
+    plan.extra["schedule_choice"] = rows
+    return plan
