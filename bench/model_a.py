@@ -20,6 +20,7 @@ import os
 import platform
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,12 @@ def torch_pipelining_rank(rank: int, world: int, split: int, steps: int, chunks:
     stage = PipelineStage(part, rank, world, torch.device("cpu"))
     opt = torch.optim.SGD(part.parameters(), lr=0.01)
     schedule = Schedule1F1B(stage, chunks, loss_fn=nn.functional.cross_entropy)
+    return time_torch_schedule(schedule, opt, rank == 0, rank == world - 1, steps)
+
+
+def time_torch_schedule(schedule: Any, opt: torch.optim.Optimizer, holds_first: bool,
+                        holds_last: bool, steps: int) -> float:
+    """Steady-state samples/s of a torch.distributed.pipelining schedule on this rank."""
     x, y = batch()
     start = 0.0
     for i in range(steps):
@@ -73,10 +80,8 @@ def torch_pipelining_rank(rank: int, world: int, split: int, steps: int, chunks:
             dist.barrier()
             start = time.perf_counter()
         opt.zero_grad()
-        if rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=[])
+        schedule.step(*((x,) if holds_first else ()),
+                      **({"target": y, "losses": []} if holds_last else {}))
         opt.step()
     dist.barrier()
     return BATCH * (steps - WARMUP) / (time.perf_counter() - start)
@@ -84,10 +89,15 @@ def torch_pipelining_rank(rank: int, world: int, split: int, steps: int, chunks:
 
 def pipedream_fast_rank(rank: int, world: int, split: int, steps: int, chunks: int,
                         schedule: str) -> float:
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
     plan = Plan("cnn", BATCH, 2, schedule, [StagePlan(0, split, 1, (0,), 0.0),
                                              StagePlan(split, 9, 1, (1,), 0.0)], 1.0, 1.0)
+    return train_with_plan(plan, steps, chunks, schedule)
+
+
+def train_with_plan(plan: Plan, steps: int, chunks: int, schedule: str) -> float:
+    """Steady-state samples/s of model A under `plan` on this rank (1 thread)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
     pipe = Pipeline(build_cnn(), nn.functional.cross_entropy,
                     lambda ps: torch.optim.SGD(ps, lr=0.01), plan=plan, schedule=schedule,
                     chunks=chunks)

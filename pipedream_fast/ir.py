@@ -25,6 +25,10 @@ model replica. At any moment the *newest* version exists; older versions exist o
 - BACKWARD(stage, mb, version=v): must name the same v as its FORWARD (weight stashing). The
   last stage starts from the loss of mb (targets from the same loader). Its weight gradient
   is *added* to the gradient buffer of (stage, copy).
+- BACKWARD_INPUT then BACKWARD_WEIGHT(stage, mb, version=v): the same backward in two parts
+  (zero-bubble schedules). The input part needs the output gradient and makes the input
+  gradient (what SEND_GRAD sends); the weight part, after it, adds the weight gradient and
+  ends the microbatch on the stage. A microbatch's backward is either one B or an I and a W.
 - SNAPSHOT(version=v): v, the newest version, must survive the next update. (A ring buffer
   does this by writing the next version into a fresh slot; copying v aside also works.)
 - RELEASE(version=v): a retained v is no longer needed; its slot may be reused.
@@ -71,11 +75,12 @@ arrival of its inputs, an all-reduce for all its ranks.
 Text form (one token per action; `Schedule.to_text` adds a header and one line per rank)
 ----------------------------------------------------------------------------------------
     token := STAGE CODE [MB] [DIR PEER] ['@' VERSION] ['c' COPY] [':' MBLIST]
-    CODE  := F | B | sF | rF | sB | rB | AR | U | S | X | AV
+    CODE  := F | B | I | W | sF | rF | sB | rB | AR | U | S | X | AV
     DIR   := '>' (sends) | '<' (receives);  MBLIST := ITEM (',' ITEM)*, ITEM := N | N '-' N
 
     0F3@1      stage 0 forward of microbatch 3 on weight version 1
     0B3@1      stage 0 backward of microbatch 3 on version 1
+    0I3@1 0W3@1  the same backward split: input gradient, then weight gradient
     0sF3>1     stage 0 sends mb 3's activation to rank 1;  1rF3<0  stage 1 receives it from rank 0
     1sB3>0     stage 1 sends mb 3's input gradient to rank 0;  0rB3<1  stage 0 receives it
     0AR@2      all-reduce stage 0's gradients among its replicas (for version 2)
@@ -131,15 +136,22 @@ class KindSpec:
     code: str
     microbatch: bool
     version: bool
+    trace: str  # the name of its slices in Chrome/Perfetto traces
     compute: bool = False
     tensor: str | None = None
     sends: bool = False
     timing: str = "bookkeeping"
+    # Compute kinds: what part of a microbatch's work on a stage they do.
+    needs_output_grad: bool = False  # a backward part that starts from the output gradient
+    makes_input_grad: bool = False   # ... and produces the input gradient (sent upstream)
+    ends_microbatch: bool = False    # adds the weight gradient and frees the stash
 
 
 class ActionKind(str, Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
+    BACKWARD_INPUT = "backward_input"
+    BACKWARD_WEIGHT = "backward_weight"
     SEND_ACT = "send_act"
     RECV_ACT = "recv_act"
     SEND_GRAD = "send_grad"
@@ -165,22 +177,29 @@ class ActionKind(str, Enum):
 
 K = ActionKind
 KIND_SPECS: dict[ActionKind, KindSpec] = {
-    K.FORWARD: KindSpec("F", microbatch=True, version=True, compute=True, timing="compute"),
-    K.BACKWARD: KindSpec("B", microbatch=True, version=True, compute=True, timing="compute"),
-    K.SEND_ACT: KindSpec("sF", microbatch=True, version=False, tensor="act", sends=True,
+    K.FORWARD: KindSpec("F", True, True, "F", compute=True, timing="compute"),
+    K.BACKWARD: KindSpec("B", True, True, "B", compute=True, timing="compute",
+                         needs_output_grad=True, makes_input_grad=True, ends_microbatch=True),
+    # Zero-bubble schedules split a backward: I computes the input gradient (so the stage
+    # before can go on), W the weight gradient, later, where the pipeline would idle.
+    K.BACKWARD_INPUT: KindSpec("I", True, True, "I", compute=True, timing="compute",
+                               needs_output_grad=True, makes_input_grad=True),
+    K.BACKWARD_WEIGHT: KindSpec("W", True, True, "W", compute=True, timing="compute",
+                                ends_microbatch=True),
+    K.SEND_ACT: KindSpec("sF", True, False, "send act", tensor="act", sends=True,
                          timing="send"),
-    K.RECV_ACT: KindSpec("rF", microbatch=True, version=False, tensor="act", timing="post"),
-    K.SEND_GRAD: KindSpec("sB", microbatch=True, version=False, tensor="grad", sends=True,
+    K.RECV_ACT: KindSpec("rF", True, False, "recv act", tensor="act", timing="post"),
+    K.SEND_GRAD: KindSpec("sB", True, False, "send grad", tensor="grad", sends=True,
                           timing="send"),
-    K.RECV_GRAD: KindSpec("rB", microbatch=True, version=False, tensor="grad", timing="post"),
-    K.ALLREDUCE: KindSpec("AR", microbatch=False, version=True, timing="collective"),
-    K.OPTIMIZER_STEP: KindSpec("U", microbatch=False, version=True, timing="update"),
-    K.SNAPSHOT: KindSpec("S", microbatch=False, version=True),
-    K.RELEASE: KindSpec("X", microbatch=False, version=True),
-    K.AVERAGE: KindSpec("AV", microbatch=False, version=True, timing="update"),
+    K.RECV_GRAD: KindSpec("rB", True, False, "recv grad", tensor="grad", timing="post"),
+    K.ALLREDUCE: KindSpec("AR", False, True, "allreduce", timing="collective"),
+    K.OPTIMIZER_STEP: KindSpec("U", False, True, "step", timing="update"),
+    K.SNAPSHOT: KindSpec("S", False, True, "snapshot"),
+    K.RELEASE: KindSpec("X", False, True, "release"),
+    K.AVERAGE: KindSpec("AV", False, True, "average", timing="update"),
 }
 _KINDS = {spec.code: kind for kind, spec in KIND_SPECS.items()}
-_TOKEN = re.compile(r"(?P<stage>\d+)(?P<code>sF|rF|sB|rB|AR|AV|F|B|U|S|X)(?P<mb>\d+)?"
+_TOKEN = re.compile(r"(?P<stage>\d+)(?P<code>sF|rF|sB|rB|AR|AV|F|B|I|W|U|S|X)(?P<mb>\d+)?"
                     r"(?:(?P<dir>[<>])(?P<peer>\d+))?(?:@(?P<version>\d+))?(?:c(?P<copy>\d+))?"
                     r"(?::(?P<mbs>\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*))?")
 
@@ -754,6 +773,7 @@ class _Validator:
         """Applies the rules of a's kind (one method per kind that changes rank state)."""
         rules: dict[ActionKind, Callable[[_RankState, int, Action], None]] = {
             K.FORWARD: self.exec_forward, K.BACKWARD: self.exec_backward,
+            K.BACKWARD_INPUT: self.exec_backward_input, K.BACKWARD_WEIGHT: self.exec_backward_weight,
             K.OPTIMIZER_STEP: self.exec_step, K.SNAPSHOT: self.exec_snapshot,
             K.RELEASE: self.exec_release, K.AVERAGE: self.exec_average}
         rules[a.kind](st, i, a)
@@ -777,26 +797,42 @@ class _Validator:
                                    f"the declared max_inflight {self.s.max_inflight[st.rank]}")
 
     def exec_backward(self, st: _RankState, i: int, a: Action) -> None:
+        self.exec_backward_input(st, i, a)
+        self.exec_backward_weight(st, i, a)
+
+    def check_in_flight(self, st: _RankState, i: int, a: Action) -> None:
+        """A backward part needs its forward on this rank, on the same version and copy."""
         key = (a.stage, a.mb)
         if key not in st.in_flight:
             where = self.forward_rank.get(key)
             raise self.fail(st, i, "backward before its forward" if where is None else
                             "backward repeated" if key in self.backward_rank else
                             f"backward on a rank other than its forward's (rank {where})")
-        local = (a.stage + 1, a.mb) in st.backwarded
-        if a.stage < self.s.num_stages - 1 and ("grad", *key) not in st.have and not local:
-            raise self.fail(st, i, "backward before its output gradient arrived: no earlier "
-                                   f"RECV_GRAD of microbatch {a.mb} on this rank")
         version, copy = st.in_flight[key]
         if (a.ver, a.copy) != (version, copy):
             raise self.fail(st, i, f"backward uses weight version {a.ver} (copy {a.copy}) "
                                    f"but its forward used version {version} (copy {copy})")
-        w = st.weights[(a.stage, a.copy)]
-        self.require_live(st, i, w, a.ver)
+        self.require_live(st, i, st.weights[(a.stage, a.copy)], a.ver)
+
+    def exec_backward_input(self, st: _RankState, i: int, a: Action) -> None:
+        key = (a.stage, a.mb)
+        self.check_in_flight(st, i, a)
+        if key in st.backwarded:
+            raise self.fail(st, i, "the input gradient of this microbatch was already made")
+        local = (a.stage + 1, a.mb) in st.backwarded
+        if a.stage < self.s.num_stages - 1 and ("grad", *key) not in st.have and not local:
+            raise self.fail(st, i, "backward before its output gradient arrived: no earlier "
+                                   f"RECV_GRAD of microbatch {a.mb} on this rank")
+        st.backwarded.add(key)  # its input gradient exists: SEND_GRAD may follow
+
+    def exec_backward_weight(self, st: _RankState, i: int, a: Action) -> None:
+        key = (a.stage, a.mb)
+        self.check_in_flight(st, i, a)
+        if key not in st.backwarded:
+            raise self.fail(st, i, "weight gradient before the input gradient (I before W)")
         del st.in_flight[key]
-        st.backwarded.add(key)
         self.backward_rank[key] = st.rank
-        w.pending.add(a.mb)
+        st.weights[(a.stage, a.copy)].pending.add(a.mb)
 
     def exec_step(self, st: _RankState, i: int, a: Action) -> None:
         w = st.weights[(a.stage, a.copy)]

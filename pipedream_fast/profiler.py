@@ -8,6 +8,7 @@ to send gradients upstream, and nothing is double counted across blocks.
 
     cut k-1 ──▶ forward(block k) ──▶ cut k          timed: forward_ms
     grad k-1 ◀── backward(block k) ◀── grad k       timed: backward_ms
+    grad k-1 ◀── input part of it  ◀── grad k       timed: extra backward_input_ms
 
 * Times: median of `repeat` runs after `warmup` runs; wall clock (perf_counter) on CPU, CUDA
   events on the current stream on GPU.
@@ -137,6 +138,19 @@ def _optimizer_state_bytes(chain: LayerChain, inputs: tuple[Any, ...],
     return [sum(per_param.get(id(p), 0) for p in b.module.parameters()) for b in chain.blocks]
 
 
+def _input_part_ms(timer: _Timer, module: nn.Module, inputs: tuple[Any, ...]) -> float:
+    """Time of the input-gradient part of the block's backward alone (what a zero-bubble
+    schedule's BACKWARD_INPUT does; the rest of backward_ms is its weight part)."""
+    leaf_inputs = _detach(inputs)
+    wanted = [t for t in _tensors(leaf_inputs) if t.requires_grad]
+    outputs = [t for t in _tensors(module(*leaf_inputs)) if t.requires_grad]
+    if not wanted or not outputs:
+        return 0.0
+    grads = [torch.ones_like(t) for t in outputs]
+    ms, _ = timer(lambda: torch.autograd.grad(outputs, wanted, grads, allow_unused=True))
+    return float(ms)
+
+
 def _progress(enabled: bool) -> Any:
     """A rich progress bar on stderr (a no-op context when disabled)."""
     if not enabled:
@@ -196,7 +210,7 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
             for k, block in enumerate(chain.blocks):
                 if bar is not None:
                     bar.update(task, description=f"{title}: {block.name}")
-                forward_ms, backward_ms = [], []
+                forward_ms, backward_ms, input_ms = [], [], []
                 outputs: Any = ()
                 for run in range(runs):
                     # timer() calls each lambda at once, inside this iteration, so the loop
@@ -207,14 +221,17 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
                     grads = [torch.ones_like(t) for t in needs_grad]
                     b_ms, _ = timer(lambda: torch.autograd.backward(needs_grad, grads)  # noqa: B023
                                     if needs_grad else None)  # noqa: B023
+                    i_ms = _input_part_ms(timer, block.module, block_inputs[k])
                     if run >= warmup:
                         forward_ms.append(f_ms)
                         backward_ms.append(b_ms)
+                        input_ms.append(i_ms)
                     if bar is not None:
                         bar.advance(task)
                 measured.append((block.name, statistics.median(forward_ms),
                                  statistics.median(backward_ms), _nbytes(_tensors(outputs)),
-                                 _saved_bytes(block.module, block_inputs[k])))
+                                 _saved_bytes(block.module, block_inputs[k]),
+                                 statistics.median(input_ms)))
             if bar is not None:
                 bar.update(task, description=f"{title}: optimizer state")
             optimizer_bytes = _optimizer_state_bytes(chain, inputs, make_optimizer)
@@ -225,11 +242,14 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
             p.grad = grad  # undo what the measuring backward passes accumulated
 
     blocks: list[BlockProfile] = []
-    for (name, f_ms, b_ms, act, saved), block, opt in zip(measured, chain.blocks, optimizer_bytes):
+    for (name, f_ms, b_ms, act, saved, i_ms), block, opt in zip(measured, chain.blocks,
+                                                                optimizer_bytes):
         param_bytes = _nbytes(block.module.parameters())
         blocks.append(BlockProfile(name=name, forward_ms=f_ms, backward_ms=b_ms,
                                    activation_bytes=act, parameter_bytes=param_bytes,
-                                   optimizer_state_bytes=opt, extra={"saved_bytes": saved}))
+                                   optimizer_state_bytes=opt,
+                                   extra={"saved_bytes": saved,
+                                          "backward_input_ms": min(i_ms, b_ms)}))
     return Profile(model=model_name or type(model).__name__, batch_size=batch_size,
                    device=str(dev), blocks=blocks,
                    extra={"optimizer": optimizer_name, "warmup": warmup, "repeat": repeat,

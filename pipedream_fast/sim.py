@@ -59,9 +59,14 @@ class UnitCosts:
     comm: float = 0.0  # every transfer and every all-reduce
     optimizer: float = 0.0
     time_unit: str = "unit"
+    backward_input: float | None = None  # split backward parts (default: half of backward)
+    backward_weight: float | None = None
 
     def compute(self, rank: int, action: Action) -> float:
+        half = self.backward / 2
         return {K.FORWARD: self.forward, K.BACKWARD: self.backward,
+                K.BACKWARD_INPUT: half if self.backward_input is None else self.backward_input,
+                K.BACKWARD_WEIGHT: half if self.backward_weight is None else self.backward_weight,
                 K.OPTIMIZER_STEP: self.optimizer, K.AVERAGE: self.optimizer}.get(action.kind, 0.0)
 
     def transfer(self, action: Action, src: int, dst: int) -> float:
@@ -84,6 +89,9 @@ class ProfileCosts:
     optimizer_ms: float = 0.0
     topology: Topology | None = None
     time_unit: str = "ms"
+    # Per stage, the share of the backward that computes the input gradient (split
+    # backwards); from the profile's backward_input_ms where measured, else one half.
+    input_fraction: tuple[float, ...] = ()
 
     @classmethod
     def from_plan(cls, profile: Profile, plan: Plan, bandwidth: float = 10e9,
@@ -103,7 +111,10 @@ class ProfileCosts:
                    cut_bytes=tuple(p[-1].activation_bytes for p in parts),
                    parameter_bytes=tuple(sum(b.parameter_bytes for b in p) for p in parts),
                    bandwidth=bandwidth, latency_ms=latency_ms, optimizer_ms=optimizer_ms,
-                   topology=topology)
+                   topology=topology,
+                   # The first stage sends no input gradient: its split backward is all weight.
+                   input_fraction=tuple(0.0 if k == 0 else _input_fraction(p)
+                                        for k, p in enumerate(parts)))
 
     def _bandwidth(self, a: int, b: int) -> float:
         return self.topology.bandwidth_between(a, b) if self.topology else self.bandwidth
@@ -113,6 +124,11 @@ class ProfileCosts:
             return self.forward_ms[action.stage]
         if action.kind is K.BACKWARD:
             return self.backward_ms[action.stage]
+        share = self.input_fraction[action.stage] if self.input_fraction else 0.5
+        if action.kind is K.BACKWARD_INPUT:
+            return self.backward_ms[action.stage] * share
+        if action.kind is K.BACKWARD_WEIGHT:
+            return self.backward_ms[action.stage] * (1 - share)
         return self.optimizer_ms if action.kind in (K.OPTIMIZER_STEP, K.AVERAGE) else 0.0
 
     def transfer(self, action: Action, src: int, dst: int) -> float:
@@ -127,6 +143,14 @@ class ProfileCosts:
         slowest = (self.topology.slowest_bandwidth(ranks) if self.topology else self.bandwidth)
         volume = 2 * (r - 1) / r * self.parameter_bytes[stage]
         return volume / slowest * 1e3 + 2 * (r - 1) * self.latency_ms
+
+
+def _input_fraction(blocks: Sequence[Any]) -> float:
+    total = sum(b.backward_ms for b in blocks)
+    if total <= 0:
+        return 0.5
+    split = sum(float(b.extra.get("backward_input_ms", b.backward_ms / 2)) for b in blocks)
+    return min(1.0, split / total)
 
 
 @dataclass(frozen=True)
@@ -240,7 +264,7 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimResult:
                 emit(r, at_allreduce.pop(r), ready, end)
         else:
             ready = now
-            if a.kind.is_compute:
+            if a.kind is K.FORWARD or a.kind.spec.needs_output_grad:
                 key = _tensor(rank, a)
                 if key in posted[rank]:
                     if key not in arrival:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from pipedream_fast.sim import SimResult
 
 _COLORS = {ActionKind.FORWARD: "#7fb3e0", ActionKind.BACKWARD: "#f0a35e",
+           ActionKind.BACKWARD_INPUT: "#f0a35e", ActionKind.BACKWARD_WEIGHT: "#c9dd8a",
            ActionKind.OPTIMIZER_STEP: "#333333", ActionKind.AVERAGE: "#9b59b6",
            ActionKind.ALLREDUCE: "#2ca02c"}
 

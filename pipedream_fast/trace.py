@@ -27,13 +27,6 @@ from pipedream_fast.ir import ActionKind
 if TYPE_CHECKING:
     from pipedream_fast.sim import SimResult
 
-_SHORT = {ActionKind.FORWARD: "F", ActionKind.BACKWARD: "B", ActionKind.SEND_ACT: "send act",
-          ActionKind.RECV_ACT: "recv act", ActionKind.SEND_GRAD: "send grad",
-          ActionKind.RECV_GRAD: "recv grad", ActionKind.ALLREDUCE: "allreduce",
-          ActionKind.OPTIMIZER_STEP: "step", ActionKind.SNAPSHOT: "snapshot",
-          ActionKind.RELEASE: "release", ActionKind.AVERAGE: "average"}
-
-
 @dataclass(frozen=True)
 class TraceEvent:
     rank: int
@@ -48,8 +41,8 @@ class TraceEvent:
     @property
     def name(self) -> str:
         kind = ActionKind(self.kind)
-        short = _SHORT[kind]
-        if kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+        short = kind.spec.trace
+        if kind.is_compute:
             return f"{short}{self.microbatch} v{self.version}"
         if self.microbatch is not None:
             return f"{short} {self.microbatch}"

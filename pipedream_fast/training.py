@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from pipedream_fast.formats import FormatError, Plan
-from pipedream_fast.ir import Action, Schedule, validate
+from pipedream_fast.ir import Action, ActionKind, Schedule, validate
 from pipedream_fast.runtime.stage import OptimizerFactory, StageRuntime
 from pipedream_fast.schedules import TRAINABLE, kind, make_schedule
+from pipedream_fast.schedules.registry import splits_backward
 from pipedream_fast.tracing import LayerChain
 
 
@@ -206,7 +207,7 @@ def stage_runtime(plan: Plan, stage: int, rank: int, module: nn.Module,
                   loss_fn: Callable[[Any, Any], torch.Tensor]) -> StageRuntime:
     return StageRuntime(stage, module, optimizer, slots=schedule.max_versions[rank],
                         is_first=stage == 0, is_last=stage == len(plan.stages) - 1,
-                        loss_fn=loss_fn)
+                        loss_fn=loss_fn, split_backward=splits_backward(schedule.name))
 
 
 def check_backend(schedule: Schedule, backend: str) -> None:
@@ -255,7 +256,7 @@ class StepTracker:
 
     def done(self, action: Action, steps: int) -> list[int]:
         """The steps (< `steps`) this action completes, in order."""
-        if action.kind.is_compute:
+        if action.kind is ActionKind.FORWARD or action.kind.spec.ends_microbatch:
             assert action.microbatch is not None
             step = action.microbatch // self._chunks
             left = self._left.get(step, self._expected(step))

@@ -18,6 +18,7 @@ from pipedream_fast.ir import Schedule
 from pipedream_fast.runtime.executor import Executor
 from pipedream_fast.runtime.stage import StageRuntime
 from pipedream_fast.schedules import looped_ranks, make_schedule
+from pipedream_fast.schedules.registry import splits_backward
 from pipedream_fast.training import MicrobatchFeed, check_backend, data_sources, feed_uses
 from runtime_reference import interpret_schedule, train_reference
 
@@ -63,7 +64,8 @@ def run_fake(schedule: Schedule, ranges: list[tuple[int, int]], steps: int,
         runtimes[rank] = {
             s: StageRuntime(s, copy.deepcopy(nn.Sequential(*children[a:b])), sgd,
                             slots=schedule.max_versions[rank], is_first=s == 0,
-                            is_last=s == last, loss_fn=loss_fn)
+                            is_last=s == last, loss_fn=loss_fn,
+                            split_backward=splits_backward(schedule.name))
             for s in schedule.stages_of(rank) for a, b in [ranges[s]]}
     losses: dict[int, list[float]] = {}
     errors: list[BaseException] = []
@@ -119,7 +121,7 @@ def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 LAYOUTS = {"2-stage": ([0, 4, 8], [[0], [1]]), "2+1": ([0, 4, 8], [[0, 1], [2]]),
            "3-stage": ([0, 2, 5, 8], [[0], [1], [2]])}
-FLUSH = ("gpipe", "1f1b")
+FLUSH = ("gpipe", "1f1b", "zb-h1")
 ASYNC = ("pipedream", "pipedream-vsync", "2bw")
 
 

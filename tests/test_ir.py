@@ -50,7 +50,7 @@ def actions(draw: st.DrawFn) -> Action:
     kind = draw(st.sampled_from(list(ActionKind)))
     stage = draw(st.integers(0, 20))
     small = st.integers(0, 500)
-    if kind in (K.FORWARD, K.BACKWARD):
+    if kind.is_compute:
         return Action(kind, stage, draw(small), version=draw(small), copy=draw(st.integers(0, 3)))
     if kind.is_p2p:
         return Action(kind, stage, draw(small), peer=draw(small))

@@ -21,7 +21,7 @@ from pipedream_fast.schedules import make_schedule
 from runtime_reference import interpret_schedule, train_reference
 
 STEPS, CHUNKS, BATCH = 3, 4, 8
-SCHEDULES = ("gpipe", "1f1b", "pipedream", "pipedream-vsync", "2bw")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream", "pipedream-vsync", "2bw")
 ASYNC = ("pipedream", "pipedream-vsync", "2bw")
 # Layouts: stage block ranges and the ranks of each stage.
 LAYOUTS = {
@@ -139,7 +139,7 @@ def three_ranks() -> dict:
     return launch(train_job, 3, runs, timeout=120)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_flush_schedules_equal_gradient_accumulation(two_ranks, schedule):
     losses, state = two_ranks[0][("2-stage", schedule, "sgd")]
     assert_same_state(state, train_reference(tiny_cnn(), batches(), CHUNKS, loss_fn, optimizer("sgd")))

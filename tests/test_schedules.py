@@ -32,7 +32,7 @@ def configs(draw: st.DrawFn, names=SCHEDULE_NAMES) -> tuple[str, dict]:
     kw: dict = {"num_stages": stages, "num_microbatches": n}
     if name != "localsgd":
         kw["replicas"] = draw(st.lists(st.integers(1, 3), min_size=stages, max_size=stages))
-    if name in ("gpipe", "1f1b", "data-parallel"):
+    if name in ("gpipe", "1f1b", "data-parallel", "zb-h1"):
         kw["step_microbatches"] = draw(st.integers(1, n))
     if name == "2bw":
         lcm, workers = math.lcm(*kw["replicas"]), sum(kw["replicas"])
@@ -94,7 +94,8 @@ def positions(s: Schedule, kinds: set[ActionKind]) -> list[tuple[int, int]]:
 
 MUTABLE = [("gpipe", 3, 6, [1, 2, 1]), ("1f1b", 3, 7, [1, 1, 2]), ("pipedream", 4, 9, None),
            ("pipedream-vsync", 3, 8, [2, 1, 1]), ("2bw", 3, 9, None), ("localsgd", 3, 8, None),
-           ("data-parallel", 1, 6, [3]), ("interleaved-1f1b", 4, 8, None)]
+           ("data-parallel", 1, 6, [3]), ("interleaved-1f1b", 4, 8, None),
+           ("zb-h1", 3, 7, [1, 1, 2])]
 
 
 @pytest.mark.parametrize("name, stages, n, replicas", MUTABLE)
@@ -136,9 +137,9 @@ def test_mutated_copies_are_rejected(name, stages, n, replicas, data) -> None:
     r, i = pick({K.OPTIMIZER_STEP})
     with pytest.raises(ScheduleError):
         validate(mutate(s, r, list(s.actions[r][:i] + s.actions[r][i + 1:])))
-    r, i = pick({K.BACKWARD})
+    r, i = pick({K.BACKWARD, K.BACKWARD_WEIGHT})
     acts = list(s.actions[r])
-    acts[i] = Action(K.BACKWARD, acts[i].stage, acts[i].microbatch,
+    acts[i] = Action(acts[i].kind, acts[i].stage, acts[i].microbatch,
                      version=acts[i].version + 1, copy=acts[i].copy)
     with pytest.raises(ScheduleError, match="its forward used version"):
         validate(mutate(s, r, acts))
@@ -343,3 +344,31 @@ def test_a_window_is_the_prefix_of_the_stream(name: str) -> None:
         # From the first difference on, the window only drains its last microbatches.
         assert all(a.microbatch >= drain for a in short[agree:] if a.microbatch is not None)
         assert agree > len(short) // 2
+
+
+# --- zero bubble ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p, m", [(2, 4), (3, 6), (4, 8), (6, 12)])
+def test_zb_h1_bubble_is_a_third_of_1f1b_at_its_memory(p: int, m: int) -> None:
+    """Equal forward, input-gradient and weight-gradient costs: ZB-H1 idles (p - 1) per step
+    where 1F1B idles 3(p - 1), and no stage stashes more than 1F1B's first stage does."""
+    steps = 3
+    costs = UnitCosts(forward=1, backward=2)  # I and W take half a backward each
+    zb = make_schedule("zb-h1", p, m * steps, step_microbatches=m)
+    plain = make_schedule("1f1b", p, m * steps, step_microbatches=m)
+    work = 3 * m * steps
+    zb_bubble = simulate(zb, costs).makespan - work
+    plain_bubble = simulate(plain, costs).makespan - work
+    assert plain_bubble == pytest.approx(3 * (p - 1) * steps)
+    assert zb_bubble == pytest.approx(plain_bubble / 3)
+    assert max(validate(zb).peak_inflight) == max(validate(plain).peak_inflight) == p
+
+
+def test_zb_h1_splits_every_backward_and_defers_weights() -> None:
+    s = make_schedule("zb-h1", 3, 6)
+    for rank in range(3):
+        kinds = [a.kind for a in s.actions[rank] if a.kind.is_compute]
+        assert K.BACKWARD not in kinds
+        assert kinds.count(K.BACKWARD_INPUT) == kinds.count(K.BACKWARD_WEIGHT) == 6
+    last = [a.to_text() for a in compute(s, 2)]
+    assert last[:4] == ["2F0@0", "2I0@0", "2F1@0", "2I1@0"]  # its weights wait: stage 0 can go on

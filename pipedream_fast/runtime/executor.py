@@ -87,7 +87,7 @@ class Executor:
             if (b.stage, b.copy) == (a.stage, a.copy):
                 if b.kind is K.ALLREDUCE:
                     return True
-                if b.kind is K.BACKWARD:
+                if b.kind.spec.ends_microbatch:
                     return False
         return False
 
@@ -121,18 +121,20 @@ class Executor:
         self._outputs[(a.stage, a.mb)] = outputs
         return None
 
-    def _backward(self, a: Action) -> None:
-        stage = self.stages[a.stage]
-        grads = None
-        if not stage.is_last:
-            consumers = self.schedule.stage_ranks[a.stage + 1]
-            if consumers[a.mb % len(consumers)] == self.rank:
-                # The next stage ran this microbatch on this rank: its input gradients, directly.
-                grads = self.stages[a.stage + 1].take_input_grads(a.mb)
-            else:
-                grads = self._recv(GRADIENT, a.stage, a.mb)
-        stage.backward(a.mb, grads)
-        stage.finish_backward(a.mb)
+    def _output_grads(self, a: Action) -> list[torch.Tensor] | None:
+        """The gradient of a stage's output for a backward (None on the last stage)."""
+        if self.stages[a.stage].is_last:
+            return None
+        consumers = self.schedule.stage_ranks[a.stage + 1]
+        if consumers[a.mb % len(consumers)] == self.rank:
+            # The next stage ran this microbatch on this rank: its input gradients, directly.
+            return self.stages[a.stage + 1].take_input_grads(a.mb)
+        return self._recv(GRADIENT, a.stage, a.mb)
+
+    def _arm_if_complete(self, a: Action) -> None:
+        buckets = self.stages[a.stage].buckets
+        if buckets is not None and self._completes_gradients(a):
+            buckets.arm()
 
     def _send_act(self, a: Action) -> None:
         outputs = self._outputs.pop((a.stage, a.mb))
@@ -160,15 +162,21 @@ class Executor:
             self.stats.wait_s += time.perf_counter() - start
         self.stages[a.stage].step(a.ver, a.microbatches)
 
-    def _backward_action(self, a: Action) -> None:
-        buckets = self.stages[a.stage].buckets
-        if buckets is not None and self._completes_gradients(a):
-            buckets.arm()
-        self._backward(a)
+    def _backward(self, a: Action) -> None:
+        self._arm_if_complete(a)
+        self.stages[a.stage].backward(a.mb, self._output_grads(a))
+
+    def _backward_input(self, a: Action) -> None:
+        self.stages[a.stage].backward_input(a.mb, self._output_grads(a))
+
+    def _backward_weight(self, a: Action) -> None:
+        self._arm_if_complete(a)
+        self.stages[a.stage].backward_weight(a.mb)
 
     def _handlers(self) -> dict[ActionKind, Callable[[Action], Any]]:
         """How this executor performs each action kind: one entry per kind of the IR."""
-        return {K.FORWARD: self._forward, K.BACKWARD: self._backward_action,
+        return {K.FORWARD: self._forward, K.BACKWARD: self._backward,
+                K.BACKWARD_INPUT: self._backward_input, K.BACKWARD_WEIGHT: self._backward_weight,
                 K.SEND_ACT: self._send_act, K.SEND_GRAD: self._send_grad,
                 K.RECV_ACT: lambda a: self._post(ACTIVATION, a),
                 K.RECV_GRAD: lambda a: self._post(GRADIENT, a),

@@ -4,6 +4,7 @@
     forward(mb, v):  on the live parameters if v is the newest and not retained,
                      else on the ring's tensors of v (torch.func.functional_call)
     backward(mb):    autograd on the graph its forward built, so it sees the forward's version
+                     (or in two parts, input then weight gradient: `split_backward`)
     every version's `.grad` is a view of the ring's flat gradient buffers, so all backward
     passes accumulate into one resident buffer that the optimizer reads and the all-reduce sends.
 """
@@ -19,6 +20,8 @@ from torch import nn
 
 from pipedream_fast import _C
 from pipedream_fast.runtime.buckets import GradientBuckets
+from pipedream_fast.runtime.split_backward import (Call, CallRecorder, input_part, splittable,
+                                                   weight_part)
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -29,7 +32,10 @@ class InFlight:
 
     inputs: tuple[Any, ...]         # leaves that need an input gradient (received tensors)
     outputs: tuple[torch.Tensor, ...]  # the tensors backward starts from
-    input_grads: list[torch.Tensor] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)  # recorded for a split backward
+    roots: list[torch.Tensor] = field(default_factory=list)  # kept from the input part
+    root_grads: list[torch.Tensor] | None = None
+    weights_done: bool = False
 
 
 def _floats(values: Sequence[Any]) -> list[torch.Tensor]:
@@ -41,7 +47,8 @@ class StageRuntime:
 
     def __init__(self, stage: int, module: nn.Module, optimizer_factory: OptimizerFactory | None,
                  slots: int, is_first: bool, is_last: bool,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> None:
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                 split_backward: bool = False) -> None:
         self.stage = stage
         self.module = module
         self.is_first = is_first
@@ -52,6 +59,8 @@ class StageRuntime:
         self.params = [p for _, p in named]
         self.newest = 0
         self.inflight: dict[int, InFlight] = {}
+        self.input_grads: dict[int, list[torch.Tensor]] = {}  # made, not yet taken
+        self.recorder = CallRecorder(module) if split_backward else None
         self.ring: _C.WeightRing | None = None
         self.grads: list[torch.Tensor] = []
         self.optimizer: torch.optim.Optimizer | None = None
@@ -108,7 +117,14 @@ class StageRuntime:
         if not self.is_first:
             for t in _floats(inputs):
                 t.requires_grad_(True)
-        out = self._call(version, inputs)
+        calls: list[Call] = []
+        if self.recorder is not None:
+            self.recorder.recording = calls
+        try:
+            out = self._call(version, inputs)
+        finally:
+            if self.recorder is not None:
+                self.recorder.recording = None
         if self.is_last:
             assert self.loss_fn is not None
             loss = self.loss_fn(out, target)
@@ -116,30 +132,55 @@ class StageRuntime:
         else:
             outputs = out if isinstance(out, tuple) else (out,)
         grad_inputs = () if self.is_first else tuple(_floats(inputs))
-        self.inflight[microbatch] = InFlight(grad_inputs, tuple(outputs))
+        self.inflight[microbatch] = InFlight(grad_inputs, tuple(outputs), calls)
         return outputs
 
-    def backward(self, microbatch: int, output_grads: Sequence[torch.Tensor] | None) -> None:
-        state = self.inflight[microbatch]
+    def _roots(self, state: InFlight, output_grads: Sequence[torch.Tensor] | None
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Where backward starts: the loss, or the outputs that need a gradient, with theirs."""
         if self.is_last:
-            roots, grads = list(state.outputs), None
-        else:
-            assert output_grads is not None
-            pairs = [(o, g) for o, g in zip(_floats(state.outputs), output_grads) if o.requires_grad]
-            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+            return list(state.outputs), None
+        assert output_grads is not None
+        pairs = [(o, g) for o, g in zip(_floats(state.outputs), output_grads) if o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def backward(self, microbatch: int, output_grads: Sequence[torch.Tensor] | None) -> None:
+        """The whole backward of a microbatch; it ends the microbatch on this stage."""
+        state = self.inflight.pop(microbatch)
+        roots, grads = self._roots(state, output_grads)
         if roots:
             torch.autograd.backward(roots, grads)
-        state.input_grads = [t.grad if t.grad is not None else torch.zeros_like(t)
-                             for t in state.inputs]
-        state.outputs = ()
+        if not self.is_first:
+            self.input_grads[microbatch] = [t.grad if t.grad is not None else torch.zeros_like(t)
+                                            for t in state.inputs]
+
+    def backward_input(self, microbatch: int, output_grads: Sequence[torch.Tensor] | None) -> None:
+        """The input-gradient part of a split backward (see `split_backward`)."""
+        state = self.inflight[microbatch]
+        roots, grads = self._roots(state, output_grads)
+        state.roots, state.root_grads = roots, grads
+        if self.is_first or not roots:
+            return  # nothing upstream waits: the weight part does the backward
+        if splittable(state.calls):
+            self.input_grads[microbatch] = input_part(roots, grads, state.inputs)
+            return
+        torch.autograd.backward(roots, grads)  # cannot split: all of it now
+        state.weights_done = True
+        self.input_grads[microbatch] = [t.grad if t.grad is not None else torch.zeros_like(t)
+                                        for t in state.inputs]
+
+    def backward_weight(self, microbatch: int) -> None:
+        """The weight-gradient part; it ends the microbatch on this stage."""
+        state = self.inflight.pop(microbatch)
+        if state.weights_done or not state.roots:
+            return
+        if self.is_first:
+            torch.autograd.backward(state.roots, state.root_grads)
+        else:
+            weight_part(state.calls, state.roots, state.root_grads)
 
     def take_input_grads(self, microbatch: int) -> list[torch.Tensor]:
-        return self.inflight.pop(microbatch).input_grads
-
-    def finish_backward(self, microbatch: int) -> None:
-        """Drops a backward's state when no gradient is sent (the first stage)."""
-        if self.is_first:
-            self.inflight.pop(microbatch, None)
+        return self.input_grads.pop(microbatch)
 
     def step(self, version: int, microbatches: Sequence[int]) -> None:
         """Averages the accumulated gradients over `microbatches`, updates, clears them."""

@@ -84,6 +84,15 @@ class Program:
         version, copy = self.used.pop(mb)
         return backward(self.stage, mb, version, copy)
 
+    def backward_input(self, mb: int) -> Action:
+        """The input-gradient part of a split backward (its weight part follows later)."""
+        version, copy = self.used[mb]
+        return Action(K.BACKWARD_INPUT, self.stage, mb, version=version, copy=copy)
+
+    def backward_weight(self, mb: int) -> Action:
+        version, copy = self.used.pop(mb)
+        return Action(K.BACKWARD_WEIGHT, self.stage, mb, version=version, copy=copy)
+
     def step(self, mbs: Iterable[int], replicated: bool, copy: int = 0) -> list[Action]:
         version = self.newest.get(copy, 0) + 1
         self.newest[copy] = version

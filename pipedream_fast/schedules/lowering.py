@@ -99,7 +99,8 @@ class _Retention:
             if b.kind is K.AVERAGE or (b.kind is K.OPTIMIZER_STEP and b.copy == copy):
                 break
             if b.copy == copy and b.version == version:
-                inflight += 1 if b.kind is K.FORWARD else -1 if b.kind is K.BACKWARD else 0
+                inflight += (1 if b.kind is K.FORWARD else
+                             -1 if b.kind.spec.ends_microbatch else 0)
         else:
             return False  # never superseded
         if inflight > 0:
@@ -132,7 +133,7 @@ class _Retention:
                     yield Action(K.SNAPSHOT, s, version=v, copy=c)
             self.inflight[key] = self.inflight.get(key, 0) + 1
             yield a
-        elif a.kind is K.BACKWARD:
+        elif a.kind.spec.ends_microbatch:  # a backward, or the weight part of a split one
             assert v is not None
             key = (s, c, v)
             self.inflight[key] = self.inflight.get(key, 0) - 1
@@ -209,7 +210,7 @@ def add_communication(rank: int, actions: Iterable[Action], layout: Layout) -> I
         if a.kind is K.FORWARD and s < last and (peer := layout.rank_of(s + 1, mb)) != rank:
             recvs.append(Action(K.RECV_GRAD, s, mb, peer=peer))
             sends.append(Action(K.SEND_ACT, s, mb, peer=peer))
-        if a.kind is K.BACKWARD and s > 0 and (dst := layout.rank_of(s - 1, mb)) != rank:
+        if a.kind.spec.makes_input_grad and s > 0 and (dst := layout.rank_of(s - 1, mb)) != rank:
             sends.append(Action(K.SEND_GRAD, s, mb, peer=dst))
     yield from recvs + sends + held
 

@@ -44,6 +44,8 @@ class ScheduleKind:
     weight_versions(noam) and stashed(noam, microbatches_per_step): the planner's memory
       rules per stage, with noam = ceil(workers from the stage on / its replicas).
     period(config): microbatches after which the steady state repeats (validation windows).
+    split_backward: it splits backwards into input and weight parts (stages record the calls
+      of their modules for that).
     """
 
     name: str
@@ -57,6 +59,7 @@ class ScheduleKind:
     trainable: bool = True
     chunked_steps: bool = True
     plans_as: str | None = None
+    split_backward: bool = False
     period: Callable[[Config], int] = field(
         default=lambda c: math.lcm(c.step_microbatches,
                                    *(len(r) for r in c.layout.stage_ranks)))
@@ -76,6 +79,12 @@ def names(trainable: bool = False) -> tuple[str, ...]:
     """Registered schedule names in display order (only trainable ones if asked)."""
     kinds = sorted(_KINDS.values(), key=lambda k: (k.order, k.name))
     return tuple(k.name for k in kinds if k.trainable or not trainable)
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule `name` splits backwards (False for names not registered, such as
+    hand-written schedules, which use whole backwards unless they say otherwise)."""
+    return name in _KINDS and _KINDS[name].split_backward
 
 
 def kind(name: str) -> ScheduleKind:
