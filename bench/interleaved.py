@@ -82,7 +82,7 @@ def predicted(profile: Profile, plan: Plan, schedule: str, chunks: int, steps: i
 
     sched = make_schedule(schedule, len(plan.stages), chunks * steps,
                           stage_ranks=[list(s.ranks) for s in plan.stages],
-                          step_microbatches=chunks)
+                          chunks=chunks)
     result = simulate(sched, ProfileCosts.from_plan(profile, plan, bandwidth=1.25e9))
     return BATCH * steps / result.makespan * 1e3
 

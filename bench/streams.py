@@ -39,7 +39,7 @@ WALK = 20_000
 def schedule_kwargs(name: str) -> dict:
     kw: dict = {"num_stages": 4}
     if kind(name).chunked_steps:
-        kw["step_microbatches"] = 4
+        kw["chunks"] = 4
     if name == "interleaved-1f1b":
         kw["stages_per_rank"] = 2
     if name == "data-parallel":

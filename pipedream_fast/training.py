@@ -196,7 +196,7 @@ def build_schedule(plan: Plan, name: str, steps: int, chunks: int) -> Schedule:
     as a stream (nothing is generated before the run walks it)."""
     kwargs: dict[str, Any] = {"stage_ranks": [list(s.ranks) for s in plan.stages]}
     if kind(name).chunked_steps:
-        kwargs["step_microbatches"] = chunks  # one update per minibatch
+        kwargs["chunks"] = chunks  # one update per minibatch
     schedule = make_schedule(name, len(plan.stages), steps * chunks, **kwargs)
     validate(schedule)  # proven on its window before any rank runs it
     return schedule

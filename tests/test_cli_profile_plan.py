@@ -65,7 +65,7 @@ def test_profile_then_plan_on_the_skip_model(tmp_path: Path, capsys: pytest.Capt
 
 @pytest.mark.parametrize("extra", [["--straight"], ["--strategy", "time"], ["--strategy", "uniform"],
                                    ["--strategy", "data-parallel"], ["--schedule", "gpipe",
-                                                                     "--microbatches", "4"]])
+                                                                     "--chunks", "4"]])
 def test_plan_options(mlp_profile: Path, tmp_path: Path, extra: list[str]) -> None:
     out = tmp_path / "plan.json"
     assert run("plan", "--profile", mlp_profile, "--topology", "4x1e9", "--workers", "4",

@@ -55,9 +55,9 @@ def test_json_and_files(run, tmp_path) -> None:
 
 def test_custom_costs_and_schedule_options(run) -> None:
     code, out, _ = run("--schedule", "1f1b", "--stages", "3", "--microbatches", "8",
-                       "--replicas", "2,1,1", "--step-microbatches", "4", "--forward-cost", "1",
+                       "--replicas", "2,1,1", "--chunks", "4", "--forward-cost", "1",
                        "--backward-cost", "2", "--comm-cost", "0.5", "--json")
-    expected = simulate(make_schedule("1f1b", 3, 8, replicas=[2, 1, 1], step_microbatches=4),
+    expected = simulate(make_schedule("1f1b", 3, 8, replicas=[2, 1, 1], chunks=4),
                         UnitCosts(1, 2, 0.5))
     assert code == 0 and json.loads(out)["makespan"] == pytest.approx(expected.makespan)
     code, out, _ = run("--schedule", "localsgd", "--stages", "3", "--microbatches", "12",
@@ -67,7 +67,7 @@ def test_custom_costs_and_schedule_options(run) -> None:
 
 def test_interleaved_stages_per_rank(run) -> None:
     code, out, _ = run("--schedule", "interleaved-1f1b", "--stages", "4", "--stages-per-rank",
-                       "2", "--microbatches", "8", "--step-microbatches", "4", "--forward-cost",
+                       "2", "--microbatches", "8", "--chunks", "4", "--forward-cost",
                        "0.5", "--backward-cost", "0.5", "--json")
     data = json.loads(out)
     assert code == 0 and [r["stages"] for r in data["per_rank"]] == [[0, 2], [1, 3]]

@@ -130,7 +130,7 @@ ASYNC = ("pipedream", "pipedream-vsync", "2bw")
 def test_every_schedule_equals_its_reference(name: str, layout: str) -> None:
     bounds, stage_ranks = LAYOUTS[layout]
     steps = 3
-    kw = {"step_microbatches": CHUNKS} if name in FLUSH + ("2bw",) else {}
+    kw = {"chunks": CHUNKS} if name in FLUSH + ("2bw",) else {}
     schedule = make_schedule(name, len(stage_ranks), steps * CHUNKS, stage_ranks=stage_ranks,
                              **kw)
     got, losses = run_fake(schedule, split(bounds), steps)
@@ -147,7 +147,7 @@ def test_interleaved_1f1b_equals_gradient_accumulation(ranks: int, v: int,
                                                        bounds: list[int]) -> None:
     steps, m = 3, 2 * ranks
     schedule = make_schedule("interleaved-1f1b", ranks * v, steps * m,
-                             stage_ranks=looped_ranks(ranks * v, v), step_microbatches=m)
+                             stage_ranks=looped_ranks(ranks * v, v), chunks=m)
     assert all(len(schedule.stages_of(r)) == v for r in range(ranks))
     got, losses = run_fake(schedule, split(bounds), steps, chunks=m, batch=4 * m)
     assert_same(got, train_reference(deep_mlp(), batches(steps, 4 * m), m, loss_fn, sgd))

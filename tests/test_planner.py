@@ -363,9 +363,9 @@ def test_straight_hierarchical_without_enough_blocks_is_a_clear_error() -> None:
 def test_gpipe_footprint_counts_all_microbatches() -> None:
     profile = Profile(model="m", batch_size=1, device="cpu",
                       blocks=[BlockProfile("a", 1.0, 1.0, 0, 100, 0, extra={"saved_bytes": 10})])
-    plan = make_plan(profile, Topology.parse("1x1e9"), schedule="gpipe", microbatches=7)
+    plan = make_plan(profile, Topology.parse("1x1e9"), schedule="gpipe", chunks=7)
     assert plan.stages[0].extra["memory_bytes"] == 2 * 100 + 7 * 10
-    assert plan.extra["microbatches"] == 7
+    assert plan.extra["chunks"] == 7
 
 
 def test_dp_tables_ignore_context_without_a_memory_limit() -> None:

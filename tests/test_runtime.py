@@ -103,7 +103,7 @@ def reference_async(layout: str, schedule: str, opt: str) -> dict[str, torch.Ten
     plan = plan_for(layout)
     sched = make_schedule(schedule, len(plan.stages), STEPS * CHUNKS,
                           stage_ranks=[list(s.ranks) for s in plan.stages],
-                          **({"step_microbatches": CHUNKS} if schedule == "2bw" else {}))
+                          **({"chunks": CHUNKS} if schedule == "2bw" else {}))
     mbs = [(x, y) for bx, by in batches() for x, y in zip(bx.chunk(CHUNKS), by.chunk(CHUNKS))]
     finals = interpret_schedule(sched, stage_modules(layout), mbs, loss_fn, optimizer(opt))
     full = {}

@@ -26,17 +26,17 @@ def configs(draw: st.DrawFn, names=SCHEDULE_NAMES) -> tuple[str, dict]:
         p, v = draw(st.integers(1, 4)), draw(st.integers(1, 3))
         m = p * draw(st.integers(1, 3))
         return name, {"num_stages": p * v, "num_microbatches": m * draw(st.integers(1, 3)),
-                      "stages_per_rank": v, "step_microbatches": m}
+                      "stages_per_rank": v, "chunks": m}
     stages = 1 if name == "data-parallel" else draw(st.integers(1, 5))
     n = draw(st.integers(1, 24))
     kw: dict = {"num_stages": stages, "num_microbatches": n}
     if name != "localsgd":
         kw["replicas"] = draw(st.lists(st.integers(1, 3), min_size=stages, max_size=stages))
     if name in ("gpipe", "1f1b", "data-parallel", "zb-h1"):
-        kw["step_microbatches"] = draw(st.integers(1, n))
+        kw["chunks"] = draw(st.integers(1, n))
     if name == "2bw":
         lcm, workers = math.lcm(*kw["replicas"]), sum(kw["replicas"])
-        kw["step_microbatches"] = lcm * draw(st.integers(math.ceil(workers / lcm),
+        kw["chunks"] = lcm * draw(st.integers(math.ceil(workers / lcm),
                                                          math.ceil(workers / lcm) + 2))
     if name == "localsgd":
         kw["local_steps"] = draw(st.integers(1, 3))
@@ -102,7 +102,7 @@ MUTABLE = [("gpipe", 3, 6, [1, 2, 1]), ("1f1b", 3, 7, [1, 1, 2]), ("pipedream", 
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
 def test_mutated_copies_are_rejected(name, stages, n, replicas, data) -> None:
-    kw = ({"stages_per_rank": 2, "step_microbatches": 4} if name == "interleaved-1f1b"
+    kw = ({"stages_per_rank": 2, "chunks": 4} if name == "interleaved-1f1b"
           else {"replicas": replicas})
     s = make_schedule(name, stages, n, **kw)
     validate(s)
@@ -172,7 +172,7 @@ def test_dropped_snapshot_is_rejected() -> None:
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "data-parallel"])
 def test_flush_schedules_step_once_per_minibatch(name: str) -> None:
     stages, replicas = (1, [3]) if name == "data-parallel" else (3, [2, 1, 1])
-    s = make_schedule(name, stages, 12, replicas=replicas, step_microbatches=4)
+    s = make_schedule(name, stages, 12, replicas=replicas, chunks=4)
     for rank in range(s.num_ranks):
         steps = [a for a in s.actions[rank] if a.kind is K.OPTIMIZER_STEP]
         assert [a.microbatches for a in steps] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
@@ -223,7 +223,7 @@ def test_vertical_sync_reads_stage_zero_versions() -> None:
 @pytest.mark.parametrize("replicas, m", [(None, 3), (None, 5), ([2, 2], 4), ([1, 3], 6)])
 def test_2bw_double_buffering(replicas, m) -> None:
     stages = 3 if replicas is None else 2
-    s = make_schedule("2bw", stages, 40, replicas=replicas, step_microbatches=m)
+    s = make_schedule("2bw", stages, 40, replicas=replicas, chunks=m)
     for (_, mb), version in forward_versions(s).items():
         assert version == max(mb // m - 1, 0)  # W(t+1) = W(t) - lr * grad f(W(t-1))
     report = validate(s)
@@ -262,16 +262,16 @@ def test_custom_stage_ranks() -> None:
     (lambda: make_schedule("zero-bubble", 2, 4), "unknown schedule"),
     (lambda: make_schedule("gpipe", 2, 4, replicas=[1]), "one count"),
     (lambda: make_schedule("gpipe", 2, 4, local_steps=2), "only to localsgd"),
-    (lambda: make_schedule("pipedream", 2, 4, step_microbatches=2), "takes no step_microbatches"),
-    (lambda: make_schedule("2bw", 3, 9, step_microbatches=2), "at most 2"),
-    (lambda: make_schedule("2bw", 2, 9, replicas=[2, 1], step_microbatches=3), "multiple"),
+    (lambda: make_schedule("pipedream", 2, 4, chunks=2), "takes no chunks"),
+    (lambda: make_schedule("2bw", 3, 9, chunks=2), "at most 2"),
+    (lambda: make_schedule("2bw", 2, 9, replicas=[2, 1], chunks=3), "multiple"),
     (lambda: make_schedule("localsgd", 2, 4, replicas=[2, 1]), "model_replicas"),
     (lambda: make_schedule("data-parallel", 3, 4), "--stages 1 --replicas W"),
     (lambda: make_schedule("gpipe", 2, 4, stage_ranks=[[0], [2]]), "must use every rank"),
     (lambda: make_schedule("gpipe", 2, 4, stage_ranks=[[0], [0]]), "one stage per rank"),
     (lambda: make_schedule("interleaved-1f1b", 4, 8, stage_ranks=[[0], [0], [1], [1]]),
      "looped placement"),
-    (lambda: make_schedule("interleaved-1f1b", 4, 6, stages_per_rank=2, step_microbatches=3),
+    (lambda: make_schedule("interleaved-1f1b", 4, 6, stages_per_rank=2, chunks=3),
      "multiple of 2"),
     (lambda: make_schedule("1f1b", 4, 6, stages_per_rank=3), "must divide the 4 stages"),
     (lambda: make_schedule("gpipe", 0, 4), "at least 1 stage")])
@@ -288,15 +288,15 @@ def test_interleaved_1f1b_bubble_is_1f1b_over_v(p: int, v: int, m: int) -> None:
     from 1F1B's 2(p - 1) to 2(p - 1)/v, per step."""
     steps = 3
     inter = simulate(make_schedule("interleaved-1f1b", p * v, m * steps, stages_per_rank=v,
-                                   step_microbatches=m), UnitCosts(1 / v, 1 / v))
-    plain = simulate(make_schedule("1f1b", p, m * steps, step_microbatches=m), UnitCosts())
+                                   chunks=m), UnitCosts(1 / v, 1 / v))
+    plain = simulate(make_schedule("1f1b", p, m * steps, chunks=m), UnitCosts())
     work = 2 * m * steps
     assert plain.makespan - work == pytest.approx(2 * (p - 1) * steps)
     assert inter.makespan - work == pytest.approx((plain.makespan - work) / v)
 
 
 def test_interleaved_1f1b_places_and_orders_like_megatron() -> None:
-    s = make_schedule("interleaved-1f1b", 4, 8, stages_per_rank=2, step_microbatches=4)
+    s = make_schedule("interleaved-1f1b", 4, 8, stages_per_rank=2, chunks=4)
     assert s.stage_ranks == ((0,), (1,), (0,), (1,))
     order = [a.to_text() for a in compute(s, 0)]
     # Rank 0: warm-up 2(p-1) + (v-1)p = 4 forwards, chunk 0 then chunk 1 in rounds of p = 2.
@@ -312,7 +312,7 @@ def test_interleaved_1f1b_places_and_orders_like_megatron() -> None:
 
 @pytest.mark.parametrize("name", TRAINABLE)
 def test_a_million_microbatches_start_at_once(name: str) -> None:
-    kw: dict = {"step_microbatches": 4} if kind(name).chunked_steps else {}
+    kw: dict = {"chunks": 4} if kind(name).chunked_steps else {}
     if name == "interleaved-1f1b":
         kw["stages_per_rank"] = 2
     stages = 1 if name == "data-parallel" else 4
@@ -329,7 +329,7 @@ def test_a_million_microbatches_start_at_once(name: str) -> None:
 def test_a_window_is_the_prefix_of_the_stream(name: str) -> None:
     """The window the validator proves runs the same actions as the long stream, up to the
     window's drain: the steady state is periodic."""
-    kw: dict = {"step_microbatches": 4} if kind(name).chunked_steps else {}
+    kw: dict = {"chunks": 4} if kind(name).chunked_steps else {}
     if name == "interleaved-1f1b":
         kw["stages_per_rank"] = 2
     stages = 1 if name == "data-parallel" else 4
@@ -354,8 +354,8 @@ def test_zb_h1_bubble_is_a_third_of_1f1b_at_its_memory(p: int, m: int) -> None:
     where 1F1B idles 3(p - 1), and no stage stashes more than 1F1B's first stage does."""
     steps = 3
     costs = UnitCosts(forward=1, backward=2)  # I and W take half a backward each
-    zb = make_schedule("zb-h1", p, m * steps, step_microbatches=m)
-    plain = make_schedule("1f1b", p, m * steps, step_microbatches=m)
+    zb = make_schedule("zb-h1", p, m * steps, chunks=m)
+    plain = make_schedule("1f1b", p, m * steps, chunks=m)
     work = 3 * m * steps
     zb_bubble = simulate(zb, costs).makespan - work
     plain_bubble = simulate(plain, costs).makespan - work

@@ -55,7 +55,7 @@ def test_replicas_update_once() -> None:
     # version 1 at t = 2 (one logical update, k = 0: d = 0 for mbs 0, 1), then F2 / F3 at t = 2
     # read R = 1, and the step to version 2 at t = 4 has k = 1: d = 1 - 1 = 0 for mbs 2, 3.
     # Counting worker 1's copy of each step as a second update would give mb 2 a delay of 1.
-    d = delays_of("data-parallel", 1, 4, replicas=[2], step_microbatches=2)
+    d = delays_of("data-parallel", 1, 4, replicas=[2], chunks=2)
     assert [x.delay for x in d.delays] == [0, 0, 0, 0]
 
 

@@ -53,8 +53,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--strategy", choices=STRATEGIES, default="dp",
                         help="dp: PipeDream's dynamic program (default); data-parallel; or the "
                              "baselines uniform, params (balance parameters), time (balance time)")
-    parser.add_argument("--microbatches", type=int, default=None,
-                        help="microbatches GPipe keeps in flight (default: the worker count)")
+    parser.add_argument("--chunks", type=int, default=None,
+                        help="microbatches per step, all of which GPipe keeps in flight "
+                             "(default: the worker count)")
     parser.add_argument("--stages-per-rank", type=int, default=1, metavar="V",
                         help="plan workers x V stages balanced by time, stage k on rank k mod "
                              "workers, for interleaved-1f1b (default 1)")
@@ -71,18 +72,18 @@ def run(args: argparse.Namespace) -> int:
         counts = " x ".join(str(level.count) for level in topology.levels)
         raise UsageError(f"--topology {args.topology} has {counts} = {topology.workers} workers "
                          f"but --workers is {args.workers}; make the level counts multiply to it")
-    if args.microbatches is not None and args.microbatches < 1:
-        raise UsageError(f"--microbatches must be >= 1, got {args.microbatches}")
+    if args.chunks is not None and args.chunks < 1:
+        raise UsageError(f"--chunks must be >= 1, got {args.chunks}")
     if args.stages_per_rank < 1:
         raise UsageError(f"--stages-per-rank must be >= 1, got {args.stages_per_rank}")
     profile = Profile.load(args.profile)
     if args.evaluate:
-        plan = evaluate_plan(Plan.load(args.evaluate), profile, topology, args.microbatches)
+        plan = evaluate_plan(Plan.load(args.evaluate), profile, topology, args.chunks)
     elif args.schedule == "auto":
         plan = choose_schedule(profile, topology, straight=args.straight)
     else:
         plan = make_plan(profile, topology, schedule=args.schedule, straight=args.straight,
-                         strategy=args.strategy, microbatches=args.microbatches,
+                         strategy=args.strategy, chunks=args.chunks,
                          stages_per_rank=args.stages_per_rank)
     if args.out:
         plan.save(args.out)

@@ -27,13 +27,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--schedule", choices=SCHEDULE_NAMES,
                    help="schedule to generate (default with --plan: the plan's)")
     p.add_argument("--stages", type=int, help="pipeline stages (taken from --plan if given)")
-    p.add_argument("--microbatches", type=int, required=True, help="microbatches to run (N)")
+    p.add_argument("--microbatches", type=int, required=True,
+                   help="microbatches in the whole run (N = steps x chunks)")
     p.add_argument("--replicas", help="ranks per stage, e.g. 2,1,1 (default 1 each)")
     p.add_argument("--stages-per-rank", type=int,
                    help="v stages per rank, stage g on rank g mod (stages / v): interleaved-1f1b")
-    p.add_argument("--step-microbatches", type=int,
-                   help="microbatches per optimizer step: gpipe/1f1b/data-parallel (default "
-                        "all N) and 2bw (default: the number of workers)")
+    p.add_argument("--chunks", type=int,
+                   help="microbatches per step (one update each) for the schedules that step "
+                        "per minibatch: gpipe/1f1b/interleaved-1f1b/zb-h1/data-parallel "
+                        "(default all N) and 2bw (default: the number of workers)")
     p.add_argument("--local-steps", type=int, help="localsgd: local steps H between averages")
     p.add_argument("--model-replicas", type=int,
                    help="localsgd: model replicas R sharing the pipeline (default: stages)")
@@ -122,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     costs, plan = _costs(args)
     layout = _layout(args, plan)
     schedule = make_schedule(num_microbatches=args.microbatches, local_steps=args.local_steps,
-                             step_microbatches=args.step_microbatches,
+                             chunks=args.chunks,
                              model_replicas=args.model_replicas, **layout)
     result = simulate(schedule, costs)
     if args.save_schedule:

@@ -87,12 +87,12 @@ def _structural_hint(costs: Costs, topology: Topology, straight: bool) -> str:
 
 def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedream",
               straight: bool = False, strategy: str = "dp",
-              microbatches: int | None = None, stages_per_rank: int = 1) -> Plan:
+              chunks: int | None = None, stages_per_rank: int = 1) -> Plan:
     """Plan `profile` on `topology`; see the module docstring for the strategies.
 
-    `microbatches` is the number of microbatches GPipe keeps in flight (default: the worker
-    count); the memory limit is `topology.memory_per_worker`. `stages_per_rank` > 1 plans an
-    interleaved pipeline instead (see `interleaved_plan`).
+    `chunks` is the number of microbatches per step, all of which GPipe keeps in flight
+    (default: the worker count); the memory limit is `topology.memory_per_worker`.
+    `stages_per_rank` > 1 plans an interleaved pipeline instead (see `interleaved_plan`).
     """
     if strategy not in STRATEGIES:
         raise PlanningError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -100,7 +100,7 @@ def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedrea
         return interleaved_plan(profile, topology, stages_per_rank, schedule)
     began = time.perf_counter()
     costs = Costs.from_profile(profile)
-    memory = MemoryModel(schedule, topology.memory_per_worker, microbatches or topology.workers)
+    memory = MemoryModel(schedule, topology.memory_per_worker, chunks or topology.workers)
     num_blocks = costs.num_blocks
 
     data_parallel = flatten(data_parallel_tree(num_blocks, topology), topology)
@@ -155,7 +155,7 @@ def interleaved_plan(profile: Profile, topology: Topology, stages_per_rank: int,
 
 
 def evaluate_plan(plan: Plan, profile: Profile, topology: Topology,
-                  microbatches: int | None = None) -> Plan:
+                  chunks: int | None = None) -> Plan:
     """Re-cost an existing plan (e.g. edited by hand, or for a new profile of the same model).
 
     Stages that carry their per-level `levels` (plans made by the dynamic program) on a topology
@@ -169,7 +169,8 @@ def evaluate_plan(plan: Plan, profile: Profile, topology: Topology,
                             f"has only {topology.workers}")
     costs = Costs.from_profile(profile)
     memory = MemoryModel(plan.schedule, topology.memory_per_worker,
-                         microbatches or int(plan.extra.get("microbatches", topology.workers)))
+                         chunks or int(plan.extra.get("chunks", plan.extra.get(
+                             "microbatches", topology.workers))))  # its name before 0.2
     levels = [s.extra.get("levels") for s in plan.stages]
     chains = [chain for chain in levels
               if isinstance(chain, list) and len(chain) == len(topology.levels)]
@@ -250,5 +251,5 @@ def _plan_extra(stages: list[FlatStage], times: list[float], cuts: list[float],
         "bottleneck": bottleneck, "profile_device": profile.device,
         "planner_ms": (time.perf_counter() - began) * 1e3}
     if memory.schedule == "gpipe":
-        extra["microbatches"] = memory.microbatches
+        extra["chunks"] = memory.chunks
     return extra

@@ -34,7 +34,7 @@ def predict(profile: Profile, plan: Plan, name: str, steps: int = STEPS) -> floa
     from pipedream_fast.sim import ProfileCosts, simulate
 
     n = steps * plan.workers
-    options: dict[str, Any] = ({"step_microbatches": plan.workers} if kind(name).chunked_steps
+    options: dict[str, Any] = ({"chunks": plan.workers} if kind(name).chunked_steps
                                else {})
     schedule = make_schedule(name, len(plan.stages), n,
                              stage_ranks=[list(s.ranks) for s in plan.stages], **options)

@@ -106,13 +106,13 @@ class MemoryModel:
 
     schedule: str
     limit: int | None = None
-    microbatches: int = 1  # gpipe: microbatches in flight per minibatch
+    chunks: int = 1  # microbatches per step (gpipe keeps them all in flight)
 
     def __post_init__(self) -> None:
         if self.schedule not in names():
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(names())}")
-        if self.microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {self.chunks}")
 
     @property
     def varies_with_noam(self) -> bool:
@@ -128,7 +128,7 @@ class MemoryModel:
         return kind(self.schedule).weight_versions(noam)
 
     def in_flight(self, noam: int) -> int:
-        return kind(self.schedule).stashed(noam, self.microbatches)
+        return kind(self.schedule).stashed(noam, self.chunks)
 
     def stage_bytes(self, costs: Costs, noam: int) -> np.ndarray:
         """(L+1, L+1) bytes one replica of stage [i, j) needs at this NOAM."""

@@ -81,14 +81,14 @@ def validation_window(schedule_kind: ScheduleKind, layout: Layout, period: int) 
 def make_schedule(name: str, num_stages: int, num_microbatches: int,
                   replicas: Sequence[int] | None = None, local_steps: int | None = None, *,
                   stage_ranks: Sequence[Sequence[int]] | None = None,
-                  step_microbatches: int | None = None,
+                  chunks: int | None = None,
                   model_replicas: int | None = None,
                   stages_per_rank: int | None = None) -> Schedule:
     """Generate schedule `name` (one of SCHEDULE_NAMES) as a stream.
 
     replicas: ranks per stage (default 1 each); stage_ranks: explicit stage -> ranks mapping;
       stages_per_rank: v stages per rank in the looped placement (interleaved schedules).
-    step_microbatches: microbatches per optimizer step for gpipe, 1f1b and data-parallel
+    chunks: microbatches per optimizer step for gpipe, 1f1b and data-parallel
       (default: all of them, one minibatch) and for 2bw (default: the number of workers,
       rounded up to a multiple of every replica count).
     local_steps (H, default 1) and model_replicas (R, default num_stages): localsgd only.
@@ -96,7 +96,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
     """
     spec = kind(name)
     layout = _layout(num_stages, num_microbatches, replicas, stage_ranks, stages_per_rank)
-    options = Options(step_microbatches, local_steps, model_replicas)
+    options = Options(chunks, local_steps, model_replicas)
     config, params = spec.options(layout, options)
     schedule = spec.generate(config)
     schedule.params = {"replicas": [layout.replicas(s) for s in range(num_stages)], **params}
@@ -105,7 +105,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
 
     def window(n: int) -> Schedule:
         return make_schedule(name, num_stages, n, local_steps=local_steps, stage_ranks=ranks,
-                             step_microbatches=step_microbatches, model_replicas=model_replicas)
+                             chunks=chunks, model_replicas=model_replicas)
 
     schedule._window = window
     schedule.validation_microbatches = validation_window(spec, layout, period)

@@ -26,16 +26,16 @@ class Config:
     """Everything a generator needs; `make_schedule` fills in and checks the defaults."""
 
     layout: Layout
-    step_microbatches: int = 1  # microbatches per optimizer step (gpipe, 1f1b, 2bw, data-parallel)
+    chunks: int = 1  # microbatches per optimizer step (gpipe, 1f1b, 2bw, data-parallel)
     local_steps: int = 1  # localsgd: H
     model_replicas: int = 1  # localsgd: R
 
     def num_groups(self) -> int:
-        return -(-self.layout.num_microbatches // self.step_microbatches)
+        return -(-self.layout.num_microbatches // self.chunks)
 
     def group(self, g: int) -> range:
         """Microbatches of update group g (the last one may be short)."""
-        m, n = self.step_microbatches, self.layout.num_microbatches
+        m, n = self.chunks, self.layout.num_microbatches
         return range(g * m, min(g * m + m, n))
 
     def most_local(self, stage: int, replica: int) -> int:

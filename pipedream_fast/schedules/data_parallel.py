@@ -1,6 +1,6 @@
 """Data parallelism: a single stage (the whole model) replicated on every worker. It is 1F1B
 with one stage (NOAM = 1, so each worker runs forward, backward, forward, ...) and an
-all-reduce before every step; one step per minibatch of `step_microbatches`."""
+all-reduce before every step; one step per minibatch of `chunks`."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ def rank_order(p: int, v: int, rank: int, m: int) -> Iterator[tuple[str, int, in
 
 
 def generate(config: Config) -> Schedule:
-    layout, m = config.layout, config.step_microbatches
+    layout, m = config.layout, config.chunks
     p, v = looped(layout)
 
     def compute(rank: int) -> Iterator[Action]:
@@ -84,7 +84,7 @@ def generate(config: Config) -> Schedule:
 def _options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
     config, params = flush_options(layout, options)
     p, v = looped(layout)
-    m = config.step_microbatches
+    m = config.chunks
     if m % p or layout.num_microbatches % m:
         # Megatron's warm-up assumes whole rounds; with a short last round it can deadlock.
         raise ValueError(f"interleaved-1f1b runs a step's microbatches in rounds of the {p} "

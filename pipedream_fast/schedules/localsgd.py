@@ -45,8 +45,8 @@ def generate(config: Config) -> Schedule:
 
 
 def _options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
-    if options.step_microbatches is not None:
-        raise ValueError("localsgd takes local_steps and model_replicas, not step_microbatches")
+    if options.chunks is not None:
+        raise ValueError("localsgd takes local_steps and model_replicas, not chunks")
     if {len(r) for r in layout.stage_ranks} != {1}:
         raise ValueError(f"localsgd replicates the whole model (model_replicas), not stages; "
                          f"got stage replicas {[len(r) for r in layout.stage_ranks]}")

@@ -39,7 +39,7 @@ class Lookahead:
         if len(self._buffer) - self._head >= MAX_LOOKAHEAD:
             raise ScheduleError(f"a lowering decision needed more than {MAX_LOOKAHEAD} actions "
                                 f"of look-ahead: one optimizer step spans too many microbatches "
-                                f"(give step_microbatches) or the generator is not periodic")
+                                f"(give chunks) or the generator is not periodic")
         self._buffer.append(item)
         return True
 

@@ -22,7 +22,7 @@ from pipedream_fast.schedules.layout import Layout
 class Options:
     """What a caller may set beyond the layout; None means the schedule's default."""
 
-    step_microbatches: int | None = None
+    chunks: int | None = None
     local_steps: int | None = None
     model_replicas: int | None = None
 
@@ -61,7 +61,7 @@ class ScheduleKind:
     plans_as: str | None = None
     split_backward: bool = False
     period: Callable[[Config], int] = field(
-        default=lambda c: math.lcm(c.step_microbatches,
+        default=lambda c: math.lcm(c.chunks,
                                    *(len(r) for r in c.layout.stage_ranks)))
 
 
@@ -94,7 +94,7 @@ def kind(name: str) -> ScheduleKind:
 
 
 def no_options(name: str, options: Options) -> None:
-    given = [k for k in ("step_microbatches", "local_steps", "model_replicas")
+    given = [k for k in ("chunks", "local_steps", "model_replicas")
              if getattr(options, k) is not None]
     if given:
         raise ValueError(f"{name} takes no {', '.join(given)}; it updates after every round "
@@ -102,11 +102,11 @@ def no_options(name: str, options: Options) -> None:
 
 
 def flush_options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
-    """Synchronous schedules: one update per `step_microbatches` (default: all of them)."""
+    """Synchronous schedules: one update per `chunks` (default: all of them)."""
     if options.local_steps is not None or options.model_replicas is not None:
         raise ValueError("local_steps and model_replicas apply only to localsgd")
-    m = layout.num_microbatches if options.step_microbatches is None else \
-        options.step_microbatches
+    m = layout.num_microbatches if options.chunks is None else \
+        options.chunks
     if m < 1:
-        raise ValueError(f"step_microbatches must be >= 1, got {m}")
-    return Config(layout, step_microbatches=m), {"step_microbatches": m}
+        raise ValueError(f"chunks must be >= 1, got {m}")
+    return Config(layout, chunks=m), {"chunks": m}

@@ -1,6 +1,6 @@
 """PipeDream-2BW: asynchronous 1F1B with double-buffered weights.
 
-Microbatches come in groups of m = `step_microbatches`. Group g runs forward and backward on
+Microbatches come in groups of m = `chunks`. Group g runs forward and backward on
 version max(g - 1, 0) on every stage; after a replica's last backward of group g the stage
 all-reduces and steps, creating version g + 1 from group g's accumulated gradients. So
 W(t+1) = W(t) - lr * grad f(W(t-1)): gradients are one version stale, and with m >= the
@@ -20,7 +20,7 @@ from pipedream_fast.schedules.registry import Options, ScheduleKind, register
 
 
 def generate(config: Config) -> Schedule:
-    layout, m, n = config.layout, config.step_microbatches, config.layout.num_microbatches
+    layout, m, n = config.layout, config.chunks, config.layout.num_microbatches
 
     def compute(rank: int) -> Iterator[Action]:
         s, i = layout.only_stage(rank, "2bw")
@@ -52,15 +52,15 @@ def _options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
         raise ValueError("local_steps and model_replicas apply only to localsgd")
     reps = [len(r) for r in layout.stage_ranks]
     workers, lcm = layout.num_ranks, math.lcm(*reps)
-    m = options.step_microbatches or math.ceil(workers / lcm) * lcm
+    m = options.chunks or math.ceil(workers / lcm) * lcm
     if m < workers or m % lcm:
-        raise ValueError(f"2bw needs step_microbatches >= the number of workers ({workers}) "
+        raise ValueError(f"2bw needs chunks >= the number of workers ({workers}) "
                          f"and a multiple of every replica count {reps}, so that at most 2 "
                          f"weight versions are live; got {m}")
-    return Config(layout, step_microbatches=m), {"step_microbatches": m}
+    return Config(layout, chunks=m), {"chunks": m}
 
 
 register(ScheduleKind(
     name="2bw", order=4, generate=generate, options=_options,
-    summary="PipeDream-2BW: double-buffered weights, an update every step_microbatches",
+    summary="PipeDream-2BW: double-buffered weights, an update every chunks",
     weight_versions=lambda noam: 2, stashed=lambda noam, microbatches: noam))
