@@ -47,10 +47,9 @@ def schedule_kwargs(name: str) -> dict:
     return kw
 
 
-def start_up(name: str, n: int) -> tuple[float, float]:
-    """(seconds to a validated schedule and every rank's first action, peak MiB with the
-    first WALK actions of rank 0)."""
-    tracemalloc.start()
+def start_up(name: str, n: int) -> tuple[float, float, float]:
+    """(seconds to a validated schedule and every rank's first action, microseconds per
+    action over rank 0's first WALK actions, peak MiB of the same with tracemalloc on)."""
     began = time.perf_counter()
     schedule = make_schedule(name, num_microbatches=n, **schedule_kwargs(name))
     validate(schedule)
@@ -58,11 +57,17 @@ def start_up(name: str, n: int) -> tuple[float, float]:
     for program in programs:
         next(program)
     seconds = time.perf_counter() - began
-    for _ in itertools.islice(programs[0], WALK):
+    walked = time.perf_counter()
+    count = sum(1 for _ in itertools.islice(programs[0], WALK))  # fewer if the run is short
+    per_action_us = (time.perf_counter() - walked) / count * 1e6
+    tracemalloc.start()  # again, measured apart: tracing slows the walk down
+    schedule = make_schedule(name, num_microbatches=n, **schedule_kwargs(name))
+    validate(schedule)
+    for _ in itertools.islice(schedule.program(0), WALK):
         pass
     peak = tracemalloc.get_traced_memory()[1] / 2**20
     tracemalloc.stop()
-    return seconds, peak
+    return seconds, per_action_us, peak
 
 
 def part1() -> list[str]:
@@ -71,8 +76,8 @@ def part1() -> list[str]:
     for name in TRAINABLE:
         cells = []
         for n in LENGTHS:
-            seconds, peak = start_up(name, n)
-            cells.append(f"{seconds * 1e3:.0f} ms, {peak:.2f} MiB")
+            seconds, per_action, peak = start_up(name, n)
+            cells.append(f"{seconds * 1e3:.0f} ms, {per_action:.0f} µs/action, {peak:.2f} MiB")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     return lines
@@ -134,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         f"Machine: {os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}, "
         f"Python {platform.python_version()}.", "",
         "## Start-up: make the schedule, validate it, every rank's first action", "",
-        f"Each cell: start-up time, and peak Python memory of the start-up plus walking rank "
-        f"0's first {WALK:,} actions (4 stages; 4 microbatches per step where the schedule "
-        f"steps per minibatch; interleaved: 2 ranks x 2 stages; data-parallel: 4 replicas).", ""]
+        f"Each cell: start-up time; time per action while rank 0's first {WALK:,} actions are "
+        f"generated; peak Python memory of the start-up plus that walk (4 stages; 4 "
+        f"microbatches per step where the schedule steps per minibatch; interleaved: 2 ranks "
+        f"x 2 stages; data-parallel: 4 replicas).", ""]
     body = part1()
     body += ["", "## A million steps, end to end", ""] + part2(args.seconds)
     text = "\n".join(header + body) + "\n"

@@ -437,6 +437,11 @@ class Schedule:
     def is_stream(self) -> bool:
         return self._stream is not None
 
+    def attach_window(self, window: Callable[[int], Schedule], microbatches: int) -> None:
+        """How to make this schedule on fewer microbatches, and how many prove it."""
+        self._window = window
+        self.validation_microbatches = microbatches
+
     def window(self, num_microbatches: int) -> Schedule:
         """The same schedule on `num_microbatches` microbatches (itself if it cannot shrink)."""
         if self._window is None or num_microbatches >= self.num_microbatches:
@@ -449,6 +454,11 @@ class Schedule:
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, ranks in enumerate(self.stage_ranks) if rank in ranks)
+
+    def rank_of(self, stage: int, mb: int) -> int:
+        """The rank that runs microbatch mb on stage (replicas take them round-robin)."""
+        ranks = self.stage_ranks[stage]
+        return ranks[mb % len(ranks)]
 
     @property
     def replicas(self) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ from pipedream_fast.runtime.executor import Executor
 from pipedream_fast.runtime.stage import OptimizerFactory, StageRuntime
 from pipedream_fast.runtime.transport import ProcessTransport
 from pipedream_fast.tracing import trace as trace_model
-from pipedream_fast.schedules import SYNCHRONOUS, kind
+from pipedream_fast.schedules import SYNCHRONOUS
 from pipedream_fast.training import (MicrobatchFeed, StepTracker, build_schedule, check_backend,
                                      check_plan_fits, check_runtime_fits, check_trainable,
                                      data_sources, feed_uses, model_fingerprint, named_state,
@@ -144,18 +144,15 @@ class Pipeline:
                 if example_inputs is None:
                     raise ValueError("Pipeline(plan=None) profiles the model and needs "
                                      "example_inputs (one minibatch of inputs); or pass a plan")
-                from pipedream_fast.planner import make_plan  # planning is rank 0's job
-                from pipedream_fast.profiler import profile_model
+                from pipedream_fast.planner.choose import choose_schedule, plan_for
+                from pipedream_fast.profiler import profile_model  # planning is rank 0's job
                 from pipedream_fast.topology import Topology
                 args = positional_inputs(example_inputs, trace_model(model).input_names)
                 profile = profile_model(model, args[0] if len(args) == 1 else args,
                                         batch_size=int(args[0].shape[0]), progress=False)
                 topology = Topology.parse(f"{self.world_size}x1e9")
-                if self.schedule_name == "auto":
-                    from pipedream_fast.planner.choose import choose_schedule
-                    plan = choose_schedule(profile, topology)
-                else:
-                    plan = make_plan(profile, topology, schedule=self._planner_schedule())
+                plan = (choose_schedule(profile, topology) if self.schedule_name == "auto" else
+                        plan_for(self.schedule_name, profile, topology))
             payload[0] = plan.to_dict()
         dist.broadcast_object_list(payload, src=0)
         return Plan.from_dict(payload[0])
@@ -172,9 +169,6 @@ class Pipeline:
                          else f"{len(prints[0])} vs {len(other)} blocks")
                 raise FormatError(f"rank {rank} built a different model than rank 0 ({where}); "
                                   f"every rank must construct the same model")
-
-    def _planner_schedule(self) -> str:
-        return kind(self.schedule_name).plans_as or self.schedule_name
 
     @staticmethod
     def _materialize(module: nn.Module, device: torch.device) -> None:

@@ -127,8 +127,8 @@ class MicrobatchFeed:
                                     f"{type(batch).__name__}")
                 base = self._next_step * self._chunks
                 for i, part in enumerate(zip(*(split_microbatches(x, self._chunks) for x in batch))):
-                    if self._uses(base + i):
-                        self._cache[base + i] = (part, self._uses(base + i))
+                    if uses := self._uses(base + i):
+                        self._cache[base + i] = (part, uses)
                 self._next_step += 1
             value, left = self._cache[mb]
             if left == 1:
@@ -138,16 +138,10 @@ class MicrobatchFeed:
             return value
 
 
-def runs_on(schedule: Schedule, stage: int, mb: int) -> int:
-    """The rank that runs microbatch mb on stage (replicas take microbatches round-robin)."""
-    ranks = schedule.stage_ranks[stage]
-    return ranks[mb % len(ranks)]
-
-
 def reads_data(schedule: Schedule, rank: int, mb: int) -> bool:
     """Whether rank reads microbatch mb from the loader: it feeds it to the first stage or
     computes its loss on the last stage (a rank doing both reads it once)."""
-    return rank in (runs_on(schedule, 0, mb), runs_on(schedule, schedule.num_stages - 1, mb))
+    return rank in (schedule.rank_of(0, mb), schedule.rank_of(schedule.num_stages - 1, mb))
 
 
 def feed_uses(schedule: Schedule, ranks: Sequence[int]) -> Callable[[int], int]:
@@ -180,7 +174,7 @@ def data_sources(feed: MicrobatchFeed, schedule: Schedule, rank: int,
 
     def inputs(mb: int) -> tuple[Any, ...]:
         x, y = feed.take(mb)
-        if last in stages and runs_on(schedule, last, mb) == rank:
+        if last in stages and schedule.rank_of(last, mb) == rank:
             targets[mb] = y
         return positional_inputs(to_device(x, device), input_names)
 
@@ -251,22 +245,26 @@ class StepTracker:
 
     def _expected(self, step: int) -> int:
         mbs = range(step * self._chunks, (step + 1) * self._chunks)
-        return 2 * sum(runs_on(self._schedule, s, mb) == self._rank
+        return 2 * sum(self._schedule.rank_of(s, mb) == self._rank
                        for s in self._stages for mb in mbs)
 
     def done(self, action: Action, steps: int) -> list[int]:
         """The steps (< `steps`) this action completes, in order."""
         if action.kind is ActionKind.FORWARD or action.kind.spec.ends_microbatch:
             assert action.microbatch is not None
-            step = action.microbatch // self._chunks
-            left = self._left.get(step, self._expected(step))
-            self._left[step] = left - 1
+            self._left[self._count(action.microbatch // self._chunks)] -= 1
         finished = []
-        while self._next < steps and self._left.get(self._next, self._expected(self._next)) == 0:
-            self._left.pop(self._next, None)
+        while self._next < steps and self._left[self._count(self._next)] == 0:
+            del self._left[self._next]
             finished.append(self._next)
             self._next += 1
         return finished
+
+    def _count(self, step: int) -> int:
+        """Starts counting down a step's computes on its first use; returns the step."""
+        if step not in self._left:
+            self._left[step] = self._expected(step)
+        return step
 
 
 def check_runtime_fits(runtime: StageRuntime, schedule: Schedule, rank: int) -> None:

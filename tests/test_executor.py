@@ -50,10 +50,11 @@ def split(bounds: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def run_fake(schedule: Schedule, ranges: list[tuple[int, int]], steps: int,
-             chunks: int = CHUNKS, batch: int = BATCH
+             chunks: int = CHUNKS, batch: int = BATCH, peaks: dict[str, int] | None = None
              ) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
     """Trains deep_mlp with `schedule` over the fake transport; returns the whole model's
-    weights (checked equal across replicas) and each step's losses."""
+    weights (checked equal across replicas) and each step's losses. `peaks`, if given, gets
+    the largest size seen of each piece of per-microbatch bookkeeping during the run."""
     children = list(deep_mlp().children())
     hub = FakeHub(schedule.num_ranks)
     ranks = range(schedule.num_ranks)
@@ -78,6 +79,13 @@ def run_fake(schedule: Schedule, ranges: list[tuple[int, int]], steps: int,
             for _, action, loss in executor.run():
                 if loss is not None:
                     losses.setdefault(action.microbatch // chunks, []).append(float(loss))
+                if peaks is not None:
+                    sizes = {"outputs": len(executor._outputs), "posted": len(executor._posted),
+                             "look-ahead": len(executor._program._buffer) - executor._program._head,
+                             "feed": len(feed._cache),
+                             "stash": sum(len(s.inflight) for s in runtimes[rank].values())}
+                    for key, size in sizes.items():
+                        peaks[key] = max(peaks.get(key, 0), size)
         except BaseException as err:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(err)
             hub.close()
@@ -155,11 +163,15 @@ def test_interleaved_1f1b_equals_gradient_accumulation(ranks: int, v: int,
 
 
 def test_a_long_stream_holds_no_state_per_step() -> None:
-    """500 steps of pipedream: the executor's and the feed's bookkeeping stay bounded."""
+    """500 steps of pipedream: the executor's, the stream's, the feed's and the stages'
+    bookkeeping stay as small as a few microbatches in flight, never growing with the run."""
     steps = 500
     schedule = make_schedule("pipedream", 2, steps * CHUNKS, stage_ranks=[[0], [1]])
-    got, losses = run_fake(schedule, split([0, 4, 8]), steps)
+    peaks: dict[str, int] = {}
+    got, losses = run_fake(schedule, split([0, 4, 8]), steps, peaks=peaks)
     assert len(losses) == steps and all(torch.isfinite(v).all() for v in got.values())
+    assert set(peaks) == {"outputs", "posted", "look-ahead", "feed", "stash"}
+    assert max(peaks.values()) <= 2 * CHUNKS, peaks  # 2000 microbatches ran
 
 
 def test_nccl_refuses_two_links_in_one_direction() -> None:

@@ -323,6 +323,7 @@ def test_a_million_microbatches_start_at_once(name: str) -> None:
     assert all(p <= b for p, b in zip(report.peak_versions, s.max_versions))
     first = [list(itertools.islice(s.program(r), 50)) for r in range(s.num_ranks)]
     assert all(len(f) == 50 for f in first)
+    assert s.is_stream and s._actions is None  # nothing was materialised on the way
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)

@@ -47,7 +47,7 @@ def register(subparsers: Any) -> None:
                         help="when planning: one rank per stage, no replicas")
     parser.add_argument("--stages-per-rank", type=int, default=None, metavar="V",
                         help="when planning: workers x V stages, looped over the ranks "
-                             "(default: 2 for interleaved-1f1b, else 1)")
+                             "(default: the schedule's, 2 for interleaved-1f1b, else 1)")
     parser.add_argument("--bandwidth", type=float, default=1e9,
                         help="link bandwidth in bytes/s assumed when planning (default 1e9)")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per minibatch")
@@ -150,7 +150,7 @@ def _plan(args: argparse.Namespace, workers: int) -> Plan:
             raise UsageError(f"{args.plan} is a plan for {plan.workers} workers but the run asks "
                              f"for {workers}; drop --nproc/--threads or make a new plan")
         return plan
-    from pipedream_fast.planner import make_plan
+    from pipedream_fast.planner.choose import choose_schedule, plan_for
     from pipedream_fast.profiler import profile_model
     from pipedream_fast.topology import Topology
 
@@ -160,15 +160,12 @@ def _plan(args: argparse.Namespace, workers: int) -> Plan:
                             model_name=args.model)
     topology = Topology.parse(f"{workers}x{args.bandwidth}")
     if args.schedule == "auto":
-        from pipedream_fast.planner.choose import choose_schedule
         plan = choose_schedule(profile, topology, straight=args.straight)
         print(f"schedule: {plan.schedule} (fastest predicted of "
               f"{len(plan.extra['schedule_choice'])} compared)", flush=True)
     else:
-        strategy = "data-parallel" if args.schedule == "data-parallel" else "dp"
-        v = args.stages_per_rank or (2 if args.schedule == "interleaved-1f1b" else 1)
-        plan = make_plan(profile, topology, schedule=kind(args.schedule).plans_as or args.schedule,
-                         straight=args.straight, strategy=strategy, stages_per_rank=v)
+        overrides = {"stages_per_rank": args.stages_per_rank} if args.stages_per_rank else {}
+        plan = plan_for(args.schedule, profile, topology, straight=args.straight, **overrides)
     if plan.workers != workers:
         raise UsageError(f"the best plan for {args.model} uses {plan.workers} of {workers} "
                          f"workers; run with --nproc {plan.workers} or give a --plan")

@@ -17,14 +17,15 @@ from pipedream_fast.topology import Topology
 STEPS = 8  # steps simulated per candidate: enough for the steady state to dominate
 
 
-def _plan_for(name: str, profile: Profile, topology: Topology, straight: bool) -> Plan:
+def plan_for(name: str, profile: Profile, topology: Topology, straight: bool = False,
+             **overrides: Any) -> Plan:
+    """The plan schedule `name` is trained with: `make_plan` with its memory rules and the
+    options it declares (`ScheduleKind.planning`), then `overrides`."""
     from pipedream_fast.planner import make_plan
 
-    if name == "data-parallel":
-        return make_plan(profile, topology, schedule="1f1b", strategy="data-parallel")
-    if name == "interleaved-1f1b":
-        return make_plan(profile, topology, schedule="1f1b", stages_per_rank=2)
-    return make_plan(profile, topology, schedule=kind(name).plans_as or name, straight=straight)
+    spec = kind(name)
+    options = {"straight": straight, **spec.planning, **overrides}
+    return make_plan(profile, topology, schedule=spec.plans_as or name, **options)
 
 
 def predict(profile: Profile, plan: Plan, name: str, steps: int = STEPS) -> float:
@@ -59,7 +60,7 @@ def choose_schedule(profile: Profile, topology: Topology, straight: bool = False
     error: PlanningError | None = None
     for name in candidates:
         try:
-            plan = _plan_for(name, profile, topology, straight)
+            plan = plan_for(name, profile, topology, straight)
             rate = predict(profile, plan, name)
         except (PlanningError, ValueError) as err:
             rows.append({"schedule": name, "samples_per_s": None, "why": str(err)})

@@ -125,8 +125,7 @@ class Executor:
         """The gradient of a stage's output for a backward (None on the last stage)."""
         if self.stages[a.stage].is_last:
             return None
-        consumers = self.schedule.stage_ranks[a.stage + 1]
-        if consumers[a.mb % len(consumers)] == self.rank:
+        if self.schedule.rank_of(a.stage + 1, a.mb) == self.rank:
             # The next stage ran this microbatch on this rank: its input gradients, directly.
             return self.stages[a.stage + 1].take_input_grads(a.mb)
         return self._recv(GRADIENT, a.stage, a.mb)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from pipedream_fast.ir import Schedule
 from pipedream_fast.schedules.layout import Layout
-from pipedream_fast.schedules.registry import Options, ScheduleKind, kind, names
+from pipedream_fast.schedules.registry import Options, kind, names
 
 _INFRASTRUCTURE = {"common", "layout", "lowering", "registry"}
 for _module in pkgutil.iter_modules(__path__):
@@ -71,7 +71,7 @@ def _layout(num_stages: int, num_microbatches: int, replicas: Sequence[int] | No
     return Layout(num_stages, num_microbatches, ranks)
 
 
-def validation_window(schedule_kind: ScheduleKind, layout: Layout, period: int) -> int:
+def validation_window(layout: Layout, period: int) -> int:
     """Microbatches that hold a schedule's warm-up, three periods of its steady state and its
     drain: the warm-up of any rank is at most (workers x largest replica count) microbatches."""
     warmup = layout.num_ranks * max(len(r) for r in layout.stage_ranks)
@@ -107,8 +107,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
         return make_schedule(name, num_stages, n, local_steps=local_steps, stage_ranks=ranks,
                              chunks=chunks, model_replicas=model_replicas)
 
-    schedule._window = window
-    schedule.validation_microbatches = validation_window(spec, layout, period)
+    schedule.attach_window(window, validation_window(layout, period))
     return schedule
 
 

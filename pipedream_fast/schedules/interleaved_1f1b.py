@@ -71,10 +71,7 @@ def generate(config: Config) -> Schedule:
                 prog, mb = programs[chunk], group.start + i
                 yield prog.forward(mb) if kind == "F" else prog.backward(mb)
             for chunk in reversed(range(v)):
-                yield from prog_step(programs[chunk], group)
-
-    def prog_step(prog: Program, group: range) -> list[Action]:
-        return prog.step(group, replicated=False)
+                yield from programs[chunk].step(group, replicated=False)
 
     ranks = range(layout.num_ranks)
     inflight = {r: min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1) for r in ranks}
@@ -96,5 +93,5 @@ def _options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
 register(ScheduleKind(
     name="interleaved-1f1b", order=7, generate=generate, options=_options, synchronous=True,
     summary="interleaved 1F1B: v looped stages per rank, bubble / v, flushed every step",
-    plans_as="1f1b", weight_versions=lambda noam: 1,
+    plans_as="1f1b", planning={"stages_per_rank": 2}, weight_versions=lambda noam: 1,
     stashed=lambda noam, microbatches: min(noam, microbatches)))

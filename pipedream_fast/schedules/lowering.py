@@ -91,34 +91,24 @@ class _Retention:
 
     def read_after_update(self, stage: int, copy: int, version: int) -> bool:
         """At the first forward of the newest `version`: is it read after the update that
-        supersedes it? Scans to that update, counting the forwards still in flight there."""
+        supersedes it? Up to that update, counts the forwards still in flight there; past
+        it, the next forward of this (stage, copy) decides (as in `read_after`)."""
         inflight = self.inflight.get((stage, copy, version), 0) + 1  # + the forward at hand
+        superseded = False
         for b in self.ahead.ahead():
             if b.stage != stage:
                 continue
-            if b.kind is K.AVERAGE or (b.kind is K.OPTIMIZER_STEP and b.copy == copy):
-                break
-            if b.copy == copy and b.version == version:
-                inflight += (1 if b.kind is K.FORWARD else
-                             -1 if b.kind.spec.ends_microbatch else 0)
-        else:
-            return False  # never superseded
-        if inflight > 0:
-            return True
-        # Past the update: the next forward of this (stage, copy) decides.
-        seen_update = False
-        for b in self.ahead.ahead():
-            if b.stage != stage:
-                continue
-            if not seen_update:
-                seen_update = b.kind is K.AVERAGE or (b.kind is K.OPTIMIZER_STEP and
-                                                      b.copy == copy)
-                continue
-            if b.kind is K.FORWARD and b.copy == copy:
-                assert b.version is not None
-                if b.version >= version:
-                    return b.version == version
-        return False
+            if not superseded:
+                if b.kind is K.AVERAGE or (b.kind is K.OPTIMIZER_STEP and b.copy == copy):
+                    if inflight > 0:
+                        return True
+                    superseded = True
+                elif b.copy == copy and b.version == version:
+                    inflight += (1 if b.kind is K.FORWARD else
+                                 -1 if b.kind.spec.ends_microbatch else 0)
+            elif b.kind is K.FORWARD and b.copy == copy and b.ver >= version:
+                return b.ver == version
+        return False  # never superseded, or never read again
 
     def lower(self, a: Action) -> Iterator[Action]:
         s, c, v = a.stage, a.copy, a.version

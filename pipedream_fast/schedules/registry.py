@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from pipedream_fast.ir import Schedule
 from pipedream_fast.schedules.common import Config
@@ -46,6 +46,7 @@ class ScheduleKind:
     period(config): microbatches after which the steady state repeats (validation windows).
     split_backward: it splits backwards into input and weight parts (stages record the calls
       of their modules for that).
+    planning: `make_plan` options this schedule needs (a strategy, stages per rank).
     """
 
     name: str
@@ -60,6 +61,7 @@ class ScheduleKind:
     chunked_steps: bool = True
     plans_as: str | None = None
     split_backward: bool = False
+    planning: Mapping[str, Any] = field(default_factory=dict)
     period: Callable[[Config], int] = field(
         default=lambda c: math.lcm(c.chunks,
                                    *(len(r) for r in c.layout.stage_ranks)))
