@@ -915,6 +915,7 @@ class _Validator:
 
     def check_end(self) -> None:
         s = self.s
+        training = not s.params.get("forward_only", False)  # evaluation: no backwards
         for st in self.ranks:
             end = len(st.actions) - 1
             for (stage, copy), w in st.weights.items():
@@ -924,13 +925,15 @@ class _Validator:
                 if w.pending:
                     raise self.fail(st, end, f"gradients of microbatches {sorted(w.pending)} on "
                                              f"stage {stage} are never applied by a step")
-            if st.in_flight:
+            if st.in_flight and training:
                 raise self.fail(st, end, f"forwards {sorted(st.in_flight)} (stage, mb) are never "
                                          f"backwarded")
+        checks = [("forwarded", self.forward_rank)]
+        if training:
+            checks.append(("backwarded", self.backward_rank))
         for stage in range(s.num_stages):
             for mb in range(s.num_microbatches):
-                for what, seen in (("forwarded", self.forward_rank),
-                                   ("backwarded", self.backward_rank)):
+                for what, seen in checks:
                     if (stage, mb) not in seen:
                         raise ScheduleError(f"microbatch {mb} is never {what} on stage {stage}")
 

@@ -12,6 +12,7 @@ stage's module can live on its own device.
 from __future__ import annotations
 
 import copy
+import itertools
 import queue
 import threading
 from collections import defaultdict
@@ -26,11 +27,12 @@ from pipedream_fast.ir import Schedule
 from pipedream_fast.runtime.executor import Executor
 from pipedream_fast.runtime.stage import OptimizerFactory, StageRuntime
 from pipedream_fast.runtime.transport import ThreadHub, ThreadTransport
+from pipedream_fast.tracing import check_no_shared_parameters
 from pipedream_fast.tracing import trace as trace_model
-from pipedream_fast.training import (MicrobatchFeed, build_schedule, check_plan_fits,
-                                     check_runtime_fits,
-                                     check_trainable, data_sources, feed_uses, named_state,
-                                     original_names, resolve_schedule, stage_runtime)
+from pipedream_fast.training import (EpochBatches, MicrobatchFeed, build_schedule,
+                                     check_plan_fits, check_runtime_fits, check_trainable,
+                                     data_source, feed_uses, named_state, original_names,
+                                     resolve_schedule, stage_runtime, steps_for, target_spec)
 
 
 class LocalPipeline:
@@ -47,6 +49,7 @@ class LocalPipeline:
         self.trace = trace
         self._names = original_names(model)
         chain = trace_model(model)
+        check_no_shared_parameters(chain)  # one process: a tensor cannot live in two stages
         self._input_names = chain.input_names
         check_plan_fits(self.plan, chain)
         self._loss_fn = loss_fn
@@ -72,21 +75,30 @@ class LocalPipeline:
             out[stage] = self._runtimes[key]
         return out
 
-    def train(self, loader: Iterable[Any], steps: int) -> Iterator[torch.Tensor]:
-        """Trains `steps` minibatches; yields each minibatch's mean microbatch loss."""
+    def train(self, loader: Iterable[Any], steps: int | None = None, *,
+              epochs: int | None = None, seed: int = 0) -> Iterator[torch.Tensor]:
+        """Trains `steps` minibatches or `epochs` passes over `loader` (default one); yields
+        each minibatch's mean microbatch loss."""
+        steps = steps_for(loader, steps, epochs)
+        batches = EpochBatches(loader, seed, 0)
+        first = next(batches, None)
+        if first is None:
+            raise ValueError("the data loader is empty")
+        spec = target_spec(first[1])
         schedule = build_schedule(self.plan, self.schedule_name, steps, self.chunks)
         ranks = range(schedule.num_ranks)
         runtimes = {rank: self._runtimes_of(rank, schedule) for rank in ranks}
-        feed = MicrobatchFeed(iter(loader), self.chunks, feed_uses(schedule, ranks))
+        feed = MicrobatchFeed(itertools.chain([first], batches), self.chunks,
+                              feed_uses(schedule, ranks))
         hub = ThreadHub(schedule.num_ranks, self.timeout)
         results: queue.Queue[tuple[str, Any]] = queue.Queue()
         executors = []
         for rank in ranks:
             for runtime in runtimes[rank].values():
                 runtime.begin_run()
-            inputs, targets = data_sources(feed, schedule, rank, self._input_names)
+            inputs = data_source(feed, schedule, rank, self._input_names)
             executors.append(Executor(schedule, rank, runtimes[rank],
-                                      ThreadTransport(hub, rank), inputs, targets,
+                                      ThreadTransport(hub, rank), inputs, target_spec=spec,
                                       trace=self.trace))
 
         def work(executor: Executor) -> None:
@@ -103,7 +115,7 @@ class LocalPipeline:
                                     daemon=True) for e in executors]
         for t in threads:
             t.start()
-        losses: dict[int, list[torch.Tensor]] = defaultdict(list)
+        losses: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> mb -> loss
         next_step, running, error = 0, len(threads), None
         while running:
             kind, value = results.get()
@@ -113,10 +125,10 @@ class LocalPipeline:
             elif kind == "done":
                 running -= 1
             else:
-                mb, loss = value
-                losses[mb // self.chunks].append(loss)
+                mb, loss = value  # every rank reports the losses it learns: keep one per mb
+                losses[mb // self.chunks][mb] = loss
                 while len(losses.get(next_step, ())) == self.chunks:
-                    yield torch.stack(losses.pop(next_step)).mean()
+                    yield torch.stack(list(losses.pop(next_step).values())).mean()
                     next_step += 1
         for t in threads:
             t.join()

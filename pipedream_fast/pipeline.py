@@ -1,8 +1,9 @@
 """`Pipeline`: the drop-in training API.
 
     pipe = Pipeline(model, loss_fn=..., optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
-                    plan="plan.json", schedule="pipedream", chunks=4)
-    for loss in pipe.train(loader, steps=100): ...     # loss on last-stage ranks, else None
+                    schedule="1f1b", chunks=4)          # planned on the first minibatch
+    for loss in pipe.train(loader, epochs=3): ...      # each step's loss, on every rank
+    pipe.evaluate(test_loader, metrics={"accuracy": accuracy})   # same dict on every rank
     loss = pipe.step(inputs, targets)                  # synchronous schedules: one minibatch
 
 One process per rank (under torchrun, `pipedream-fast run`, or `pipedream_fast.launch`): the
@@ -14,6 +15,7 @@ schedule and hands its rank's actions to an `Executor`. A loader minibatch is sp
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import defaultdict
 from datetime import timedelta
@@ -25,18 +27,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipedream_fast.formats import FormatError, Plan, StagePlan
+from torch.utils import _pytree as pytree
+
+from pipedream_fast.formats import FormatError, Plan
 from pipedream_fast.ir import Schedule
 from pipedream_fast.runtime.executor import Executor
-from pipedream_fast.runtime.stage import OptimizerFactory, StageRuntime
+from pipedream_fast.runtime.stage import (AUTOCAST_DTYPES, OptimizerFactory, SchedulerFactory,
+                                          StageRuntime)
 from pipedream_fast.runtime.transport import ProcessTransport
+from pipedream_fast.runtime.update_sync import GlobalUpdateSync, LossScaler, TiedWeight
+from pipedream_fast.schedules import SYNCHRONOUS, kind
+from pipedream_fast.schedules.forward_only import forward_only
+from pipedream_fast.tracing import shared_parameters
 from pipedream_fast.tracing import trace as trace_model
-from pipedream_fast.schedules import SYNCHRONOUS
-from pipedream_fast.training import (MicrobatchFeed, StepTracker, build_schedule, check_backend,
-                                     check_plan_fits, check_runtime_fits, check_trainable,
-                                     data_sources, feed_uses, model_fingerprint, named_state,
+from pipedream_fast.training import (EpochBatches, MicrobatchFeed, StepTracker, build_schedule,
+                                     check_backend, check_loader, check_plan_fits,
+                                     check_runtime_fits, check_trainable, data_source,
+                                     feed_uses, manual_plan, model_fingerprint, named_state,
                                      original_names, positional_inputs, resolve_schedule,
-                                     stage_runtime)
+                                     batch_size, pad_batch, split_microbatches, stage_runtime,
+                                     steps_for, target_spec, to_device)
 
 CHECKPOINT_FORMAT = "pipedream_fast.checkpoint/2"  # /2: one entry per stage the rank holds
 
@@ -60,102 +70,242 @@ def _ensure_process_group(timeout_s: float) -> None:
 
 
 class Pipeline:
-    """Pipeline-parallel training of `model` on the ranks of the default process group."""
+    """Pipeline-parallel training of `model` on the ranks of the default process group.
+
+    Steps and updates: a *step* is one minibatch of the loader, split into `chunks`
+    microbatches. The synchronous schedules (gpipe, 1f1b, interleaved-1f1b, zb-h1,
+    data-parallel) update every stage once per step with the gradients averaged over its
+    microbatches: exactly minibatch SGD. 2bw also updates once per step, with gradients one
+    version stale. pipedream and pipedream-vsync update after every round of microbatches
+    (one per replica of a stage): with `chunks=4` a step is four updates on a quarter of the
+    minibatch each, so keep `chunks=1` (the default) to update once per minibatch.
+
+    Where the plan comes from: `plan` (a Plan or a path), a manual split (`balance`: blocks
+    per stage; `split_points`: names of the blocks that start stages 1, 2, ...), or the
+    planner, which profiles the model on rank 0 with the first minibatch (or
+    `example_inputs`) and picks stages and replicas (`stages=N`: a straight N-stage pipeline
+    balanced by time). Error messages about blocks list the model's block names.
+
+    Data: only the ranks of the first stage read the loader, under torch's random state
+    seeded by (`seed`, epoch, batch), so replicas shuffle alike and no two ranks must agree on
+    any other random state; targets travel with the activations to the last stage, and each
+    microbatch's loss travels back with its gradients, so `train` yields the loss on every
+    rank. Precision "bf16"/"fp16" runs each stage's forward under autocast (fp16 with loss
+    scaling); `clip_grad_norm` clips by the norm of all stages' gradients; weights used by two
+    stages (tied embeddings) have their gradients summed across those stages before each
+    update. These three agree across stages before updates, which needs a synchronous schedule.
+    """
 
     def __init__(self, model: nn.Module | Callable[[], nn.Module],
                  loss_fn: Callable[[Any, Any], torch.Tensor],
                  optimizer: OptimizerFactory, plan: None | str | os.PathLike[str] | Plan = None,
                  schedule: str = "pipedream", microbatch_size: int | None = None,
-                 chunks: int | None = None, example_inputs: Any = None,
+                 chunks: int | None = None, *, stages: int | None = None,
+                 balance: Sequence[int] | None = None, split_points: Sequence[str] | None = None,
+                 scheduler: SchedulerFactory | None = None, clip_grad_norm: float | None = None,
+                 precision: str = "fp32", seed: int = 0, example_inputs: Any = None,
                  timeout: float = 300.0, trace: bool = False,
                  leaf_modules: Sequence[Any] = (), device: str | torch.device | None = None
                  ) -> None:
         check_trainable(schedule)
         if chunks is not None and chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
+        if precision not in AUTOCAST_DTYPES:
+            raise ValueError(f"precision must be one of {', '.join(AUTOCAST_DTYPES)}, got "
+                             f"{precision!r}")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be a positive norm, got {clip_grad_norm}")
+        given = [n for n, v in (("plan", plan), ("stages", stages), ("balance", balance),
+                                ("split_points", split_points)) if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of plan, stages, balance and split_points, got "
+                             f"{' and '.join(given)}")
         _ensure_process_group(timeout)
         if not isinstance(model, nn.Module) and callable(model):
             with torch.device("meta"):  # a factory: build on meta, materialise only this stage
                 model = model()
         self.rank = dist.get_rank()
-        self.device = torch.device(device) if device is not None else _default_device()
         self.world_size = dist.get_world_size()
+        self.device = torch.device(device) if device is not None else _default_device()
         self.schedule_name = schedule
         self.microbatch_size = microbatch_size
         self.chunks = chunks
         self.loss_fn = loss_fn
         self.timeout = timeout
         self.trace = trace
-        self.plan = self._resolve_plan(model, plan, example_inputs, leaf_modules)
-        self.schedule_name = resolve_schedule(schedule, self.plan)
-        self._names = original_names(model)
-        chain = trace_model(model, leaf_modules=leaf_modules)
-        self._input_names = chain.input_names
-        check_plan_fits(self.plan, chain)
-        self._check_same_model_everywhere(chain)
-        self.stage_indices = self.plan.stages_of_rank(self.rank)
-        self._modules: dict[int, nn.Module] = {}  # the stages this rank holds
-        for index in self.stage_indices:
-            stage_plan = self.plan.stages[index]
-            module = chain.stage_module(stage_plan.start, stage_plan.stop)
-            self._materialize(module, self.device)
-            self._modules[index] = module.to(self.device)
+        self.seed = seed
+        self.precision = precision
+        self.clip_grad_norm = clip_grad_norm
         self._optimizer_factory = optimizer
+        self._scheduler_factory = scheduler
+        self._stages_wanted = stages
+        self._model: nn.Module | None = model  # until the stages are cut
+        self._names = original_names(model)
+        self._chain = trace_model(model, leaf_modules=leaf_modules)
+        self._input_names = self._chain.input_names
+        self.plan: Plan | None = None
+        self.stage_indices: tuple[int, ...] = ()
+        self._modules: dict[int, nn.Module] = {}  # the stages this rank holds
+        self._optimizers: dict[int, torch.optim.Optimizer] = {}
+        self._schedulers: dict[int, Any] = {}
         self._runtimes: dict[int, StageRuntime] = {}
-        self._optimizer_states: dict[int, Any] = {}
-        self._transport = ProcessTransport([s.ranks for s in self.plan.stages], timeout,
-                                           device=self.device)
+        self._transport: ProcessTransport | None = None
+        self._control: Any = None  # a gloo group of every rank, with the Pipeline's timeout
+        # Forward-only traffic, one transport per (batch size, chunks, target structure):
+        # every link keeps the shapes of its first message.
+        self._inference_transports: dict[tuple[Any, ...], ProcessTransport] = {}
+        self._sync: GlobalUpdateSync | None = None
+        self._scaler = LossScaler() if precision == "fp16" else None
         self._step = 0  # minibatches trained so far
+        self._epoch = 0  # epochs of the loader begun so far (seeds its shuffling)
+        self._peeked: tuple[EpochBatches, Any] | None = None  # a batch read to plan with
+        self._source: EpochBatches | None = None  # the batches of the current run
         self.last_stats: dict[str, Any] = {}
         self.last_events: list[Any] = []
+        if isinstance(plan, (str, os.PathLike)):
+            plan = Plan.load(plan)
+        if plan is not None and not isinstance(plan, Plan):
+            raise TypeError(f"plan must be None, a path or a Plan, got {type(plan).__name__}")
+        if balance is not None or split_points is not None:
+            plan = manual_plan(self._chain, self.world_size, schedule, balance, split_points,
+                               model_name=type(model).__name__)
+        elif plan is None and self.world_size == 1:
+            plan = manual_plan(self._chain, 1, schedule, balance=[len(self._chain)],
+                               model_name=type(model).__name__)
+        elif plan is None and example_inputs is not None:
+            plan = self._plan_from(example_inputs if self.rank == 0 else None)
+        if plan is not None:
+            self._setup(plan)
 
+    # --- set-up ------------------------------------------------------------------------------
     @property
     def stage_modules(self) -> dict[int, nn.Module]:
         """The stages this rank holds (several in interleaved plans), by stage index."""
         return dict(self._modules)
 
-    # --- set-up ------------------------------------------------------------------------------
-    def _resolve_plan(self, model: nn.Module, plan: Any, example_inputs: Any,
-                      leaf_modules: Sequence[Any]) -> Plan:
-        if isinstance(plan, (str, os.PathLike)):
-            plan = Plan.load(plan)
-        if plan is None:
-            plan = self._plan_on_the_fly(model, example_inputs, leaf_modules)
-        if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be None, a path or a Plan, got {type(plan).__name__}")
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers of this rank's stages, in stage order (one per stage with weights)."""
+        self._require_setup("optimizers")
+        return [self._optimizers[i] for i in sorted(self._optimizers)]
+
+    @property
+    def schedulers(self) -> list[Any]:
+        """The learning-rate schedulers of this rank's stages, in stage order."""
+        self._require_setup("schedulers")
+        return [self._schedulers[i] for i in sorted(self._schedulers)]
+
+    def _require_setup(self, what: str) -> None:
+        if self.plan is None:
+            raise RuntimeError(f"{what} exist once the model is cut into stages: this Pipeline "
+                               f"plans on its first minibatch (pass plan=, balance=, "
+                               f"split_points= or example_inputs= to cut it at construction)")
+
+    def _plan_from(self, example_inputs: Any) -> Plan:
+        """Rank 0 profiles `example_inputs` and plans; every rank gets the plan (or the error)."""
+        payload: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                payload[0] = {"plan": self._make_plan(example_inputs).to_dict()}
+            except Exception as err:  # every rank must hear of it, not wait for a plan
+                payload[0] = {"error": f"{type(err).__name__}: {err}"}
+        dist.broadcast_object_list(payload, src=0)
+        if "error" in payload[0]:
+            raise RuntimeError(f"planning on rank 0 failed: {payload[0]['error']}")
+        return Plan.from_dict(payload[0]["plan"])
+
+    def _make_plan(self, example_inputs: Any) -> Plan:
+        from pipedream_fast.planner import make_plan
+        from pipedream_fast.planner.choose import choose_schedule, plan_for
+        from pipedream_fast.profiler import profile_model  # planning is rank 0's job
+        from pipedream_fast.topology import Topology
+
+        assert self._model is not None
+        args = positional_inputs(example_inputs, self._input_names)
+        profile = profile_model(self._model, args[0] if len(args) == 1 else args,
+                                batch_size=int(args[0].shape[0]), progress=False)
+        topology = Topology.parse(f"{self.world_size}x1e9")
+        if self._stages_wanted is not None:
+            if self._stages_wanted != self.world_size:
+                raise ValueError(f"stages={self._stages_wanted} runs one stage per rank, but this "
+                                 f"job has {self.world_size} ranks")
+            name = "1f1b" if self.schedule_name == "auto" else self.schedule_name
+            return make_plan(profile, topology, schedule=kind(name).plans_as or name,
+                             strategy="time", straight=True)
+        if self.schedule_name == "auto":
+            return choose_schedule(profile, topology)
+        return plan_for(self.schedule_name, profile, topology)
+
+    def _setup(self, plan: Plan) -> None:
+        """Cuts this rank's stages out of the model and makes their optimizers, transport and
+        agreement across stages. Collective: every rank calls it with the same plan."""
         if plan.workers != self.world_size:
             raise FormatError(f"the plan is for {plan.workers} workers but this job has "
                               f"{self.world_size} ranks; start {plan.workers} processes or make "
                               f"a plan for {self.world_size}")
-        return plan
+        self.schedule_name = resolve_schedule(self.schedule_name, plan)
+        check_plan_fits(plan, self._chain)
+        self._check_same_model_everywhere(self._chain)
+        self.plan = plan
+        self.stage_indices = plan.stages_of_rank(self.rank)
+        for index in self.stage_indices:
+            stage_plan = plan.stages[index]
+            module = self._chain.stage_module(stage_plan.start, stage_plan.stop)
+            self._materialize(module, self.device)
+            self._modules[index] = module.to(self.device)
+        for index, module in self._modules.items():
+            params = list(module.parameters())
+            if params:
+                self._optimizers[index] = self._optimizer_factory(params)
+                if self._scheduler_factory is not None:
+                    self._schedulers[index] = self._scheduler_factory(self._optimizers[index])
+        self._transport = ProcessTransport([s.ranks for s in plan.stages], self.timeout,
+                                           device=self.device)
+        # Agreement between runs (data, metrics) and before updates, on CPU tensors, with
+        # the Pipeline's timeout: a dead or stuck rank fails the others within it.
+        self._control = dist.new_group(list(range(self.world_size)), backend="gloo",
+                                       timeout=timedelta(seconds=self.timeout))
+        tied = self._tie_weights(plan)
+        if self.clip_grad_norm is not None or self._scaler is not None or tied:
+            if not kind(self.schedule_name).synchronous:
+                wants = [w for w, on in (("clip_grad_norm", self.clip_grad_norm is not None),
+                                         ("precision='fp16'", self._scaler is not None),
+                                         ("tied weights across stages", bool(tied))) if on]
+                raise ValueError(f"{' and '.join(wants)} need every stage to agree before "
+                                 f"each update, which only synchronous schedules allow "
+                                 f"({', '.join(SYNCHRONOUS)}); {self.schedule_name!r} updates "
+                                 f"its stages at different times")
+            self._sync = GlobalUpdateSync(
+                self._control, {i: len(plan.stages[i].ranks) for i in self.stage_indices},
+                self.clip_grad_norm, self._scaler, tied)
+        self._model = None  # only this rank's stages are kept
 
-    def _plan_on_the_fly(self, model: nn.Module, example_inputs: Any,
-                         leaf_modules: Sequence[Any]) -> Plan:
-        """Rank 0 profiles and plans; every rank gets the same plan by broadcast."""
-        payload: list[Any] = [None]
-        if self.rank == 0:
-            if self.world_size == 1:
-                blocks = len(trace_model(model, leaf_modules=leaf_modules))
-                plan = Plan(model=type(model).__name__, batch_size=1, workers=1,
-                            schedule="1f1b" if self.schedule_name == "auto" else self.schedule_name,
-                            stages=[StagePlan(0, blocks, 1, (0,), 0.0)],
-                            bottleneck_ms=0.0, data_parallel_ms=0.0)
-            else:
-                if example_inputs is None:
-                    raise ValueError("Pipeline(plan=None) profiles the model and needs "
-                                     "example_inputs (one minibatch of inputs); or pass a plan")
-                from pipedream_fast.planner.choose import choose_schedule, plan_for
-                from pipedream_fast.profiler import profile_model  # planning is rank 0's job
-                from pipedream_fast.topology import Topology
-                args = positional_inputs(example_inputs, trace_model(model).input_names)
-                profile = profile_model(model, args[0] if len(args) == 1 else args,
-                                        batch_size=int(args[0].shape[0]), progress=False)
-                topology = Topology.parse(f"{self.world_size}x1e9")
-                plan = (choose_schedule(profile, topology) if self.schedule_name == "auto" else
-                        plan_for(self.schedule_name, profile, topology))
-            payload[0] = plan.to_dict()
-        dist.broadcast_object_list(payload, src=0)
-        return Plan.from_dict(payload[0])
+    def _tie_weights(self, plan: Plan) -> list[TiedWeight]:
+        """The weights this rank shares with other ranks' stages: each gets a process group
+        of the ranks holding it and starts from the first holder's values. Collective."""
+        stage_of_block = {b: i for i, s in enumerate(plan.stages) for b in range(s.start, s.stop)}
+        tied: list[TiedWeight] = []
+        blocks_by_param = shared_parameters(self._chain)
+        params = {id(p): p for b in self._chain.blocks for p in b.module.parameters()}
+        for pid, blocks in sorted(blocks_by_param.items(), key=lambda kv: kv[1]):
+            holders = sorted({stage_of_block[b] for b in blocks})
+            if len(holders) < 2:
+                continue  # used twice within one stage: autograd sums it already
+            ranks = sorted({r for s in holders for r in plan.stages[s].ranks})
+            name = self._names.get(pid, "a weight")
+            mine = [s for s in holders if s in self.stage_indices]
+            if len(mine) > 1:
+                raise ValueError(f"{name} is used by stages {holders}, of which this rank holds "
+                                 f"{mine}; tied weights need their stages on different ranks")
+            group = dist.new_group(ranks)  # collective: every rank, same order
+            if mine:
+                param = params[pid]
+                src = plan.stages[holders[0]].ranks[0]
+                with torch.no_grad():
+                    dist.broadcast(param.data, src=src, group=group)
+                tied.append(TiedWeight(param, group, counts_in_norm=mine[0] == holders[0],
+                                       replicas=len(plan.stages[mine[0]].ranks)))
+        return tied
 
     def _check_same_model_everywhere(self, chain: Any) -> None:
         """Every rank must have built the same model; compared before any training."""
@@ -183,14 +333,14 @@ class Pipeline:
                 reset()
 
     def _runtimes_for(self, schedule: Schedule) -> dict[int, StageRuntime]:
+        assert self.plan is not None
         for index, module in self._modules.items():
             if index not in self._runtimes:
-                runtime = stage_runtime(self.plan, index, self.rank, module,
-                                        self._optimizer_factory, schedule, self.loss_fn)
-                state = self._optimizer_states.pop(index, None)
-                if state is not None and runtime.optimizer is not None:
-                    runtime.optimizer.load_state_dict(state)
-                self._runtimes[index] = runtime
+                self._runtimes[index] = stage_runtime(
+                    self.plan, index, self.rank, module, self._optimizers.get(index), schedule,
+                    self.loss_fn, self._schedulers.get(index), self.precision)
+                if self._scaler is not None:
+                    self._runtimes[index].loss_scale = self._scaler.scale
             check_runtime_fits(self._runtimes[index], schedule, self.rank)
         return self._runtimes
 
@@ -207,41 +357,110 @@ class Pipeline:
                              f"{self.microbatch_size}")
         return first.shape[0] // self.microbatch_size
 
-    # --- training -----------------------------------------------------------------------------
-    def train(self, loader: Iterable[Any], steps: int) -> Iterator[torch.Tensor | None]:
-        """Trains `steps` minibatches from `loader` (pairs of inputs, targets). Yields each
-        minibatch's mean microbatch loss on last-stage ranks, None on the others."""
-        if steps < 1:
-            raise ValueError(f"steps must be >= 1, got {steps}")
-        batches = iter(loader)
-        first = next(batches, None)
+    # --- data ----------------------------------------------------------------------------------
+    def _open_data(self, loader: Any, steps: int | None, epochs: int | None,
+                   evaluation: bool = False
+                   ) -> tuple[int, int, pytree.TreeSpec, Iterator[Any] | None]:
+        """Agrees on a run's data: the first stage's first rank reads the first batch, checks
+        the loader and tells every rank the steps, chunks and target structure. Returns those
+        and, on first-stage ranks, the batches. Collective.
+
+        `evaluation`: a short last batch is padded to the full size and each target gets a
+        mask of the real samples, so that nothing is dropped and nothing counted twice."""
+        if self.plan is None:  # plan on the first minibatch
+            if self.rank == 0:
+                self._peeked = self._peek(loader)
+            self._setup(self._plan_from(self._peeked[1][0] if self._peeked else None))
+        assert self.plan is not None
+        lead = self.plan.stages[0].ranks[0]
+        payload: list[Any] = [None]
+        batches: Iterator[Any] | None = None
+        if self.rank == lead:
+            try:
+                peeked, self._peeked = self._peeked, None
+                self._source, first = peeked if peeked is not None else self._peek(loader)
+                chunks = self._chunks_for(first[0])
+                check_loader(loader, chunks, allow_short_last=evaluation)
+                size = batch_size(first[0])
+                target = (first[1], torch.ones(size, dtype=torch.bool)) if evaluation else first[1]
+                payload[0] = {"steps": steps_for(loader, steps, epochs), "chunks": chunks,
+                              "target": pytree.treespec_dumps(target_spec(target)),
+                              "epoch": self._epoch, "batch_size": size}
+                batches = itertools.chain([first], self._source)
+            except Exception as err:  # every rank must hear of it
+                payload[0] = {"error": f"{type(err).__name__}: {err}"}
+        self._agree(lambda: dist.broadcast_object_list(payload, src=lead, group=self._control),
+                    f"the start of the run (rank {lead} reads the data)")
+        if "error" in payload[0]:
+            raise ValueError(f"the data loader on rank {lead} (first stage): "
+                             f"{payload[0]['error']}")
+        agreed = payload[0]
+        self._epoch = agreed["epoch"]
+        self._agreed_batch = agreed["batch_size"]
+        if 0 in self.stage_indices and batches is None:  # a replica of the first stage
+            self._source = EpochBatches(loader, self.seed, self._epoch)
+            batches = self._source
+        if evaluation and batches is not None:
+            batches = (pad_batch(b, agreed["batch_size"]) for b in batches)
+        return agreed["steps"], agreed["chunks"], pytree.treespec_loads(agreed["target"]), batches
+
+    def _agree(self, collective: Callable[[], Any], what: str) -> None:
+        """Runs a collective of every rank, naming the ranks when one does not take part."""
+        try:
+            collective()
+        except Exception as err:
+            others = [str(r) for r in range(self.world_size) if r != self.rank]
+            peers = f"rank {others[0]}" if len(others) == 1 else f"ranks {', '.join(others)}"
+            raise RuntimeError(f"rank {self.rank}: {what} needs every rank, and {peers} did not "
+                               f"take part within {self.timeout:.0f} s (died, stuck or called "
+                               f"something else): {err}") from err
+
+    def _peek(self, loader: Any) -> tuple[EpochBatches, Any]:
+        if loader is None:
+            raise ValueError("the first stage's ranks need the loader; got None")
+        source = EpochBatches(loader, self.seed, self._epoch)
+        first = next(source, None)
         if first is None:
             raise ValueError("the data loader is empty")
-        chunks = self._chunks_for(first[0])
+        if not isinstance(first, (tuple, list)) or len(first) != 2:
+            raise TypeError(f"the loader must yield (inputs, targets) pairs, got "
+                            f"{type(first).__name__}")
+        return source, first
+
+    # --- training -----------------------------------------------------------------------------
+    def train(self, loader: Iterable[Any] | None, steps: int | None = None, *,
+              epochs: int | None = None) -> Iterator[torch.Tensor | None]:
+        """Trains `steps` minibatches, or `epochs` passes over the loader (default: one pass),
+        from `loader` (pairs of inputs, targets; a re-iterable loader is read again for each
+        epoch and left usable). Only first-stage ranks read it (others may pass None). Yields
+        each step's mean microbatch loss on every rank (a replicated stage's rank: the mean of
+        the microbatches that passed through it). Collective: every rank must iterate it."""
+        steps, chunks, spec, batches = self._open_data(loader, steps, epochs)
+        assert self.plan is not None and self._transport is not None
         schedule = build_schedule(self.plan, self.schedule_name, steps, chunks)
         check_backend(schedule, str(dist.get_backend()))
         runtimes = self._runtimes_for(schedule)
-
-        def replay() -> Iterator[Any]:
-            yield first
-            yield from batches
-
-        feed = MicrobatchFeed(replay(), chunks, feed_uses(schedule, [self.rank]))
-        inputs, targets = data_sources(feed, schedule, self.rank, self._input_names, self.device)
-        executor = Executor(schedule, self.rank, runtimes, self._transport,
-                            inputs, targets, trace=self.trace)
+        inputs = None
+        if batches is not None:
+            feed = MicrobatchFeed(batches, chunks, feed_uses(schedule, [self.rank]))
+            inputs = data_source(feed, schedule, self.rank, self._input_names, self.device)
+        executor = Executor(schedule, self.rank, runtimes, self._transport, inputs,
+                            target_spec=spec, trace=self.trace, update_sync=self._sync)
         tracker = StepTracker(schedule, self.rank, chunks)
-        losses: dict[int, list[torch.Tensor]] = defaultdict(list)
+        losses: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> mb -> loss
         for runtime in runtimes.values():
             runtime.begin_run()
         for _, action, loss in executor.run():
             if loss is not None:
                 assert action.microbatch is not None
-                losses[action.microbatch // chunks].append(loss)
+                losses[action.microbatch // chunks][action.microbatch] = loss
             for step in tracker.done(action, steps):
-                got = losses.pop(step, [])
-                yield torch.stack(got).mean() if got else None
+                got = losses.pop(step, {})
+                yield torch.stack(list(got.values())).mean() if got else None
         self._step += steps
+        if self._source is not None:
+            self._epoch = self._source.epochs_started()
+            self._source = None
         self.last_stats = executor.stats.to_dict()
         self.last_events = executor.events or []
 
@@ -254,10 +473,107 @@ class Pipeline:
         out = list(self.train([(inputs, targets)], steps=1))
         return out[-1]
 
+    # --- evaluation and inference ---------------------------------------------------------------
+    def _inference_transport(self, key: tuple[Any, ...]) -> ProcessTransport:
+        """The transport of forward-only runs of one shape (made collectively on first use:
+        every rank knows the key from the same agreed values)."""
+        if key not in self._inference_transports:
+            assert self.plan is not None
+            group = dist.new_group(list(range(self.world_size)),
+                                   timeout=timedelta(seconds=self.timeout))
+            self._inference_transports[key] = ProcessTransport(
+                [], self.timeout, device=self.device, group=group)
+        return self._inference_transports[key]
+
+    def _forward_only(self, schedule: Schedule, inputs: Any, spec: pytree.TreeSpec,
+                      sink: Callable[[int, Any, Any], None], key: tuple[Any, ...]) -> None:
+        assert self.plan is not None
+        runtimes = {i: StageRuntime.for_inference(i, m, i == 0, i == len(self.plan.stages) - 1,
+                                                  self.precision)
+                    for i, m in self._modules.items()}
+        executor = Executor(schedule, self.rank, runtimes, self._inference_transport(key),
+                            inputs, target_spec=spec, outputs=sink)
+        for _ in executor.run():
+            pass
+
+    def evaluate(self, loader: Iterable[Any] | None,
+                 metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
+                 steps: int | None = None) -> dict[str, float]:
+        """Forward passes only (eval mode, no gradients) over one pass of `loader` (or `steps`
+        minibatches). Returns {"loss": ..., **metrics} on every rank: each the mean over the
+        samples of `fn(outputs, targets)`, which returns a microbatch's mean (a tensor or a
+        number), weighted by the microbatch's size. Collective."""
+        metrics = dict(metrics or {})
+        if "loss" in metrics:
+            raise ValueError("'loss' is always reported (loss_fn); name the metric otherwise")
+        steps, chunks, spec, batches = self._open_data(loader, steps, None, evaluation=True)
+        self._source = None  # evaluation does not count as an epoch of training
+        assert self.plan is not None
+        schedule = forward_only([s.ranks for s in self.plan.stages], steps * chunks)
+        inputs = None
+        if batches is not None:
+            feed = MicrobatchFeed(batches, chunks, feed_uses(schedule, [self.rank]))
+            inputs = data_source(feed, schedule, self.rank, self._input_names, self.device)
+        sums: dict[str, float] = dict.fromkeys(["loss", *metrics], 0.0)
+        count = [0]
+
+        def sink(mb: int, out: Any, masked: Any) -> None:
+            target, real = masked
+            n = int(real.sum())
+            if n == 0:
+                return  # all padding
+            if n < real.numel():  # the padded tail of a short last batch
+                out, target = (pytree.tree_map(lambda t: t[real], v) for v in (out, target))
+            sums["loss"] += float(self.loss_fn(out, target)) * n
+            for name, fn in metrics.items():
+                sums[name] += float(fn(out, target)) * n
+            count[0] += n
+
+        self._forward_only(schedule, inputs, spec, sink,
+                           key=(self._agreed_batch, chunks, pytree.treespec_dumps(spec)))
+        parts: list[Any] = [None] * self.world_size
+        self._agree(lambda: dist.all_gather_object(parts, (sums, count[0]), group=self._control),
+                    "gathering the metrics")
+        total = sum(n for _, n in parts)
+        return {name: sum(p[name] for p, _ in parts) / max(total, 1) for name in sums}
+
+    def predict(self, inputs: Any, everywhere: bool = False) -> Any:
+        """The model's outputs for one minibatch of `inputs` (eval mode, no gradients), on the
+        ranks of the last stage (None elsewhere), or on every rank with `everywhere`. Every
+        rank passes the same inputs (only the first stage's ranks read them). Collective."""
+        self._require_setup("predict()")
+        assert self.plan is not None
+        chunks = self._chunks_for(inputs)
+        parts = split_microbatches(inputs, chunks)
+        schedule = forward_only([s.ranks for s in self.plan.stages], chunks)
+        spec = pytree.tree_flatten(())[1]  # no target: nothing travels with the inputs
+
+        def source(mb: int) -> tuple[tuple[Any, ...], Any]:
+            return positional_inputs(to_device(parts[mb], self.device), self._input_names), ()
+
+        outputs: dict[int, Any] = {}
+        self._forward_only(schedule, source if 0 in self.stage_indices else None, spec,
+                           lambda mb, out, _: outputs.__setitem__(mb, pytree.tree_map(
+                               lambda t: t.detach().cpu(), out)),
+                           key=(batch_size(inputs), chunks, pytree.treespec_dumps(spec)))
+        last = len(self.plan.stages) - 1
+        if everywhere or len(self.plan.stages[last].ranks) > 1:
+            gathered: list[Any] = [None] * self.world_size
+            self._agree(lambda: dist.all_gather_object(gathered, outputs, group=self._control),
+                        "gathering the outputs")
+            for part in gathered:
+                outputs.update(part)
+        if not everywhere and last not in self.stage_indices:
+            return None
+        ordered = [outputs[mb] for mb in range(chunks)]
+        return pytree.tree_map(lambda *ts: torch.cat(ts), *ordered) if chunks > 1 else ordered[0]
+
     # --- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's parameters and buffers, original keys, on rank 0 (None elsewhere).
         Collective: every rank must call it."""
+        self._require_setup("state_dict()")
+        assert self.plan is not None
         mine = named_state([m for i, m in self._modules.items()
                             if self.plan.stages[i].ranks[0] == self.rank], self._names)
         gathered: list[Any] = [None] * self.world_size if self.rank == 0 else None  # type: ignore
@@ -272,16 +588,17 @@ class Pipeline:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Each rank writes its stage (weights, optimizer state, step) to `path/rank<r>.pt`
         atomically; rank 0 adds the plan. Collective."""
+        self._require_setup("save()")
+        assert self.plan is not None
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         stages = {}
         for index, module in self._modules.items():
-            runtime = self._runtimes.get(index)
-            optimizer = runtime.optimizer if runtime is not None else None
+            optimizer = self._optimizers.get(index)
             stages[index] = {"model": module.state_dict(),
                              "optimizer": optimizer.state_dict() if optimizer else None}
         state = {"format": CHECKPOINT_FORMAT, "rank": self.rank, "step": self._step,
-                 "schedule": self.schedule_name, "stages": stages}
+                 "epoch": self._epoch, "schedule": self.schedule_name, "stages": stages}
         tmp = folder / f"rank{self.rank}.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, folder / f"rank{self.rank}.pt")
@@ -308,9 +625,12 @@ class Pipeline:
         for index, saved in state["stages"].items():
             pipe._modules[index].load_state_dict(saved["model"])
             if saved["optimizer"] is not None:
-                pipe._optimizer_states[index] = saved["optimizer"]
+                pipe._optimizers[index].load_state_dict(saved["optimizer"])
         pipe._step = int(state["step"])
+        pipe._epoch = int(state.get("epoch", 0))
         return pipe
 
     def close(self) -> None:
-        self._transport.close()
+        for transport in [self._transport, *self._inference_transports.values()]:
+            if transport is not None:
+                transport.close()

@@ -24,7 +24,9 @@ Grouping rule
   input cut, in order, and returns a tuple of exactly those crossing its output cut.
 
 Block modules share parameters with the original model (nothing is copied), so gradients of a
-chain run land on the model's own parameters.
+chain run land on the model's own parameters. A parameter used by two blocks (tied weights) is
+held by both (`shared_parameters` lists them); the runtime sums its gradients across the
+stages that hold it.
 """
 
 from __future__ import annotations
@@ -146,7 +148,6 @@ def trace(model: nn.Module, example_inputs: Any = None, leaf_modules: LeafSpec =
     """
     leaves = tuple(leaf_modules)
     chain = _trace_sequential(model) if isinstance(model, nn.Sequential) else _trace_fx(model, leaves)
-    _check_no_shared_parameters(chain)
     if example_inputs is not None:
         chain.cut_meta = _record_cut_meta(chain, example_inputs)
     return chain
@@ -340,16 +341,24 @@ def _block_graph_module(model: nn.Module, nodes: list[fx.Node], inputs: list[fx.
 
 # ---- checks ---------------------------------------------------------------------------------
 
-def _check_no_shared_parameters(chain: LayerChain) -> None:
-    owner: dict[int, str] = {}
-    for block in chain.blocks:
-        for name, param in block.module.named_parameters():
-            first = owner.setdefault(id(param), block.name)
-            if first != block.name:
-                raise TracingError(
-                    f"parameter {name!r} is used by blocks {first!r} and {block.name!r}; "
-                    f"pipeline stages cannot share weights. Wrap the code that uses it into one "
-                    f"submodule (and list it in leaf_modules=) so both uses fall in one block")
+def shared_parameters(chain: LayerChain) -> dict[int, list[int]]:
+    """Parameters used by several blocks (tied weights, such as an embedding and an output
+    head): parameter id -> the blocks that use it, in order."""
+    users: dict[int, list[int]] = {}
+    for index, block in enumerate(chain.blocks):
+        for param in block.module.parameters():
+            users.setdefault(id(param), []).append(index)
+    return {pid: blocks for pid, blocks in users.items() if len(blocks) > 1}
+
+
+def check_no_shared_parameters(chain: LayerChain) -> None:
+    """For front ends whose stages live in one process and cannot hold one tensor twice."""
+    for blocks in shared_parameters(chain).values():
+        a, b = chain.blocks[blocks[0]].name, chain.blocks[blocks[1]].name
+        raise TracingError(
+            f"a parameter is used by blocks {a!r} and {b!r}; stages of one process cannot "
+            f"share weights. Use Pipeline (one process per rank), or wrap the code that uses it "
+            f"into one submodule (listed in leaf_modules=) so both uses fall in one block")
 
 
 def _as_tuple(inputs: Any) -> tuple[Any, ...]:

@@ -7,6 +7,7 @@ how ranks are started and how tensors travel; everything here is common to them.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
 from typing import Any
@@ -14,8 +15,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.data import DataLoader, DistributedSampler
 
-from pipedream_fast.formats import FormatError, Plan
+from pipedream_fast.formats import FormatError, Plan, StagePlan
 from pipedream_fast.ir import Action, ActionKind, Schedule, validate
 from pipedream_fast.runtime.stage import OptimizerFactory, StageRuntime
 from pipedream_fast.schedules import TRAINABLE, kind, make_schedule
@@ -46,8 +49,9 @@ def check_plan_fits(plan: Plan, chain: LayerChain) -> None:
     other block names, or other parameter sizes than the plan's stages recorded."""
     if plan.stages[-1].stop != len(chain):
         raise FormatError(f"the plan covers {plan.stages[-1].stop} blocks but the model splits "
-                          f"into {len(chain)}; the plan was made for another model (re-run "
-                          f"`pipedream-fast profile` and `plan` on this one)")
+                          f"into {len(chain)} ({block_list(chain)}); the plan was made for "
+                          f"another model (re-run `pipedream-fast profile` and `plan` on this "
+                          f"one)")
     for index, stage in enumerate(plan.stages):
         blocks = chain.blocks[stage.start:stage.stop]
         names = stage.extra.get("blocks")
@@ -61,6 +65,48 @@ def check_plan_fits(plan: Plan, chain: LayerChain) -> None:
             raise FormatError(f"plan stage {index} was planned for {int(expected)} bytes of "
                               f"parameters but the model's blocks {stage.start}..{stage.stop - 1} "
                               f"hold {found}; the plan was made for another model or size")
+
+
+def block_list(chain: LayerChain) -> str:
+    """The model's blocks, numbered, for error messages: `0:conv1, 1:conv2, ...`."""
+    return ", ".join(f"{i}:{b.name}" for i, b in enumerate(chain.blocks))
+
+
+def manual_plan(chain: LayerChain, world_size: int, schedule: str,
+                balance: Sequence[int] | None = None,
+                split_points: Sequence[str] | None = None, model_name: str = "model") -> Plan:
+    """A plan from a manual split, one rank per stage: `balance` (blocks per stage, as in
+    torchgpipe) or `split_points` (the names of the blocks that start stages 1, 2, ...)."""
+    names = [b.name for b in chain.blocks]
+    if (balance is None) == (split_points is None):
+        raise ValueError("give balance or split_points, not both")
+    if split_points is not None:
+        unknown = [p for p in split_points if p not in names]
+        if unknown:
+            raise ValueError(f"split point {unknown[0]!r} is not a block of the model; its "
+                             f"blocks are {block_list(chain)}")
+        starts = [0] + [names.index(p) for p in split_points]
+        if starts != sorted(set(starts)):
+            raise ValueError(f"split points {list(split_points)} must name blocks after the "
+                             f"first, in model order, each once; the blocks are "
+                             f"{block_list(chain)}")
+        balance = [b - a for a, b in zip(starts, starts[1:] + [len(names)])]
+    assert balance is not None
+    if any(int(n) < 1 for n in balance) or sum(balance) != len(names):
+        raise ValueError(f"balance {list(balance)} must give each stage >= 1 block and cover the "
+                         f"model's {len(names)} blocks ({block_list(chain)}); it covers "
+                         f"{sum(balance)}")
+    if len(balance) != world_size:
+        raise ValueError(f"a manual split of {len(balance)} stages runs one stage per rank, but "
+                         f"this job has {world_size} ranks; start {len(balance)} processes")
+    stages, start = [], 0
+    for rank, count in enumerate(balance):
+        stages.append(StagePlan(start, start + int(count), 1, (rank,), 0.0,
+                                {"blocks": names[start:start + int(count)]}))
+        start += int(count)
+    return Plan(model=model_name, batch_size=0, workers=world_size,
+                schedule=schedule if schedule != "auto" else "1f1b", stages=stages,
+                bottleneck_ms=0.0, data_parallel_ms=0.0, extra={"split": "manual"})
 
 
 def model_fingerprint(chain: LayerChain) -> list[tuple[str, list[tuple[int, ...]]]]:
@@ -120,8 +166,9 @@ class MicrobatchFeed:
                 try:
                     batch = next(self._batches)
                 except StopIteration:
-                    raise RuntimeError(f"the data loader ran out at step {self._next_step}; give "
-                                       f"it at least as many batches as steps") from None
+                    raise RuntimeError(f"the data loader ran out at step {self._next_step}; a "
+                                       f"one-shot iterator needs at least as many batches as "
+                                       f"steps (a re-iterable loader is read again)") from None
                 if not isinstance(batch, (tuple, list)) or len(batch) != 2:
                     raise TypeError(f"the loader must yield (inputs, targets) pairs, got "
                                     f"{type(batch).__name__}")
@@ -139,9 +186,9 @@ class MicrobatchFeed:
 
 
 def reads_data(schedule: Schedule, rank: int, mb: int) -> bool:
-    """Whether rank reads microbatch mb from the loader: it feeds it to the first stage or
-    computes its loss on the last stage (a rank doing both reads it once)."""
-    return rank in (schedule.rank_of(0, mb), schedule.rank_of(schedule.num_stages - 1, mb))
+    """Whether rank reads microbatch mb from the loader: only the rank that feeds it to the
+    first stage does (its target travels with the activations to the last stage)."""
+    return schedule.rank_of(0, mb) == rank
 
 
 def feed_uses(schedule: Schedule, ranks: Sequence[int]) -> Callable[[int], int]:
@@ -163,26 +210,151 @@ def to_device(value: Any, device: torch.device) -> Any:
 CPU = torch.device("cpu")
 
 
-def data_sources(feed: MicrobatchFeed, schedule: Schedule, rank: int,
-                 input_names: Sequence[str], device: torch.device = CPU
-                 ) -> tuple[Callable[[int], tuple[Any, ...]] | None, Callable[[int], Any] | None]:
-    """The executor's input source (first stage) and target source (last stage) for a rank,
-    on the rank's device. A rank holding both for a microbatch reads it once."""
-    last = schedule.num_stages - 1
-    stages = set(schedule.stages_of(rank))
-    targets: dict[int, Any] = {}
+def data_source(feed: MicrobatchFeed, schedule: Schedule, rank: int,
+                input_names: Sequence[str], device: torch.device = CPU
+                ) -> Callable[[int], tuple[tuple[Any, ...], Any]] | None:
+    """The executor's input source for a rank that holds the first stage (None elsewhere):
+    a microbatch's positional inputs and its target, on the rank's device."""
+    if 0 not in schedule.stages_of(rank):
+        return None
 
-    def inputs(mb: int) -> tuple[Any, ...]:
+    def inputs(mb: int) -> tuple[tuple[Any, ...], Any]:
         x, y = feed.take(mb)
-        if last in stages and schedule.rank_of(last, mb) == rank:
-            targets[mb] = y
-        return positional_inputs(to_device(x, device), input_names)
+        return positional_inputs(to_device(x, device), input_names), to_device(y, device)
 
-    def target(mb: int) -> Any:
-        y = targets.pop(mb) if mb in targets else feed.take(mb)[1]
-        return to_device(y, device)
+    return inputs
 
-    return (inputs if 0 in stages else None), (target if last in stages else None)
+
+def target_spec(target: Any) -> pytree.TreeSpec:
+    """The structure of a target (tensors, or tuples/lists/dicts of them), checked."""
+    leaves, spec = pytree.tree_flatten(target)
+    bad = [type(v).__name__ for v in leaves if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise TypeError(f"targets must be tensors, or tuples, lists or dicts of tensors (they "
+                        f"travel with the activations to the last stage); found {bad[0]}")
+    return spec
+
+
+# ---- loaders ---------------------------------------------------------------------------------
+
+def batch_size(inputs: Any) -> int:
+    """The samples in a minibatch: dimension 0 of its first tensor."""
+    leaves = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim()]
+    if not leaves:
+        raise TypeError("a minibatch's inputs must hold at least one tensor with a batch "
+                        "dimension")
+    return int(leaves[0].shape[0])
+
+
+def pad_batch(batch: Any, size: int) -> tuple[Any, Any]:
+    """An evaluation minibatch as (inputs, (targets, real)): a short one is padded to `size`
+    samples by repeating its last, and `real` marks the samples that are not padding."""
+    x, y = batch
+    n = batch_size(x)
+    if n > size:
+        raise ValueError(f"a minibatch of {n} samples follows one of {size}; evaluation batches "
+                         f"may only get shorter at the end")
+    real = torch.arange(size) < n
+    if n < size:
+        def pad(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return t
+            return torch.cat([t, t[-1:].expand(size - n, *t.shape[1:])])
+        x, y = pytree.tree_map(pad, x), pytree.tree_map(pad, y)
+    return x, (y, real)
+
+
+def check_loader(loader: Any, chunks: int, allow_short_last: bool = False) -> None:
+    """Refuses loaders that would train on the wrong data rather than fail: a
+    DistributedSampler (this runtime shards data itself, and only the first stage reads) and
+    a short last batch (its microbatches would not fit the negotiated shapes)."""
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(sampler, DistributedSampler):
+        raise ValueError("the loader uses a DistributedSampler: a Pipeline shards the data "
+                         "itself (only first-stage ranks read it, and replicas take their "
+                         "microbatches of each batch); pass the DataLoader without the "
+                         "sampler (shuffle=True shuffles the same way on every replica)")
+    size = getattr(loader, "batch_size", None)
+    if (isinstance(loader, DataLoader) and size and not loader.drop_last
+            and not allow_short_last and sampler is not None
+            and hasattr(sampler, "__len__") and len(sampler) % size):
+        raise ValueError(f"the loader's last batch holds {len(sampler) % size} of {size} "
+                         f"samples; a pipeline needs equal batches (the tensors between stages "
+                         f"keep their shapes): use drop_last=True")
+    if size and size % chunks:
+        raise ValueError(f"the loader's batch size {size} does not split into {chunks} equal "
+                         f"microbatches (chunks); use a multiple of {chunks}")
+
+
+def steps_for(loader: Any, steps: int | None, epochs: int | None) -> int:
+    """Steps of a run: `steps`, or `epochs` passes over the loader (default one)."""
+    if steps is not None and epochs is not None:
+        raise ValueError("give steps or epochs, not both")
+    if steps is not None:
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        return steps
+    epochs = 1 if epochs is None else epochs
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    try:
+        length = len(loader)
+    except TypeError:
+        raise ValueError(f"the loader ({type(loader).__name__}) has no length, so epochs "
+                         f"cannot be counted: give steps=") from None
+    if length < 1:
+        raise ValueError("the data loader is empty")
+    return epochs * length
+
+
+@contextlib.contextmanager
+def seeded(seed: int, epoch: int, index: int) -> Iterator[None]:
+    """Torch's global random state fixed by (seed, epoch, index) inside, restored after: a
+    sampler or loader that draws from it (shuffle=True without a generator, worker seeds,
+    random transforms in the main process) then draws the same on every replica and in every
+    run, whatever else (dropout) used the random state in between."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed((seed * 1_000_003 + epoch) * 1_000_003 + index + 1)
+        yield
+
+
+class EpochBatches:
+    """Minibatches of a loader, epoch after epoch: a re-iterable loader (a DataLoader, a list)
+    is iterated again for each epoch and left usable; a one-shot iterator is read once.
+    Every iteration and every batch is read under `seeded(seed, epoch, index)`."""
+
+    def __init__(self, loader: Any, seed: int, first_epoch: int) -> None:
+        self._loader = loader
+        self._seed = seed
+        self.epoch = first_epoch  # the epoch being read
+        self._iterator: Iterator[Any] | None = None
+        self._index = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            if self._iterator is None:
+                with seeded(self._seed, self.epoch, -1):
+                    self._iterator = iter(self._loader)
+                self._index = 0
+            with seeded(self._seed, self.epoch, self._index):
+                batch = next(self._iterator, _END)
+            if batch is not _END:
+                self._index += 1
+                return batch
+            if self._index == 0 or self._iterator is self._loader:
+                raise StopIteration  # empty, or a one-shot iterator that is used up
+            self._iterator = None
+            self.epoch += 1
+
+    def epochs_started(self) -> int:
+        """Epochs begun so far, counted from the first: where the next run continues."""
+        return self.epoch + (1 if self._iterator is not None else 0)
+
+
+_END = object()
 
 
 def build_schedule(plan: Plan, name: str, steps: int, chunks: int) -> Schedule:
@@ -197,11 +369,13 @@ def build_schedule(plan: Plan, name: str, steps: int, chunks: int) -> Schedule:
 
 
 def stage_runtime(plan: Plan, stage: int, rank: int, module: nn.Module,
-                  optimizer: OptimizerFactory, schedule: Schedule,
-                  loss_fn: Callable[[Any, Any], torch.Tensor]) -> StageRuntime:
+                  optimizer: torch.optim.Optimizer | OptimizerFactory | None, schedule: Schedule,
+                  loss_fn: Callable[[Any, Any], torch.Tensor], scheduler: Any = None,
+                  precision: str = "fp32") -> StageRuntime:
     return StageRuntime(stage, module, optimizer, slots=schedule.max_versions[rank],
                         is_first=stage == 0, is_last=stage == len(plan.stages) - 1,
-                        loss_fn=loss_fn, split_backward=splits_backward(schedule.name))
+                        loss_fn=loss_fn, split_backward=splits_backward(schedule.name),
+                        scheduler=scheduler, precision=precision)
 
 
 def check_backend(schedule: Schedule, backend: str) -> None:

@@ -139,3 +139,39 @@ def interpret_schedule(schedule: Schedule, stage_modules: Sequence[nn.Module],
                 torch.testing.assert_close(other[k], weights[k], msg=f"replicas of stage {s} differ")
         finals.append({k: v.detach().clone() for k, v in weights.items()})
     return finals
+
+
+def train_reference_with(model: nn.Module, batches: Any, chunks: int, loss_fn: Callable,
+                         make_optimizer: Callable, *, autocast_dtype: torch.dtype | None = None,
+                         clip_grad_norm: float | None = None,
+                         make_scheduler: Callable | None = None,
+                         norms: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """`train_reference` with the Pipeline's training options, as one process does them: the
+    forward and the loss under `torch.autocast("cpu", autocast_dtype)`, the accumulated
+    gradients clipped to `clip_grad_norm` over all parameters before the update, and the LR
+    scheduler stepped once after each update. `batches` may be any iterable (a DataLoader);
+    `norms`, if given, receives each update's gradient norm before clipping."""
+    model = copy.deepcopy(model)
+    params = list(model.parameters())
+    optimizer = make_optimizer(params)
+    scheduler = make_scheduler(optimizer) if make_scheduler is not None else None
+    for x, y in batches:
+        optimizer.zero_grad()
+        for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
+            if autocast_dtype is None:
+                loss = loss_fn(model(xs), ys)
+            else:
+                with torch.autocast("cpu", dtype=autocast_dtype):
+                    loss = loss_fn(model(xs), ys)
+            (loss / chunks).backward()
+        if clip_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad)
+                                                         for p in params if p.grad is not None]))
+        if norms is not None:
+            norms.append(float(norm))
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

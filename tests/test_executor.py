@@ -19,7 +19,8 @@ from pipedream_fast.runtime.executor import Executor
 from pipedream_fast.runtime.stage import StageRuntime
 from pipedream_fast.schedules import looped_ranks, make_schedule
 from pipedream_fast.schedules.registry import splits_backward
-from pipedream_fast.training import MicrobatchFeed, check_backend, data_sources, feed_uses
+from pipedream_fast.training import (MicrobatchFeed, check_backend, data_source, feed_uses,
+                                     target_spec)
 from runtime_reference import interpret_schedule, train_reference
 
 CHUNKS, BATCH = 4, 8
@@ -68,17 +69,20 @@ def run_fake(schedule: Schedule, ranges: list[tuple[int, int]], steps: int,
                             is_last=s == last, loss_fn=loss_fn,
                             split_backward=splits_backward(schedule.name))
             for s in schedule.stages_of(rank) for a, b in [ranges[s]]}
-    losses: dict[int, list[float]] = {}
+    losses: dict[int, dict[int, float]] = {}  # step -> mb -> loss (every rank learns it)
     errors: list[BaseException] = []
 
     def work(rank: int) -> None:
-        inputs, targets = data_sources(feed, schedule, rank, ["input"])
+        inputs = data_source(feed, schedule, rank, ["input"])
         executor = Executor(schedule, rank, runtimes[rank], FakeTransport(hub, rank),
-                            inputs, targets)
+                            inputs, target_spec=target_spec(torch.zeros(1)))
         try:
             for _, action, loss in executor.run():
                 if loss is not None:
-                    losses.setdefault(action.microbatch // chunks, []).append(float(loss))
+                    mb = action.microbatch
+                    seen = losses.setdefault(mb // chunks, {})
+                    assert seen.get(mb, float(loss)) == float(loss), "ranks disagree on a loss"
+                    seen[mb] = float(loss)
                 if peaks is not None:
                     sizes = {"outputs": len(executor._outputs), "posted": len(executor._posted),
                              "look-ahead": len(executor._program._buffer) - executor._program._head,

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from pipedream_fast import models
-from pipedream_fast.tracing import LayerChain, TracingError, trace
+from pipedream_fast.tracing import (LayerChain, TracingError, check_no_shared_parameters,
+                                    shared_parameters, trace)
 
 
 def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -200,9 +201,14 @@ def test_unknown_leaf_name_is_an_error() -> None:
         trace(WithBadChild(), leaf_modules=["nope"])
 
 
-def test_shared_parameters_across_blocks_are_refused() -> None:
+def test_shared_parameters_across_blocks_are_listed_and_refused_where_unsupported() -> None:
+    chain = trace(Tied())
+    shared = shared_parameters(chain)
+    # a's weight and bias, each used by both of a's calls
+    assert [[chain.blocks[b].name for b in blocks] for blocks in shared.values()] == \
+        [["a", "a#2"]] * 2
     with pytest.raises(TracingError, match="used by blocks 'a' and 'a#2'"):
-        trace(Tied())
+        check_no_shared_parameters(chain)
 
 
 def test_building_on_the_meta_device_allocates_nothing() -> None:

@@ -8,16 +8,22 @@ ring (the IR places each SNAPSHOT before the first forward of its version, so th
 already runs on the retained copy and the update that follows may overwrite the live weights
 in place). Messages are addressed by (receiving stage, microbatch); a rank holding several
 stages hands tensors between its own neighbouring stages directly.
+
+Only the first stage reads data. A microbatch's targets travel with its activations to the
+last stage (appended to the activation message), and its loss travels back with its
+gradients (appended to the gradient message), so every rank learns each microbatch's loss
+when its backward arrives, and no two ranks ever have to read the same data in step.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
-from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 from pipedream_fast.ir import Action, ActionKind, Schedule
 from pipedream_fast.schedules.lowering import Lookahead
@@ -28,9 +34,19 @@ from pipedream_fast.trace import TraceEvent
 
 K = ActionKind
 
-# The first stage's positional arguments for a microbatch, and the last stage's target.
-InputSource = Callable[[int], tuple[Any, ...]]
-TargetSource = Callable[[int], Any]
+# A microbatch's first-stage positional arguments and its target (which travels to the last
+# stage with the activations).
+InputSource = Callable[[int], tuple[tuple[Any, ...], Any]]
+# Evaluation: the last stage's outputs of a microbatch, with its target.
+OutputSink = Callable[[int, Any, Any], None]
+
+
+class UpdateSync(Protocol):
+    """What all stages agree on before a synchronous update (global clipping, tied weights,
+    fp16 overflow); returns whether to skip the update."""
+
+    def before_update(self, version: int, microbatches: Sequence[int],
+                      stages: dict[int, StageRuntime]) -> bool: ...
 
 
 class RuntimeFailure(RuntimeError):
@@ -58,14 +74,24 @@ class Executor:
 
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, StageRuntime],
                  transport: Transport, inputs: InputSource | None = None,
-                 targets: TargetSource | None = None, trace: bool = False) -> None:
+                 target_spec: pytree.TreeSpec | None = None, trace: bool = False,
+                 outputs: OutputSink | None = None, update_sync: UpdateSync | None = None
+                 ) -> None:
+        """`target_spec`: the structure of a microbatch's target (every rank must know it to
+        split it off the activations). `outputs` given: evaluation, forwards only, in eval
+        mode, each last-stage output handed to it. `update_sync`: called before updates."""
         self.schedule = schedule
         self.rank = rank
         self.stages = stages
         self.transport = transport
         self.inputs = inputs
-        self.targets = targets
+        self.target_spec = target_spec if target_spec is not None else pytree.tree_flatten(())[1]
+        self.training = outputs is None
+        self.sink = outputs
+        self.update_sync = update_sync
         self.stats = ExecutorStats()
+        self._carried: dict[tuple[int, int], Any] = {}  # (stage, mb) -> target to pass on
+        self._losses: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> loss to pass back
         self.events: list[TraceEvent] | None = [] if trace else None
         self._program = Lookahead(schedule.program(rank))
         self._outputs: dict[tuple[int, int], tuple[Any, ...]] = {}   # (stage, mb) -> to send
@@ -102,33 +128,58 @@ class Executor:
         return tensors
 
     # --- one method per action kind ----------------------------------------------------------
+    def _split_target(self, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], Any]:
+        """A received activation message: the activations, then the target's leaves."""
+        n = self.target_spec.num_leaves
+        if n == 0:
+            return tuple(tensors), pytree.tree_unflatten([], self.target_spec)
+        return tuple(tensors[:-n]), pytree.tree_unflatten(tensors[-n:], self.target_spec)
+
     def _forward(self, a: Action) -> Any:
         stage = self.stages[a.stage]
-        target = None
         if stage.is_first:
             assert self.inputs is not None, "the first stage needs an input source"
-            args = self.inputs(a.mb)
+            args, target = self.inputs(a.mb)
         elif (a.stage - 1, a.mb) in self._outputs:  # produced on this rank
             args = tuple(t.detach() for t in self._outputs.pop((a.stage - 1, a.mb)))
+            target = self._carried.pop((a.stage - 1, a.mb))
         else:
-            args = tuple(self._recv(ACTIVATION, a.stage, a.mb))
-        if stage.is_last:
-            assert self.targets is not None, "the last stage needs a target source"
-            target = self.targets(a.mb)
+            args, target = self._split_target(self._recv(ACTIVATION, a.stage, a.mb))
+        if not self.training:
+            out = stage.infer(args)
+            if stage.is_last:
+                assert self.sink is not None
+                self.sink(a.mb, out, target)
+            else:
+                self._outputs[(a.stage, a.mb)] = out if isinstance(out, tuple) else (out,)
+                self._carried[(a.stage, a.mb)] = target
+            return None
         outputs = stage.forward(a.mb, a.ver, args, target)
         if stage.is_last:
-            return outputs[0].detach()
+            loss = outputs[0].detach()
+            if not stage.is_first:
+                self._losses[(a.stage, a.mb)] = loss
+            return loss
         self._outputs[(a.stage, a.mb)] = outputs
+        self._carried[(a.stage, a.mb)] = target
         return None
 
-    def _output_grads(self, a: Action) -> list[torch.Tensor] | None:
-        """The gradient of a stage's output for a backward (None on the last stage)."""
+    def _output_grads(self, a: Action) -> tuple[list[torch.Tensor] | None, torch.Tensor | None]:
+        """The gradient of a stage's output for a backward (None on the last stage), and the
+        microbatch's loss that came back with it (None where the loss is already known)."""
         if self.stages[a.stage].is_last:
-            return None
+            return None, None
         if self.schedule.rank_of(a.stage + 1, a.mb) == self.rank:
             # The next stage ran this microbatch on this rank: its input gradients, directly.
-            return self.stages[a.stage + 1].take_input_grads(a.mb)
-        return self._recv(GRADIENT, a.stage, a.mb)
+            grads = self.stages[a.stage + 1].take_input_grads(a.mb)
+            loss = self._losses.pop((a.stage + 1, a.mb))
+            if not self.stages[a.stage].is_first:
+                self._losses[(a.stage, a.mb)] = loss
+            return grads, None  # this rank knew the loss already
+        *grads, loss = self._recv(GRADIENT, a.stage, a.mb)
+        if not self.stages[a.stage].is_first:
+            self._losses[(a.stage, a.mb)] = loss
+        return grads, loss
 
     def _arm_if_complete(self, a: Action) -> None:
         buckets = self.stages[a.stage].buckets
@@ -137,12 +188,14 @@ class Executor:
 
     def _send_act(self, a: Action) -> None:
         outputs = self._outputs.pop((a.stage, a.mb))
+        target = pytree.tree_leaves(self._carried.pop((a.stage, a.mb)))
         self.transport.send(a.peer_rank, ACTIVATION, a.stage + 1, a.mb,
-                            [t.detach() for t in outputs if isinstance(t, torch.Tensor)])
+                            [t.detach() for t in outputs if isinstance(t, torch.Tensor)] + target)
 
     def _send_grad(self, a: Action) -> None:
         grads = self.stages[a.stage].take_input_grads(a.mb)
-        self.transport.send(a.peer_rank, GRADIENT, a.stage - 1, a.mb, grads)
+        loss = self._losses.pop((a.stage, a.mb))
+        self.transport.send(a.peer_rank, GRADIENT, a.stage - 1, a.mb, [*grads, loss])
 
     def _post(self, channel: Any, a: Action) -> None:
         self._posted[(channel, a.stage, a.mb)] = a.peer_rank
@@ -159,14 +212,21 @@ class Executor:
             start = time.perf_counter()
             buckets.wait()
             self.stats.wait_s += time.perf_counter() - start
-        self.stages[a.stage].step(a.ver, a.microbatches)
+        skip = False
+        if self.update_sync is not None:
+            skip = self.update_sync.before_update(a.ver, a.microbatches, self.stages)
+        self.stages[a.stage].step(a.ver, a.microbatches, skip)
 
-    def _backward(self, a: Action) -> None:
+    def _backward(self, a: Action) -> torch.Tensor | None:
         self._arm_if_complete(a)
-        self.stages[a.stage].backward(a.mb, self._output_grads(a))
+        grads, loss = self._output_grads(a)
+        self.stages[a.stage].backward(a.mb, grads)
+        return loss
 
-    def _backward_input(self, a: Action) -> None:
-        self.stages[a.stage].backward_input(a.mb, self._output_grads(a))
+    def _backward_input(self, a: Action) -> torch.Tensor | None:
+        grads, loss = self._output_grads(a)
+        self.stages[a.stage].backward_input(a.mb, grads)
+        return loss
 
     def _backward_weight(self, a: Action) -> None:
         self._arm_if_complete(a)
@@ -189,8 +249,10 @@ class Executor:
 
     # --- the loop --------------------------------------------------------------------------
     def run(self) -> Iterator[tuple[int, Action, torch.Tensor | None]]:
-        """Performs every action; yields (index, action, loss) after each one, where loss is the
-        detached loss of a last-stage forward and None otherwise."""
+        """Performs every action; yields (index, action, loss) after each one, where loss is
+        the detached loss of the action's microbatch where this rank learns it (the last
+        stage's forward; the backward of a stage before it, from the gradient message) and
+        None otherwise. A rank holding several stages may learn a loss twice (same value)."""
         start = time.perf_counter()
         handlers = self._handlers()
         index = 0

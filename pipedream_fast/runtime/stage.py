@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Callable, Sequence
@@ -24,6 +25,11 @@ from pipedream_fast.runtime.split_backward import (Call, CallRecorder, input_par
                                                    weight_part)
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+# precision -> the autocast dtype of forward passes (None: no autocast)
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -45,15 +51,24 @@ def _floats(values: Sequence[Any]) -> list[torch.Tensor]:
 class StageRuntime:
     """Executes FORWARD/BACKWARD/SNAPSHOT/RELEASE/OPTIMIZER_STEP for one stage on one rank."""
 
-    def __init__(self, stage: int, module: nn.Module, optimizer_factory: OptimizerFactory | None,
+    def __init__(self, stage: int, module: nn.Module,
+                 optimizer: torch.optim.Optimizer | OptimizerFactory | None,
                  slots: int, is_first: bool, is_last: bool,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                 split_backward: bool = False) -> None:
+                 split_backward: bool = False, scheduler: Any = None,
+                 precision: str = "fp32") -> None:
         self.stage = stage
         self.module = module
         self.is_first = is_first
         self.is_last = is_last
         self.loss_fn = loss_fn
+        if precision not in AUTOCAST_DTYPES:
+            raise ValueError(f"precision must be one of {', '.join(AUTOCAST_DTYPES)}, got "
+                             f"{precision!r}")
+        self.autocast_dtype = AUTOCAST_DTYPES[precision]
+        self.loss_scale = 1.0  # fp16: the backward starts from loss * loss_scale
+        self.scheduler = scheduler  # an LR scheduler, stepped once per update
+        self.prepared = False  # gradients already averaged and unscaled for this update
         named = list(module.named_parameters())
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
@@ -68,9 +83,19 @@ class StageRuntime:
         if self.params:
             self.ring = _C.WeightRing(self.params, max(1, slots))
             self.grads = self.ring.attach_grad_buffers()
-            if optimizer_factory is None:
+            if optimizer is None:
                 raise ValueError("an optimizer factory is needed for a stage with parameters")
-            self.optimizer = optimizer_factory(self.params)
+            self.optimizer = (optimizer if isinstance(optimizer, torch.optim.Optimizer)
+                              else optimizer(self.params))
+
+    @classmethod
+    def for_inference(cls, stage: int, module: nn.Module, is_first: bool, is_last: bool,
+                      precision: str = "fp32") -> StageRuntime:
+        """A stage that only runs `infer` on its module's own weights: no weight ring, no
+        optimizer (so evaluating never touches the training state)."""
+        runtime = cls(stage, nn.Module(), None, 1, is_first, is_last, None, precision=precision)
+        runtime.module = module
+        return runtime
 
     # --- versions -----------------------------------------------------------------------
     def begin_run(self) -> None:
@@ -99,6 +124,15 @@ class StageRuntime:
                                f"is {self.newest} and {version} is not retained; the schedule "
                                f"must SNAPSHOT a version before an update if it is used later")
 
+    def _autocast(self) -> Any:
+        """Autocast as one process would run it; its weight cache is off, because the cached
+        low-precision copies would outlive the in-place updates of the weights."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        first = next(self.module.parameters(), None)
+        device = first.device.type if first is not None else "cpu"
+        return torch.autocast(device, dtype=self.autocast_dtype, cache_enabled=False)
+
     def _call(self, version: int, inputs: tuple[Any, ...]) -> Any:
         if self.ring is not None and self.ring.holds(version):
             tensors = self.ring.tensors(version)
@@ -121,13 +155,14 @@ class StageRuntime:
         if self.recorder is not None:
             self.recorder.recording = calls
         try:
-            out = self._call(version, inputs)
+            with self._autocast():
+                out = self._call(version, inputs)
+                loss = self.loss_fn(out, target) if self.is_last and self.loss_fn else None
         finally:
             if self.recorder is not None:
                 self.recorder.recording = None
         if self.is_last:
-            assert self.loss_fn is not None
-            loss = self.loss_fn(out, target)
+            assert loss is not None, "the last stage needs a loss function"
             outputs: tuple[Any, ...] = (loss,)
         else:
             outputs = out if isinstance(out, tuple) else (out,)
@@ -135,10 +170,23 @@ class StageRuntime:
         self.inflight[microbatch] = InFlight(grad_inputs, tuple(outputs), calls)
         return outputs
 
+    def infer(self, inputs: tuple[Any, ...]) -> Any:
+        """Forward only, for evaluation: eval mode (no dropout, running batch-norm
+        statistics), no graph, nothing stashed; the newest weights."""
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad(), self._autocast():
+                return self.module(*inputs)
+        finally:
+            self.module.train(was_training)
+
     def _roots(self, state: InFlight, output_grads: Sequence[torch.Tensor] | None
                ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Where backward starts: the loss, or the outputs that need a gradient, with theirs."""
         if self.is_last:
+            if self.loss_scale != 1.0:
+                return [state.outputs[0] * self.loss_scale], None
             return list(state.outputs), None
         assert output_grads is not None
         pairs = [(o, g) for o, g in zip(_floats(state.outputs), output_grads) if o.requires_grad]
@@ -182,16 +230,28 @@ class StageRuntime:
     def take_input_grads(self, microbatch: int) -> list[torch.Tensor]:
         return self.input_grads.pop(microbatch)
 
-    def step(self, version: int, microbatches: Sequence[int]) -> None:
-        """Averages the accumulated gradients over `microbatches`, updates, clears them."""
+    def prepare_update(self, microbatches: Sequence[int]) -> None:
+        """Turns the accumulated gradients into the update's: averaged over `microbatches`
+        and, under fp16 loss scaling, unscaled."""
+        if not self.prepared:
+            scale = 1.0 / (len(microbatches) * self.loss_scale)
+            for g in self.grads:
+                g.mul_(scale)
+            self.prepared = True
+
+    def step(self, version: int, microbatches: Sequence[int], skip: bool = False) -> None:
+        """Averages the accumulated gradients over `microbatches` (unless `prepare_update`
+        did), updates (unless `skip`: an fp16 overflow), clears them, steps the scheduler."""
         if version != self.newest + 1:
             raise RuntimeError(f"stage {self.stage}: update to version {version} but the newest is "
                                f"{self.newest}")
         if self.optimizer is not None:
-            scale = 1.0 / len(microbatches)
-            for g in self.grads:
-                g.mul_(scale)
-            self.optimizer.step()
+            self.prepare_update(microbatches)
+            if not skip:
+                self.optimizer.step()
             for g in self.grads:
                 g.zero_()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.prepared = False
         self.newest = version

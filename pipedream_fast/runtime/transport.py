@@ -19,7 +19,7 @@ in the order they were posted.
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 from collections.abc import Sequence
 
 import torch
@@ -78,12 +78,16 @@ class ProcessTransport:
     """
 
     def __init__(self, stage_groups: Sequence[Sequence[int]], timeout_s: float,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, group: Any = None) -> None:
+        """`group`: the process group of every rank that carries the point-to-point traffic
+        (default: the default group). A transport negotiates each link's tensor shapes on
+        its first message, so traffic of other shapes (evaluation) uses its own group."""
         if not dist.is_initialized():
             raise RuntimeError("ProcessTransport needs torch.distributed to be initialised "
                                "(run under torchrun or pipedream_fast.launch)")
         self.rank = dist.get_rank()
-        group = dist.distributed_c10d._get_default_group()
+        if group is None:
+            group = dist.distributed_c10d._get_default_group()
         self._engine = _C.CommEngine(group, timeout=timeout_s,
                                      device=device or torch.device("cpu"))
         self._groups: dict[tuple[int, ...], object] = {}

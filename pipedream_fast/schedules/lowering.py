@@ -170,7 +170,8 @@ def add_retention(actions: Iterable[Action]) -> Iterator[Action]:
         yield from state.lower(a)
 
 
-def add_communication(rank: int, actions: Iterable[Action], layout: Layout) -> Iterator[Action]:
+def add_communication(rank: int, actions: Iterable[Action], layout: Layout,
+                      gradients: bool = True) -> Iterator[Action]:
     """Adds sends and receives to one rank's program, lazily; tensors between stages on the
     same rank move locally.
 
@@ -180,7 +181,8 @@ def add_communication(rank: int, actions: Iterable[Action], layout: Layout) -> I
     two computes X and Y the gap is: receives, X's sends, then X's bookkeeping (SNAPSHOT,
     ALLREDUCE, OPTIMIZER_STEP, RELEASE, AVERAGE). Early posting is what keeps neighbours that
     send to each other in the same gap (1F1B), or a rank blocked in an all-reduce, from
-    deadlocking under the blocking rule of `pipedream_fast.ir`.
+    deadlocking under the blocking rule of `pipedream_fast.ir`. Without `gradients`
+    (forward-only programs) no gradient receive is posted.
     """
     last = layout.num_stages - 1
     recvs: list[Action] = []
@@ -198,13 +200,15 @@ def add_communication(rank: int, actions: Iterable[Action], layout: Layout) -> I
         yield a
         recvs, sends, held = [], [], []
         if a.kind is K.FORWARD and s < last and (peer := layout.rank_of(s + 1, mb)) != rank:
-            recvs.append(Action(K.RECV_GRAD, s, mb, peer=peer))
+            if gradients:
+                recvs.append(Action(K.RECV_GRAD, s, mb, peer=peer))
             sends.append(Action(K.SEND_ACT, s, mb, peer=peer))
         if a.kind.spec.makes_input_grad and s > 0 and (dst := layout.rank_of(s - 1, mb)) != rank:
             sends.append(Action(K.SEND_GRAD, s, mb, peer=dst))
     yield from recvs + sends + held
 
 
-def lower(rank: int, compute: Iterable[Action], layout: Layout) -> Iterator[Action]:
+def lower(rank: int, compute: Iterable[Action], layout: Layout,
+          gradients: bool = True) -> Iterator[Action]:
     """A rank's full program from its compute program."""
-    return add_communication(rank, add_retention(compute), layout)
+    return add_communication(rank, add_retention(compute), layout, gradients)

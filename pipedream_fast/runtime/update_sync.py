@@ -1,0 +1,134 @@
+"""What every stage agrees on before a synchronous update, in one place.
+
+A single process clips by the norm of *all* gradients, sums the gradient of a weight used
+twice (an embedding tied to the output head) and, under fp16 loss scaling, skips the update
+of *every* weight when *any* gradient overflowed. Split over stages, each of these needs the
+other stages' gradients, so before the first update of each version a rank:
+
+1. finishes its stages' replica all-reduces and turns the accumulated gradients into the
+   update's (averaged over the step's microbatches, unscaled),
+2. sums each tied weight's gradient over the ranks of the stages holding it (a replica adds
+   1/replicas of it, so the sum counts each stage once),
+3. all-reduces (sum of squared gradients, overflow flag) over every rank, each stage counted
+   once and a tied weight only on its first stage, then clips and decides the skip.
+
+Only synchronous schedules update every stage once per step, after all its backwards, so only
+they can agree this way (the Pipeline refuses the others); all ranks then meet in step 3 in
+the same order as their updates, and no rank waits there for a message a peer would send only
+after its own update.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipedream_fast.runtime.stage import StageRuntime
+
+
+@dataclass
+class TiedWeight:
+    """One weight held by several stages: this rank's copy, the ranks holding it (one group),
+    whether this rank's stage is the first holder (it counts the weight in the norm), and the
+    replica count of this rank's holding stage."""
+
+    param: nn.Parameter
+    group: Any
+    counts_in_norm: bool
+    replicas: int
+
+
+class LossScaler:
+    """fp16 loss scaling as torch.amp.GradScaler does it (same defaults), but with the
+    overflow decided across all stages: scale up after `interval` clean updates, down after
+    an overflow (whose update is skipped everywhere)."""
+
+    def __init__(self, scale: float = 2.0 ** 16, growth: float = 2.0, backoff: float = 0.5,
+                 interval: int = 2000) -> None:
+        self.scale = scale
+        self.growth = growth
+        self.backoff = backoff
+        self.interval = interval
+        self._clean = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale *= self.backoff
+            self._clean = 0
+            return
+        self._clean += 1
+        if self._clean == self.interval:
+            self.scale *= self.growth
+            self._clean = 0
+
+
+class GlobalUpdateSync:
+    """`Executor.update_sync` for a Pipeline whose stages must agree before updating."""
+
+    def __init__(self, group: Any, stage_replicas: dict[int, int],
+                 clip_grad_norm: float | None = None, scaler: LossScaler | None = None,
+                 tied: Sequence[TiedWeight] = ()) -> None:
+        self.group = group  # gloo: the norm travels as a CPU tensor
+        self.stage_replicas = stage_replicas  # stage index -> its replica count
+        self.clip_grad_norm = clip_grad_norm
+        self.scaler = scaler
+        self.tied = list(tied)
+        self._decided: dict[int, list[Any]] = {}  # version -> [skip, stages still to update]
+        self.last_norm: float | None = None  # the global gradient norm of the last update
+
+    def before_update(self, version: int, microbatches: Sequence[int],
+                      stages: dict[int, StageRuntime]) -> bool:
+        if version in self._decided:  # decided at the rank's first stage to update
+            decided = self._decided[version]
+            decided[1] -= 1
+            if decided[1] == 0:
+                del self._decided[version]
+            return bool(decided[0])
+        for index, stage in stages.items():
+            if stage.inflight:
+                raise RuntimeError(
+                    f"stage {index} updates to version {version} with microbatches "
+                    f"{sorted(stage.inflight)} still awaiting their backward; clipping, tied "
+                    f"weights and fp16 agree across stages only when every stage of a rank has "
+                    f"finished its backwards before its first update")
+            if stage.buckets is not None:
+                stage.buckets.flush()
+                stage.buckets.wait()
+            stage.prepare_update(microbatches)
+        for tie in self.tied:
+            grad = tie.param.grad
+            if grad is not None:
+                if tie.replicas > 1:
+                    grad.div_(tie.replicas)
+                dist.all_reduce(grad, group=tie.group)
+        tied_ids = {id(t.param): t.counts_in_norm for t in self.tied}
+        parts = [g.detach().double().pow(2).sum() / self.stage_replicas[index]
+                 for index, stage in stages.items()
+                 for p, g in zip(stage.params, stage.grads) if tied_ids.get(id(p), True)]
+        squares = (torch.stack(parts).sum().cpu() if parts
+                   else torch.zeros((), dtype=torch.float64))
+        dist.all_reduce(squares, group=self.group)
+        norm = math.sqrt(float(squares))
+        overflow = not math.isfinite(norm)
+        self.last_norm = norm
+        if self.clip_grad_norm is not None and not overflow:
+            coef = self.clip_grad_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for stage in stages.values():
+                    for g in stage.grads:
+                        g.mul_(coef)
+        skip = False
+        if self.scaler is not None:
+            skip = overflow
+            self.scaler.update(overflow)
+            for stage in stages.values():
+                stage.loss_scale = self.scaler.scale
+        if len(stages) > 1:
+            self._decided[version] = [skip, len(stages) - 1]  # the rank's other stages
+        return skip
