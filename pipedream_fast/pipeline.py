@@ -339,8 +339,6 @@ class Pipeline:
                 self._runtimes[index] = stage_runtime(
                     self.plan, index, self.rank, module, self._optimizers.get(index), schedule,
                     self.loss_fn, self._schedulers.get(index), self.precision)
-                if self._scaler is not None:
-                    self._runtimes[index].loss_scale = self._scaler.scale
             check_runtime_fits(self._runtimes[index], schedule, self.rank)
         return self._runtimes
 
@@ -450,6 +448,8 @@ class Pipeline:
         losses: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> mb -> loss
         for runtime in runtimes.values():
             runtime.begin_run()
+            if self._scaler is not None:  # a microbatch's loss / chunks, scaled, as GradScaler
+                runtime.loss_scale = self._scaler.scale / chunks
         for _, action, loss in executor.run():
             if loss is not None:
                 assert action.microbatch is not None

@@ -127,8 +127,8 @@ class GlobalUpdateSync:
         if self.scaler is not None:
             skip = overflow
             self.scaler.update(overflow)
-            for stage in stages.values():
-                stage.loss_scale = self.scaler.scale
+            for stage in stages.values():  # as GradScaler scales loss / microbatches
+                stage.loss_scale = self.scaler.scale / len(microbatches)
         if len(stages) > 1:
             self._decided[version] = [skip, len(stages) - 1]  # the rank's other stages
         return skip
