@@ -402,6 +402,8 @@ def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
     a tied weight may appear under one of its names or under all of them."""
     model_keys = set(want)
     assert set(got) <= model_keys, f"unknown keys {sorted(set(got) - model_keys)}"
+    for key in model_keys - set(got):  # only the other names of a tied weight may be missing
+        assert any(torch.equal(want[key], want[k]) for k in got), f"missing {key}"
     for key in got:
         torch.testing.assert_close(got[key], want[key], atol=atol, rtol=rtol, msg=key)
 
@@ -486,16 +488,20 @@ def test_a_distributed_sampler_is_handled_or_refused(job):
 # --- 2. bf16 ----------------------------------------------------------------------------------
 
 def test_bf16_equals_one_process_under_autocast(job):
+    """Each stage runs the one-process autocast's very ops (the activation crosses the cut in
+    bf16, as it flows in one process), so the result is equal up to float summation order,
+    far closer than to fp32 training, from which bf16 ends ~1e-3 away."""
     got = result(job, "bf16", 0, "state")["state"]
     batches = mlp_batches(BF16_STEPS)
     want = train_reference_with(mlp5(), batches, CHUNKS, cross_entropy, sgd(0.2),
                                 autocast_dtype=torch.bfloat16)
-    scale = max(v.abs().max().item() for v in want.values())
-    atol = 1e-2 * scale
-    assert_same_state(got, want, atol=atol, rtol=1e-2)
+    fp32 = train_reference_with(mlp5(), batches, CHUNKS, cross_entropy, sgd(0.2))
+    atol = 2e-5
+    assert_same_state(got, want, atol=atol, rtol=1e-4)
     assert set(got) == set(want)
+    assert max_difference(got, fp32) > 10 * atol  # teeth: fp32 training ends elsewhere
     initial = mlp5().state_dict()
-    assert max_difference(got, initial) > 10 * atol  # it did train
+    assert max_difference(got, initial) > 1e-2  # it did train
     losses = [result(job, "bf16", r, "losses")["losses"] for r in range(WORLD)]
     assert all(len(x) == BF16_STEPS and all(map(math.isfinite, x)) for x in losses)
 
