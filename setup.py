@@ -67,7 +67,7 @@ setup(
     # The typing of the package (PEP 561): its py.typed marker and the stub of the C++ core.
     package_data={"pipedream_fast": ["py.typed", "_C.pyi"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "rich>=13", "numpy"],
+    install_requires=["torch>=2.4", "rich>=13", "numpy", "scikit-learn"],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "pytest-benchmark>=4", "numpy",
                  "mypy", "ruff"],

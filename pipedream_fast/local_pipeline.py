@@ -40,13 +40,16 @@ class LocalPipeline:
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
                  optimizer: OptimizerFactory, plan: Plan | str, schedule: str = "pipedream",
-                 chunks: int = 1, timeout: float = 300.0, trace: bool = False) -> None:
+                 chunks: int = 1, timeout: float = 300.0, trace: bool = False,
+                 seed: int = 0) -> None:
         check_trainable(schedule)
         self.plan = Plan.load(plan) if isinstance(plan, str) else plan
         self.schedule_name = resolve_schedule(schedule, self.plan)
         self.chunks = chunks
         self.timeout = timeout
         self.trace = trace
+        self.seed = seed  # the loader's shuffling, per (seed, epoch), as in Pipeline
+        self._epoch = 0
         self._names = original_names(model)
         chain = trace_model(model)
         check_no_shared_parameters(chain)  # one process: a tensor cannot live in two stages
@@ -76,11 +79,11 @@ class LocalPipeline:
         return out
 
     def train(self, loader: Iterable[Any], steps: int | None = None, *,
-              epochs: int | None = None, seed: int = 0) -> Iterator[torch.Tensor]:
-        """Trains `steps` minibatches or `epochs` passes over `loader` (default one); yields
-        each minibatch's mean microbatch loss."""
+              epochs: int | None = None) -> Iterator[torch.Tensor]:
+        """Trains `steps` minibatches or `epochs` passes over `loader` (default one; each
+        call begins a new epoch); yields each minibatch's mean microbatch loss."""
         steps = steps_for(loader, steps, epochs)
-        batches = EpochBatches(loader, seed, 0)
+        batches = EpochBatches(loader, self.seed, self._epoch)
         first = next(batches, None)
         if first is None:
             raise ValueError("the data loader is empty")
@@ -134,6 +137,7 @@ class LocalPipeline:
             t.join()
         if error is not None:
             raise error
+        self._epoch = batches.epochs_started()
         self.last_stats = {e.rank: e.stats.to_dict() for e in executors}
         self.last_events = [ev for e in executors for ev in (e.events or [])]
 

@@ -10,6 +10,14 @@ example input is one minibatch. Factories create tensors on the current default 
 * `skipnet` - a small residual network whose forward() adds tensors: residual blocks and one
               long skip spanning two blocks, so tracing and multi-cut skip tensors are used.
 * `mlp`     - a four-block nn.Sequential MLP on 64 features; tiny, for tests.
+* `convnet` - a small CNN for the 1x8x8 `digits` images (`pipedream-fast train`'s default):
+              three convolutions, two linear layers, five named blocks.
+* `charlm`  - a small character-level transformer language model for the `text` data: an
+              embedding block, transformer blocks with causal self-attention, a head; input
+              int64 [N, T] character codes, output [N, T, vocab] logits.
+
+`loss_fn` (cross entropy over the last dimension) fits every built-in: class logits [N, C]
+against labels [N], and a language model's [N, T, V] against [N, T], both flattened.
 
 User factories (`"package.module:function"`) may take the batch size as their one argument
 (or no argument) and return either `(module, example_input)` or a bare `nn.Module`; for a bare
@@ -18,16 +26,15 @@ module the caller supplies the input shape (`--input-shape`).
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import os
-import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+from pipedream_fast.specs import import_factory
 
 ModelFactory = Callable[[int], "tuple[nn.Module, Any]"]
 
@@ -135,7 +142,100 @@ def mlp(batch_size: int) -> tuple[nn.Module, torch.Tensor]:
     return build_mlp(), torch.randn(batch_size, 64)
 
 
-BUILTIN_MODELS: dict[str, ModelFactory] = {"cnn": cnn, "skipnet": skipnet, "mlp": mlp}
+# ---- convnet (digits) ------------------------------------------------------------------------
+
+def build_convnet(classes: int = 10, dropout: float = 0.25) -> nn.Sequential:
+    """1x8x8 images -> `classes` logits, as five named blocks (conv1..conv3, fc1, fc2)."""
+    return nn.Sequential(OrderedDict(
+        conv1=nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU()),
+        conv2=nn.Sequential(nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),
+        conv3=nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),
+        fc1=nn.Sequential(nn.Flatten(), nn.Linear(64 * 2 * 2, 128), nn.ReLU(),
+                          nn.Dropout(dropout)),
+        fc2=nn.Linear(128, classes)))
+
+
+def convnet(batch_size: int) -> tuple[nn.Module, torch.Tensor]:
+    return build_convnet(), torch.randn(batch_size, 1, 8, 8)
+
+
+# ---- charlm (text) ---------------------------------------------------------------------------
+
+CHARLM_SEQ_LEN = 64  # characters per sample of the `text` data and positions of the model
+
+
+class CharEmbedding(nn.Module):
+    """Character codes [N, T] -> token plus learned position embeddings [N, T, D]."""
+
+    def __init__(self, vocab_size: int, dim: int, max_len: int, dropout: float) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, dim)
+        self.positions = nn.Embedding(max_len, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(codes.shape[1], device=codes.device)
+        return self.dropout(self.tokens(codes) + self.positions(positions))
+
+
+class CausalBlock(nn.Module):
+    """Pre-norm transformer block: causal multi-head self-attention, then an MLP."""
+
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"dim {dim} is not a multiple of heads {heads}")
+        self.heads = heads
+        self.dropout = dropout
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim),
+                                 nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape
+        q, k, v = (part.reshape(n, t, self.heads, d // self.heads).transpose(1, 2)
+                   for part in self.qkv(self.norm1(x)).chunk(3, dim=-1))
+        attended = nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(attended.transpose(1, 2).reshape(n, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+def build_charlm(vocab_size: int | None = None, dim: int = 64, layers: int = 2, heads: int = 4,
+                 max_len: int = CHARLM_SEQ_LEN, dropout: float = 0.1) -> nn.Sequential:
+    """Blocks embed, block1..blockL, head; [N, T] codes -> [N, T, vocab_size] logits
+    (default vocabulary: the `text` data's)."""
+    if vocab_size is None:
+        from pipedream_fast.datasets import VOCAB_SIZE
+        vocab_size = VOCAB_SIZE
+    blocks: dict[str, nn.Module] = {"embed": CharEmbedding(vocab_size, dim, max_len, dropout)}
+    for i in range(layers):
+        blocks[f"block{i + 1}"] = CausalBlock(dim, heads, dropout)
+    blocks["head"] = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, vocab_size))
+    return nn.Sequential(OrderedDict(blocks))
+
+
+def charlm(batch_size: int) -> tuple[nn.Module, torch.Tensor]:
+    from pipedream_fast.datasets import VOCAB_SIZE
+    return build_charlm(VOCAB_SIZE), torch.randint(0, VOCAB_SIZE, (batch_size, CHARLM_SEQ_LEN))
+
+
+def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy over the last dimension: [N, C] vs [N], or [N, T, V] vs [N, T]."""
+    return nn.functional.cross_entropy(outputs.reshape(-1, outputs.shape[-1]),
+                                       targets.reshape(-1))
+
+
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Share of correct argmax predictions (per sample, or per position of a sequence)."""
+    return (outputs.argmax(-1) == targets).float().mean()
+
+
+BUILTIN_MODELS: dict[str, ModelFactory] = {"cnn": cnn, "skipnet": skipnet, "mlp": mlp,
+                                           "convnet": convnet, "charlm": charlm}
 
 
 # ---- resolving --model -----------------------------------------------------------------------
@@ -148,23 +248,11 @@ def resolve_model(spec: str) -> Callable[[int], tuple[nn.Module, Any | None]]:
     """
     if spec in BUILTIN_MODELS:
         return BUILTIN_MODELS[spec]
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in spec:
         raise ModelSpecError(f"unknown model {spec!r}: built-in models are "
                              f"{', '.join(sorted(BUILTIN_MODELS))}; for your own model give "
                              f"MODULE:FACTORY, e.g. 'mypkg.models:build'")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like `python -m`, let factories in the cwd import
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:
-        raise ModelSpecError(f"cannot import {module_name!r} for model {spec!r}: "
-                             f"{type(err).__name__}: {err}") from err
-    factory = getattr(module, attr, None)
-    if factory is None:
-        raise ModelSpecError(f"module {module_name!r} has no attribute {attr!r} (model {spec!r})")
-    if not callable(factory):
-        raise ModelSpecError(f"{spec!r} is a {type(factory).__name__}, not a callable factory")
+    factory = import_factory(spec, "model", ModelSpecError, "mypkg.models:build")
     return lambda batch_size: _call_factory(factory, spec, batch_size)
 
 

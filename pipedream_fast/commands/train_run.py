@@ -1,0 +1,247 @@
+"""The training half of `pipedream-fast train`: one run of a plan, in processes or threads.
+
+Every rank runs `train_loop`: epochs of `Pipeline.train` over a shuffling `DataLoader` (the
+Pipeline reads it on the first stage only, shuffled alike on replicas), an evaluation of the
+test split after each epoch through the pipeline, until the epochs or steps run out or the
+target accuracy is reached. Progress goes out as small event dicts (`start`, `step`, `phase`,
+`eval`), from the rank that reports, to the caller's `handle`, which draws the progress bar
+and writes the metrics (`run_report`).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from pipedream_fast.formats import Plan
+from pipedream_fast.models import accuracy, build_model, loss_fn
+
+
+class SyntheticData(torch.utils.data.Dataset):
+    """Random inputs of `shape` and labels below `classes`; sample i is the same on every
+    rank and every run with the same seed, and nothing is held in memory."""
+
+    def __init__(self, shape: tuple[int, ...], classes: int, size: int, seed: int) -> None:
+        self.shape, self.classes, self.size, self.seed = shape, classes, size, seed
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self.size:
+            raise IndexError(f"sample {index} of {self.size}")
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        return (torch.randn(self.shape, generator=generator),
+                torch.randint(0, self.classes, (), generator=generator))
+
+
+def load_datasets(config: dict[str, Any]) -> tuple[Any, Any]:
+    """(train, test) for `config["data"]`; synthetic data follow config["synthetic"]; the
+    built-in datasets, loaded once by the command, come in config["datasets"]."""
+    if config.get("datasets") is not None:
+        return tuple(config["datasets"])
+    if config["data"] == "synthetic":
+        shape, classes = config["synthetic"]
+        train_size = config["batch_size"] * (config["steps"] or 10)  # default 10 steps
+        return (SyntheticData(shape, classes, train_size, config["seed"] + 1),
+                SyntheticData(shape, classes, 4 * config["batch_size"], config["seed"] + 2))
+    from pipedream_fast.datasets import resolve_data
+    return resolve_data(config["data"])
+
+
+def loaders(config: dict[str, Any]) -> tuple[DataLoader, DataLoader]:
+    """The training loader (shuffled unless synthetic, whole minibatches only) and the test
+    loader (in order, every sample: a short last batch is fine for evaluation)."""
+    train_data, test_data = load_datasets(config)
+    train = DataLoader(train_data, batch_size=config["batch_size"],
+                       shuffle=config["data"] != "synthetic", drop_last=True)
+    return train, DataLoader(test_data, batch_size=config["eval_batch_size"])
+
+
+def optimizer_factory(name: str, lr: float) -> Callable[[Any], torch.optim.Optimizer]:
+    if name == "adam":
+        return lambda params: torch.optim.Adam(params, lr=lr)
+    if name == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=lr)
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def build(config: dict[str, Any]) -> nn.Module:
+    torch.manual_seed(config["seed"])  # every rank builds the same initial weights
+    module, _ = build_model(config["model"], config["batch_size"])
+    return module
+
+
+def evaluate_model(model: nn.Module, loader: DataLoader) -> dict[str, float]:
+    """Sample-weighted test loss and accuracy of a whole model (eval mode, no grads)."""
+    was_training = model.training
+    model.eval()
+    totals = {"loss": 0.0, "accuracy": 0.0}
+    count = 0
+    with torch.no_grad():
+        for inputs, targets in loader:
+            out = model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
+            n = int(targets.shape[0])
+            totals["loss"] += float(loss_fn(out, targets)) * n
+            totals["accuracy"] += float(accuracy(out, targets)) * n
+            count += n
+    model.train(was_training)
+    return {k: v / max(count, 1) for k, v in totals.items()}
+
+
+def trace_window(events: list[Any], microbatches: int) -> list[Any]:
+    """The events of the first `microbatches` microbatches, and the updates among them."""
+    inside = [e for e in events if e.microbatch is not None and e.microbatch < microbatches]
+    if not inside:
+        return list(events)
+    end = max(e.start_ms + e.duration_ms for e in inside)
+    return [e for e in events if (e.microbatch is None and e.start_ms <= end)
+            or (e.microbatch is not None and e.microbatch < microbatches)]
+
+
+def train_loop(pipe: Any, train: DataLoader, config: dict[str, Any],
+               emit: Callable[[dict[str, Any]], None],
+               evaluate: Callable[[], dict[str, float]]) -> dict[str, Any]:
+    """Epochs of `pipe.train`, an evaluation after each, until the epochs or the steps run
+    out or the target accuracy is reached. The first epoch is traced, and its first
+    `trace_steps` steps kept, so the trace stays small."""
+    run, batch_size, target = config["run"], config["batch_size"], config["target"]
+    per_epoch = len(train)
+    if per_epoch == 0:
+        raise ValueError(f"the training data ({len(train.dataset)} samples) do not fill one "  # type: ignore[arg-type]
+                         f"minibatch of {batch_size}")
+    total = per_epoch * config["epochs"]
+    if config["steps"]:
+        total = min(total, config["steps"]) if config["epochs"] else config["steps"]
+    epochs = math.ceil(total / per_epoch)
+    emit({"event": "start", "run": run, "steps": total, "epochs": epochs,
+          "steps_per_epoch": per_epoch, "batch_size": batch_size})
+    began = time.perf_counter()
+    step = samples = 0
+    train_s = 0.0
+    first_s: float | None = None  # the first step: start-up (connections, first calls) included
+    events: list[Any] = []
+    results: dict[str, float] = {}
+    reached_at: float | None = None
+    for epoch in range(epochs):
+        count = min(per_epoch, total - step)
+        traced = epoch == 0 and config["trace_steps"] > 0
+        pipe.trace = traced
+        begin = time.perf_counter()
+        for loss in pipe.train(train, steps=count):
+            step += 1
+            samples += batch_size
+            now = time.perf_counter()
+            if first_s is None:
+                first_s = now - begin
+            if loss is not None:
+                emit({"event": "step", "run": run, "step": step, "epoch": epoch,
+                      "samples": samples, "loss": float(loss),
+                      "train_s": train_s + now - begin, "first_step_s": first_s,
+                      "elapsed_s": now - began})
+        epoch_s = time.perf_counter() - begin
+        if traced:
+            events = trace_window(list(getattr(pipe, "last_events", None) or []),
+                                  config["trace_steps"] * config["chunks"])
+        train_s += epoch_s
+        emit({"event": "phase", "run": run, "text": "evaluating"})
+        results = evaluate()
+        elapsed = time.perf_counter() - began
+        reached = target is not None and results.get("accuracy", 0.0) >= target
+        # The epoch's rate; the first epoch's without its first step (start-up).
+        timed, timed_s = count, epoch_s
+        if epoch == 0 and count > 1 and first_s is not None:
+            timed, timed_s = count - 1, epoch_s - first_s
+        emit({"event": "eval", "run": run, "step": step, "epoch": epoch, "samples": samples,
+              "loss": results["loss"], "accuracy": results.get("accuracy"),
+              "train_s": train_s, "first_step_s": first_s, "elapsed_s": elapsed,
+              "epoch_samples_per_s": timed * batch_size / timed_s if timed_s > 0 else None})
+        if reached:
+            reached_at = elapsed
+            break
+    return {"steps": step, "samples": samples, "train_s": train_s, "events": events,
+            "results": results, "reached_at": reached_at,
+            "elapsed_s": time.perf_counter() - began}
+
+
+def _rank_job(rank: int, world: int, config: dict[str, Any], queue: Any) -> dict[str, Any]:
+    """One rank of a process run: build, train, evaluate, save; events go to `queue`."""
+    from pipedream_fast.pipeline import Pipeline
+
+    torch.set_num_threads(config["torch_threads"])
+    train, test = loaders(config)
+    pipe = Pipeline(build(config), loss_fn, optimizer_factory(config["optimizer"], config["lr"]),
+                    plan=Plan.from_dict(config["plan"]), schedule=config["schedule"],
+                    chunks=config["chunks"], seed=config["seed"], timeout=config["timeout"])
+    emit = queue.put if rank == config["reporter"] else (lambda event: None)
+    outcome = train_loop(pipe, train, config, emit,
+                         lambda: pipe.evaluate(test, metrics={"accuracy": accuracy}))
+    if config["checkpoint"]:
+        pipe.save(config["checkpoint"])
+    pipe.close()
+    return {"rank": rank, **outcome, "stats": pipe.last_stats}
+
+
+def train_processes(config: dict[str, Any], workers: int,
+                    handle: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
+    """Runs `_rank_job` on `workers` processes; their events reach `handle` here, live."""
+    from pipedream_fast.launch import launch
+
+    queue = multiprocessing.get_context("spawn").Queue()
+    outcome: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            outcome["values"] = launch(_rank_job, workers, config, queue,
+                                       timeout=config["timeout"])
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome["error"] = err
+        finally:
+            queue.put(None)
+
+    thread = threading.Thread(target=work, name="pipedream-launch", daemon=True)
+    thread.start()
+    while (event := queue.get()) is not None:
+        handle(event)
+    thread.join()
+    queue.close()
+    if "error" in outcome:
+        raise outcome["error"]
+    return list(outcome["values"])
+
+
+def train_threads(config: dict[str, Any], handle: Callable[[dict[str, Any]], None]
+                  ) -> list[dict[str, Any]]:
+    """The same run with every rank a thread of this process (`LocalPipeline`, which has no
+    pipeline evaluation: the test split is evaluated on a gathered copy of the model)."""
+    from pipedream_fast.local_pipeline import LocalPipeline
+
+    torch.set_num_threads(config["torch_threads"])
+    train, test = loaders(config)
+    plan = Plan.from_dict(config["plan"])
+    pipe = LocalPipeline(build(config), loss_fn,
+                         optimizer_factory(config["optimizer"], config["lr"]), plan,
+                         schedule=config["schedule"], chunks=config["chunks"],
+                         timeout=config["timeout"], seed=config["seed"])
+    evaluator = build(config)
+
+    def evaluate() -> dict[str, float]:
+        evaluator.load_state_dict(pipe.state_dict())
+        return evaluate_model(evaluator, test)
+
+    outcome = train_loop(pipe, train, config, handle, evaluate)
+    if config["checkpoint"]:
+        folder = Path(config["checkpoint"])
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(pipe.state_dict(), folder / "model.pt")
+        plan.save(folder / "plan.json")
+    return [{"rank": 0, **outcome, "stats": pipe.last_stats}]
