@@ -45,7 +45,8 @@ from pipedream_fast.training import (EpochBatches, MicrobatchFeed, StepTracker, 
                                      check_runtime_fits, check_trainable, data_source,
                                      feed_uses, manual_plan, model_fingerprint, named_state,
                                      original_names, positional_inputs, resolve_schedule,
-                                     batch_size, pad_batch, split_microbatches, stage_runtime,
+                                     batch_size, fingerprint, pad_batch, split_microbatches,
+                                     stage_runtime,
                                      steps_for, target_spec, to_device)
 
 CHECKPOINT_FORMAT = "pipedream_fast.checkpoint/2"  # /2: one entry per stage the rank holds
@@ -398,9 +399,33 @@ class Pipeline:
         if 0 in self.stage_indices and batches is None:  # a replica of the first stage
             self._source = EpochBatches(loader, self.seed, self._epoch)
             batches = self._source
+        if len(self.plan.stages[0].ranks) > 1:
+            batches = self._check_replicas_read_alike(batches)
         if evaluation and batches is not None:
             batches = (pad_batch(b, agreed["batch_size"]) for b in batches)
         return agreed["steps"], agreed["chunks"], pytree.treespec_loads(agreed["target"]), batches
+
+    def _check_replicas_read_alike(self, batches: Iterator[Any] | None) -> Iterator[Any] | None:
+        """The replicas of the first stage must read the same batches (each takes its share of
+        every one). The seeded random state makes torch's, Python's and NumPy's shuffling
+        agree; a loader drawing from a random state of its own would not, and is caught here
+        on the run's first batch. Collective."""
+        assert self.plan is not None
+        first = next(batches, None) if batches is not None else None
+        prints: list[Any] = [None] * self.world_size
+        self._agree(lambda: dist.all_gather_object(prints, None if first is None
+                                                   else fingerprint(first), group=self._control),
+                    "comparing the first stage's first batches")
+        seen = {prints[r] for r in self.plan.stages[0].ranks}
+        if len(seen) > 1:
+            raise ValueError(f"the replicas of the first stage (ranks {list(self.plan.stages[0].ranks)}) "
+                             f"read different first batches: the loader's order depends on a "
+                             f"random state other than torch's, Python's or NumPy's global one "
+                             f"(a generator of its own?); seed it the same on every rank, or "
+                             f"derive it from the epoch")
+        if batches is None or first is None:
+            return batches
+        return itertools.chain([first], batches)
 
     def _agree(self, collective: Callable[[], Any], what: str) -> None:
         """Runs a collective of every rank, naming the ranks when one does not take part."""

@@ -8,11 +8,13 @@ how ranks are started and how tensors travel; everything here is common to them.
 from __future__ import annotations
 
 import contextlib
+import random
 import threading
 from collections import defaultdict
 from typing import Any
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -309,13 +311,27 @@ def steps_for(loader: Any, steps: int | None, epochs: int | None) -> int:
 
 @contextlib.contextmanager
 def seeded(seed: int, epoch: int, index: int) -> Iterator[None]:
-    """Torch's global random state fixed by (seed, epoch, index) inside, restored after: a
-    sampler or loader that draws from it (shuffle=True without a generator, worker seeds,
-    random transforms in the main process) then draws the same on every replica and in every
-    run, whatever else (dropout) used the random state in between."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed((seed * 1_000_003 + epoch) * 1_000_003 + index + 1)
-        yield
+    """The global random states of torch, Python's `random` and NumPy fixed by (seed, epoch,
+    index) inside, restored after: a sampler or loader that draws from them (shuffle=True
+    without a generator, worker seeds, random transforms in the main process) then draws the
+    same on every replica and in every run, whatever else (dropout) drew in between."""
+    value = (seed * 1_000_003 + epoch) * 1_000_003 + index + 1
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(value)
+            random.seed(value)
+            np.random.seed(value % 2 ** 32)
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+def fingerprint(batch: Any) -> tuple[float, ...]:
+    """A cheap summary of a minibatch's tensors, to tell whether two ranks read the same."""
+    return tuple(float(t.double().sum()) for t in pytree.tree_leaves(batch)
+                 if isinstance(t, torch.Tensor))
 
 
 class EpochBatches:

@@ -4,7 +4,8 @@ Ranks 0 and 1 replicate the first stage and each take half of every minibatch's 
 rank 2 holds the second stage. The loader shuffles without a generator of its own and the model
 has dropout, which draws from each rank's random state differently: without the per-epoch
 seeding both replicas would read different permutations and train some samples twice and
-others never. Both must read the same permutation, a new one each epoch.
+others never. Both must read the same permutation, a new one each epoch; a loader whose order
+comes from a random state of its own, different per rank, is refused on every rank.
 """
 
 from __future__ import annotations
@@ -49,8 +50,17 @@ def job(rank: int, world: int) -> dict[str, Any]:
                     chunks=CHUNKS, timeout=60)
     loader = DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True)
     losses = [None if x is None else float(x) for x in pipe.train(loader, epochs=EPOCHS)]
+    # A loader shuffling with a generator of its own, seeded differently on each rank: the
+    # replicas would read different batches, which must be refused, not trained.
+    own = DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True,
+                     generator=torch.Generator().manual_seed(rank))
+    try:
+        list(pipe.train(own, steps=2))
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
     pipe.close()
-    return {"seen": data.seen, "losses": losses}
+    return {"seen": data.seen[:EPOCHS * SAMPLES], "losses": losses, "refused": refused}
 
 
 def test_first_stage_replicas_read_the_same_shuffle():
@@ -66,3 +76,5 @@ def test_first_stage_replicas_read_the_same_shuffle():
     steps = EPOCHS * SAMPLES // BATCH
     assert all(len(r["losses"]) == steps for r in results)
     assert all(x is not None for x in last["losses"])
+    for r in results:  # every rank refuses, so none waits for the others
+        assert "read different first batches" in r["refused"], r["refused"]
