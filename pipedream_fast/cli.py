@@ -42,4 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as a script, this module is `__main__`, whose UsageError is not the one the
+    # commands raise: hand over to the imported module.
+    from pipedream_fast.cli import main as imported_main
+    sys.exit(imported_main())
