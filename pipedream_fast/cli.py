@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pipedream_fast.formats import FormatError
 
 # The order here is the order in `--help`: the flow, left to right.
-COMMAND_MODULES = ("profile", "plan", "simulate", "train", "run")
+COMMAND_MODULES = ("profile", "plan", "simulate", "train", "run", "export")
 
 
 class UsageError(Exception):
@@ -34,11 +34,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from pipedream_fast.launch import LaunchError
+
     try:
         return int(args.func(args) or 0)
     except (UsageError, FormatError, FileNotFoundError, ValueError) as err:
         print(f"pipedream-fast {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except LaunchError as err:  # a rank failed or was stopped: its report, not ours
+        print(f"pipedream-fast {args.command}: {err}", file=sys.stderr)
+        return err.exit_code or 1
+    except KeyboardInterrupt:
+        print(f"pipedream-fast {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -5,28 +5,110 @@ LOCAL_RANK, MASTER_ADDR and MASTER_PORT set as torchrun sets them. `launch` also
 default process group (gloo on CPU, NCCL when every rank has a GPU) before calling `fn(rank,
 world_size, *args)` and returns every rank's return value. If one rank fails, the others are
 stopped and the failure is raised with that rank's traceback: nothing is left hanging.
+
+Stopping is one path for both launchers. SIGINT or SIGTERM sent to the launcher is forwarded to
+every rank; a rank still running `grace` seconds later (a stuck or SIGSTOPped one) is killed
+with SIGKILL. When a rank fails, the others get SIGTERM and the same grace period. No wait on a
+child is unbounded: everything is polled against a deadline. On Linux the ranks also die with
+SIGKILL when the launcher itself dies without a chance to stop them (SIGKILL, out of memory).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
+import queue
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+GRACE_S = 5.0
+"""Default seconds between forwarding SIGINT/SIGTERM to a rank and killing it with SIGKILL."""
+
+EXIT_S = 30.0
+"""How long ranks that all reported success get to exit (the interpreter's teardown of torch
+takes a few seconds on a busy machine) before they are killed."""
+
+SETTLE_S = 0.5
+"""After the first failure, how long the launcher keeps collecting others before it decides
+which rank to blame (a killed rank's peers fail a moment later, on the closed connection)."""
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+# What a rank sees when a peer dies or hangs: a closed or reset connection, a timeout.
+_PEER_SYMPTOM = re.compile(
+    r"time[ds]? ?out|connection (?:closed|reset|refused|abort)|closed by peer|broken pipe|"
+    r"is rank \d+ alive|abandoned|(?:send|receiving .*) failed|DistBackendError|"
+    r"DistNetworkError|QueueTimeout", re.IGNORECASE)
+
 
 class LaunchError(RuntimeError):
-    """A rank of a launched job failed; the message carries its traceback."""
+    """A rank of a launched job failed, or the job was stopped; the message names the rank
+    and carries its traceback. `rank`: the rank blamed (None when the launcher was stopped
+    by a signal); `returncode`: that rank's exit code (negative: killed by that signal);
+    `stopped_by`: the signal that stopped the launcher, if that is what ended the job."""
+
+    def __init__(self, message: str, rank: int | None = None, returncode: int | None = None,
+                 stopped_by: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.returncode = returncode
+        self.stopped_by = stopped_by
+
+    @property
+    def exit_code(self) -> int:
+        """The exit status a command should end with: 128 + signal number for a signal (as
+        shells report it), else the rank's exit code, else 1."""
+        if self.stopped_by is not None:
+            return 128 + self.stopped_by
+        if self.returncode is not None and self.returncode < 0:
+            return 128 - self.returncode
+        return self.returncode or 1
+
+
+class Stopped(BaseException):
+    """Raised in a rank of `launch` by SIGTERM (SIGINT raises KeyboardInterrupt), so that its
+    `finally` blocks run; like KeyboardInterrupt it is not an `Exception`, so `except
+    Exception` in user code does not swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal_name(signum)}")
+        self.signum = signum
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe_exit(returncode: int) -> str:
+    """'was killed by SIGKILL' or 'exited with code 3'."""
+    if returncode < 0:
+        return f"was killed by {signal_name(-returncode)}"
+    return f"exited with code {returncode}"
+
+
+def shell_status(returncode: int) -> int:
+    """An exit code as a shell reports it: 128 + signal number for a signal."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def free_port() -> int:
@@ -41,11 +123,98 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
             "MASTER_PORT": str(port)}
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the launcher dies (even by SIGKILL). Best effort."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        parent = os.getppid()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the call
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --- the launcher's own signals ------------------------------------------------------------
+
+class _StopRequests:
+    """SIGINT/SIGTERM received by the launcher (recorded, not raised), or a `stop` event."""
+
+    def __init__(self, stop: threading.Event | None = None) -> None:
+        self.received: list[int] = []
+        self.stop = stop
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+
+    @property
+    def signum(self) -> int | None:
+        """The first signal received; SIGTERM for a set `stop` event; None if neither."""
+        if self.received:
+            return self.received[0]
+        return signal.SIGTERM if self.stop is not None and self.stop.is_set() else None
+
+    def impatient(self, stopping_for_signal: bool) -> bool:
+        """Whether to skip the rest of the grace period: a signal during a stop that a failure
+        started, or a second one (Ctrl-C twice) during a stop that a signal started."""
+        return len(self.received) > int(stopping_for_signal)
+
+
+@contextmanager
+def _catch_stop_signals(stop: threading.Event | None) -> Iterator[_StopRequests]:
+    """Records SIGINT and SIGTERM while inside; the previous handlers come back on the way
+    out. Handlers can only be installed from the main thread: elsewhere only `stop` counts."""
+    requests = _StopRequests(stop)
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            previous[signum] = signal.signal(signum, requests.handler)
+    try:
+        yield requests
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+
+
+# --- launch: ranks as spawned processes ----------------------------------------------------
+
+def _ignore_stop_signals() -> None:
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+
+
+def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
+    _ignore_stop_signals()  # one stop per rank: a second signal must not cut its clean-up
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Stopped(signum)
+
+
+def _is_peer_symptom(err: BaseException) -> bool:
+    """Whether a failure looks like the consequence of another rank's death or hang (closed
+    connection, timeout) rather than a failure of this rank's own."""
+    seen = 0
+    current: BaseException | None = err
+    while current is not None and seen < 8:
+        if isinstance(current, (TimeoutError, ConnectionError, EOFError)) or \
+                _PEER_SYMPTOM.search(f"{type(current).__name__}: {current}"):
+            return True
+        current = current.__cause__ or current.__context__
+        seen += 1
+    return False
+
+
 def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int,
-               args: Sequence[Any], timeout_s: float, results: Any, threads: int | None) -> None:
+               args: Sequence[Any], timeout_s: float, report: Any, threads: int | None) -> None:
+    _die_with_parent()
+    for number in STOP_SIGNALS:
+        signal.signal(number, _on_stop_signal)
     os.environ.update(rank_environment(rank, world_size, port))
     if threads:
         torch.set_num_threads(threads)
+    code = 0
     try:
         backend = "nccl" if torch.cuda.is_available() and \
             torch.cuda.device_count() >= world_size else "gloo"
@@ -56,83 +225,369 @@ def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int,
         value = fn(rank, world_size, *args)
         # Plain pickle copies tensors into the message; torch's shared-memory handles would
         # die with this process.
-        results.put((rank, "ok", pickle.dumps(value)))
-    except BaseException:  # report everything, including KeyboardInterrupt, then die
-        results.put((rank, "error", traceback.format_exc()))
-        raise SystemExit(1) from None  # the traceback is in the report
+        message = pickle.dumps(("ok", pickle.dumps(value)))
+        _ignore_stop_signals()  # from here on the rank has nothing left to stop
+        report.send_bytes(message)
+    except BaseException as err:  # report everything, including KeyboardInterrupt, then die
+        _ignore_stop_signals()
+        text = traceback.format_exc()
+        if isinstance(err, (Stopped, KeyboardInterrupt)):
+            signum: int = err.signum if isinstance(err, Stopped) else int(signal.SIGINT)
+            code = 128 + signum
+            outcome: tuple[Any, ...] = ("stopped", text, signum)
+        else:
+            code = 1
+            outcome = ("error", text, _is_peer_symptom(err))
+        try:
+            report.send_bytes(pickle.dumps(outcome))
+        except OSError:
+            pass  # the launcher is gone
     finally:
+        report.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+    if code:
+        # The traceback is in the report. Exit at once, as multiprocessing's forked children
+        # do: the interpreter's teardown of torch takes seconds, and a stopped rank should
+        # be gone well within the launcher's grace period.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(code)
+
+
+@dataclass
+class _Rank:
+    process: Any
+    reports: queue.SimpleQueue[Any]  # what the reader thread got: the report, then None (EOF)
+    reader: threading.Thread
+    connection: Any
+    report: tuple[Any, ...] | None = None
+    eof: bool = False
+    exited_at: float | None = None
+    failed_at: float | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        code: int | None = self.process.exitcode
+        return code
+
+    def collect(self, now: float) -> None:
+        while True:
+            try:
+                item = self.reports.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                self.eof = True
+            elif self.report is None:
+                self.report = item
+        if self.exited_at is None and self.returncode is not None:
+            self.exited_at = now
+        if self.failed_at is None and (self.failing or self.died_silently(now)):
+            self.failed_at = self.exited_at if self.report is None else now
+
+    @property
+    def failing(self) -> bool:
+        return self.report is not None and self.report[0] != "ok"
+
+    def died_silently(self, now: float) -> bool:
+        """Exited without a report. EOF proves none is coming; a forked grandchild holding
+        the pipe open delays EOF, so after 1 s the exit alone decides."""
+        return self.report is None and self.exited_at is not None and \
+            (self.eof or now - self.exited_at > 1.0)
+
+
+def _read_reports(connection: Any, out: queue.SimpleQueue[Any]) -> None:
+    """A rank's reader thread: its one report, then None at end of file (the rank exited;
+    a truncated report, from a rank killed while writing, counts as none)."""
+    try:
+        out.put(pickle.loads(connection.recv_bytes()))
+    except (EOFError, OSError, pickle.UnpicklingError, ValueError, TypeError):
+        pass
+    out.put(None)
+
+
+def _blame(ranks: dict[int, _Rank]) -> int | None:
+    """The rank whose failure ended the job (see `launch`); None if none failed."""
+    def key(r: int) -> tuple[int, float]:
+        report = ranks[r].report
+        if report is None or report[0] == "stopped":
+            kind = 0  # killed, crashed, or stopped by a signal sent to it
+        elif report[0] == "error" and not report[2]:
+            kind = 1  # an error of its own
+        else:
+            kind = 2  # a peer symptom: closed connection, timeout
+        return kind, ranks[r].failed_at or 0.0
+    failed = [r for r in ranks if ranks[r].failed_at is not None]
+    return min(failed, key=key) if failed else None
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def _failure_message(ranks: dict[int, _Rank], blamed: int) -> str:
+    n = len(ranks)
+    r = ranks[blamed]
+    report, code = r.report, r.returncode
+    if report is None:
+        assert code is not None
+        if code < 0:
+            head = f"rank {blamed} of {n} was killed by {signal_name(-code)} (it sent no report)"
+        else:
+            head = (f"rank {blamed} of {n} exited with code {code} without a report (os._exit, "
+                    f"or a crash in native code)")
+        text = ""
+    elif report[0] == "stopped":
+        head = f"rank {blamed} of {n} was stopped by {signal_name(report[2])}:"
+        text = report[1]
+    else:
+        head = f"rank {blamed} of {n} failed:"
+        text = report[1]
+    others = []
+    for o in sorted(ranks):
+        other = ranks[o]
+        if o != blamed and other.failed_at is not None:
+            others.append(f"  rank {o}: {_last_line(other.report[1])}" if other.report
+                          else f"  rank {o} {describe_exit(other.returncode or 0)}")
+    if others:
+        text += "then the other ranks failed:\n" + "\n".join(others) + "\n"
+    return f"{head}\n{text}" if text else head
+
+
+def _stop_processes(alive: Callable[[], list[int]], send: Callable[[int, int], None],
+                    signum: int | None, grace: float, cut_short: Callable[[], bool],
+                    poll: Callable[[], None]) -> list[int]:
+    """Sends `signum` (if any) to the ranks `alive()` lists, waits up to `grace` seconds for
+    them to exit (less once `cut_short()`: the launcher was signalled again), then SIGKILLs
+    the rest. Returns the ranks that had to be killed."""
+    if signum is not None:
+        for r in alive():
+            send(r, signum)
+    deadline = time.monotonic() + grace
+    while alive() and time.monotonic() < deadline and not cut_short():
+        poll()
+        time.sleep(0.02)
+    killed = alive()
+    for r in killed:
+        send(r, signal.SIGKILL)
+    return killed
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300.0,
-           threads_per_rank: int | None = None) -> list[Any]:
+           threads_per_rank: int | None = None, grace: float = GRACE_S,
+           stop: threading.Event | None = None) -> list[Any]:
     """Runs `fn(rank, world_size, *args)` in `nprocs` processes; returns the values by rank.
 
     `fn` and `args` must be picklable (a module-level function). `timeout` bounds every
     collective and transfer, so a stuck rank fails the job instead of hanging it.
+
+    Failures raise `LaunchError` naming one rank, chosen as follows. The first failure seen
+    (an error report, or a process that ended without one) opens a short window (`SETTLE_S`);
+    among the failures seen by its end, a rank that died without a report (killed, crashed)
+    or was stopped by a signal sent to it comes first, then a rank whose error is its own,
+    then one whose error looks like a peer's death (closed connection, timeout); ties go to
+    the earliest. The others are then sent SIGTERM, and SIGKILL after `grace` seconds.
+
+    SIGINT or SIGTERM to this process (when called from the main thread; the previous
+    handlers are restored on return), or setting `stop`, forwards that signal (SIGTERM for
+    `stop`) to every rank, waits up to `grace` seconds, kills the rest, and raises
+    KeyboardInterrupt for SIGINT, a `LaunchError` with `stopped_by` set otherwise. In a rank,
+    SIGTERM raises `Stopped` and SIGINT KeyboardInterrupt, so its `finally` blocks run.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, daemon=False,
-                         args=(rank, fn, nprocs, port, args, timeout, results, threads_per_rank))
-             for rank in range(nprocs)]
-    for p in procs:
-        p.start()
-    values: dict[int, Any] = {}
-    failure: tuple[int, str] | None = None
-    while len(values) < nprocs and failure is None:
-        if not results.empty():
-            rank, status, value = results.get()
-            if status == "ok":
-                values[rank] = pickle.loads(value)
-            else:
-                failure = (rank, value)
-            continue
-        dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in values]
-        if dead:
-            time.sleep(0.5)  # a rank's report can trail its exit: let it arrive first
-            if results.empty():
-                failure = (dead[0], f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
-                                    f"without a report (killed, or crashed in native code)")
-            continue
-        time.sleep(0.01)
-    if failure is not None:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-    for p in procs:
-        p.join()
-    if failure is not None:
-        rank, text = failure
-        raise LaunchError(f"rank {rank} of {nprocs} failed:\n{text}")
-    return [values[r] for r in range(nprocs)]
+    ranks: dict[int, _Rank] = {}
+    with _catch_stop_signals(stop) as requests:
+        try:
+            for rank in range(nprocs):
+                reader, writer = ctx.Pipe(duplex=False)
+                process = ctx.Process(target=_rank_main, daemon=False, name=f"rank {rank}",
+                                      args=(rank, fn, nprocs, port, args, timeout, writer,
+                                            threads_per_rank))
+                try:
+                    process.start()  # fails here if fn or args cannot be pickled
+                except BaseException:
+                    reader.close()
+                    raise
+                finally:
+                    writer.close()  # the rank holds the only write end: its exit is our EOF
+                reports: queue.SimpleQueue[Any] = queue.SimpleQueue()
+                thread = threading.Thread(target=_read_reports, args=(reader, reports),
+                                          name=f"pipedream-launch-rank{rank}", daemon=True)
+                thread.start()
+                ranks[rank] = _Rank(process, reports, thread, reader)
+                if requests.signum is not None:
+                    break
+            return _supervise(ranks, nprocs, grace, requests)
+        finally:
+            _reap(ranks)
 
 
-def run_script(script: str, script_args: Sequence[str], nprocs: int) -> int:
+def _supervise(ranks: dict[int, _Rank], nprocs: int, grace: float,
+               requests: _StopRequests) -> list[Any]:
+    def poll() -> None:
+        now = time.monotonic()
+        for r in ranks.values():
+            r.collect(now)
+
+    while True:
+        poll()
+        if requests.signum is not None:
+            break
+        failed = [r.failed_at for r in ranks.values() if r.failed_at is not None]
+        if failed:
+            first_failure = min(failed)
+            unsure = any(r.exited_at is not None and r.report is None and r.failed_at is None
+                         for r in ranks.values())  # exited: is a report still on its way?
+            if time.monotonic() - first_failure >= SETTLE_S and not unsure:
+                break
+        elif len(ranks) == nprocs and all(r.report is not None for r in ranks.values()):
+            break  # every rank reported success: what is left is their exit, bounded below
+        time.sleep(0.02)
+
+    signum = requests.signum
+    blamed = _blame(ranks) if signum is None else None
+
+    def alive() -> list[int]:
+        return [i for i, r in ranks.items() if r.returncode is None]
+
+    def send(i: int, sig: int) -> None:
+        pid = ranks[i].process.pid
+        if pid is not None and ranks[i].returncode is None:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    if signum is not None or blamed is not None:
+        killed = _stop_processes(alive, send, signum or signal.SIGTERM, grace,
+                                 lambda: requests.impatient(signum is not None), poll) \
+            if alive() else []
+    else:  # every rank reported success and is only left to exit: no signal, a deadline
+        killed = _stop_processes(alive, send, None, max(grace, EXIT_S),
+                                 lambda: requests.signum is not None, poll)
+        signum = requests.signum  # a signal now still stops the launcher
+    if signum is not None:
+        after = f"; {_ranks_text(killed)} did not stop within {grace:g} s and " \
+                f"{'was' if len(killed) == 1 else 'were'} killed (SIGKILL)" if killed else ""
+        message = f"stopped by {signal_name(signum)}: sent it to the {len(ranks)} ranks{after}"
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt(message)
+        raise LaunchError(message, stopped_by=signum)
+    if blamed is not None:
+        r = ranks[blamed]
+        returncode = r.returncode
+        if r.report is not None:  # its own exit code may still be on its way
+            returncode = r.report[2] + 128 if r.report[0] == "stopped" else 1
+        raise LaunchError(_failure_message(ranks, blamed), rank=blamed, returncode=returncode)
+    return [pickle.loads(ranks[r].report[1]) for r in range(nprocs)]  # type: ignore[index]
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _reap(ranks: dict[int, _Rank]) -> None:
+    """Every rank's process is gone (SIGKILL for any still there; bounded waits), its reader
+    thread finished and its pipe closed, so nothing blocks at interpreter exit."""
+    for r in ranks.values():
+        if r.returncode is None:
+            try:
+                r.process.kill()
+            except (OSError, ValueError):
+                pass
+    deadline = time.monotonic() + 5.0
+    for r in ranks.values():
+        r.process.join(max(0.0, deadline - time.monotonic()))
+        if r.returncode is not None:
+            r.reader.join(max(0.0, min(1.0, deadline - time.monotonic())))
+            if not r.reader.is_alive():
+                r.connection.close()
+            r.process.close()
+
+
+# --- run_script: ranks as scripts ----------------------------------------------------------
+
+def run_script(script: str, script_args: Sequence[str], nprocs: int,
+               grace: float = GRACE_S) -> int:
     """`pipedream-fast run`: starts `nprocs` copies of a script with torchrun's environment.
-    Returns the first non-zero exit code (and stops the other ranks), else 0."""
+
+    Returns 0 when every rank exits with 0. When one fails, the others get SIGTERM (SIGKILL
+    after `grace` seconds) and its status is returned, 128 + the signal number for a rank
+    killed by a signal, as shells report it; the first failure is blamed, preferring, among
+    those seen within `SETTLE_S` of it, a rank killed by a signal to one that exited with an
+    error (which is how a rank reacts to its peer's death). SIGINT or SIGTERM to the launcher
+    is forwarded to every rank, with the same grace period, and returns 128 + its number.
+    Every line it prints goes to stderr and starts with "pipedream-fast run:".
+    """
+    def say(text: str) -> None:
+        print(f"pipedream-fast run: {text}", file=sys.stderr, flush=True)
+
     port = free_port()
-    running = {r: subprocess.Popen([sys.executable, script, *script_args],
-                                   env={**os.environ, **rank_environment(r, nprocs, port)})
-               for r in range(nprocs)}
-    code = 0
-    while running and code == 0:
-        for rank, proc in list(running.items()):
-            rc = proc.poll()
-            if rc is None:
-                continue
-            del running[rank]
-            if rc != 0:
-                code = rc
-                print(f"pipedream-fast run: rank {rank} exited with code {rc}; stopping the "
-                      f"other ranks", file=sys.stderr)
-        time.sleep(0.05)
-    for proc in running.values():
-        proc.terminate()
-    for proc in running.values():
-        proc.wait()
-    return code
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    with _catch_stop_signals(None) as requests:
+        try:
+            for rank in range(nprocs):
+                procs[rank] = subprocess.Popen(
+                    [sys.executable, script, *script_args],
+                    env={**os.environ, **rank_environment(rank, nprocs, port)},
+                    preexec_fn=_die_with_parent)
+                if requests.signum is not None:
+                    break
+            failures: dict[int, float] = {}
+            while requests.signum is None:
+                now = time.monotonic()
+                for rank, proc in procs.items():
+                    if rank not in failures and proc.poll() not in (None, 0):
+                        failures[rank] = now
+                if failures and now - min(failures.values()) >= SETTLE_S:
+                    break
+                if not failures and all(p.returncode is not None for p in procs.values()):
+                    return 0
+                time.sleep(0.05)
+            signum = requests.signum
+            code = 0
+            if signum is None:
+                blamed = min(failures, key=lambda r: ((procs[r].returncode or 0) >= 0,
+                                                      failures[r]))
+                rc = procs[blamed].returncode or 0
+                code = shell_status(rc)
+                say(f"rank {blamed} {describe_exit(rc)}; stopping the other ranks")
+
+            def alive() -> list[int]:
+                return [r for r, p in procs.items() if p.poll() is None]
+
+            def send(r: int, sig: int) -> None:
+                try:
+                    procs[r].send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+            killed = _stop_processes(alive, send, signum or signal.SIGTERM, grace,
+                                     lambda: requests.impatient(signum is not None),
+                                     lambda: None) if alive() else []
+            late = (f"{_ranks_text(killed)} did not stop within {grace:g} s and "
+                    f"{'was' if len(killed) == 1 else 'were'} killed (SIGKILL)")
+            if signum is None:
+                if killed:
+                    say(late)
+                return code
+            say(f"stopped by {signal_name(signum)}: sent it to the {len(procs)} ranks"
+                + (f"; {late}" if killed else ""))
+            return 128 + signum
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+            for rank, proc in procs.items():
+                try:
+                    proc.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:
+                    say(f"rank {rank} (pid {proc.pid}) is still there 5 s after SIGKILL")

@@ -2,7 +2,10 @@
 
 Like `torchrun --standalone --nproc-per-node N`: every rank is `python script.py args...` with
 RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set, so `pipedream_fast.Pipeline`
-joins the job by itself. When a rank fails, the others are stopped and its exit code returned.
+joins the job by itself. When a rank fails, the others are stopped and its exit code returned
+(128 + the signal number for a rank killed by a signal, as shells report it). SIGINT and SIGTERM
+are forwarded to every rank; a rank still running --grace seconds later is killed (SIGKILL),
+and the command exits with 128 + the signal's number (130, 143).
 """
 
 from __future__ import annotations
@@ -18,16 +21,22 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("run", help="start a training script on N local ranks",
                                    description=__doc__.split("\n\n")[1])
     parser.add_argument("--nproc", type=int, required=True, help="number of ranks")
+    parser.add_argument("--grace", type=float, default=None, metavar="SECONDS",
+                        help="after SIGINT/SIGTERM or a failed rank, how long the other ranks "
+                             "have to stop before SIGKILL (default 5)")
     parser.add_argument("script", help="the Python script every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipedream_fast.launch import run_script
+    from pipedream_fast.launch import GRACE_S, run_script
 
     if args.nproc < 1:
         raise UsageError(f"--nproc must be a positive integer, got {args.nproc}")
     if not os.path.isfile(args.script):
         raise UsageError(f"no such script: {args.script}")
-    return run_script(args.script, args.script_args, args.nproc)
+    grace = GRACE_S if args.grace is None else args.grace
+    if not 0 <= grace < float("inf"):
+        raise UsageError(f"--grace must be a number of seconds >= 0, got {args.grace}")
+    return run_script(args.script, args.script_args, args.nproc, grace=grace)

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import queue as queue_module
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -181,7 +184,8 @@ def _rank_job(rank: int, world: int, config: dict[str, Any], queue: Any) -> dict
     train, test = loaders(config)
     pipe = Pipeline(build(config), loss_fn, optimizer_factory(config["optimizer"], config["lr"]),
                     plan=Plan.from_dict(config["plan"]), schedule=config["schedule"],
-                    chunks=config["chunks"], seed=config["seed"], timeout=config["timeout"])
+                    chunks=config["chunks"], seed=config["seed"], timeout=config["timeout"],
+                    on_nan=config.get("on_nan", "stop"))
     emit = queue.put if rank == config["reporter"] else (lambda event: None)
     outcome = train_loop(pipe, train, config, emit,
                          lambda: pipe.evaluate(test, metrics={"accuracy": accuracy}))
@@ -193,30 +197,62 @@ def _rank_job(rank: int, world: int, config: dict[str, Any], queue: Any) -> dict
 
 def train_processes(config: dict[str, Any], workers: int,
                     handle: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
-    """Runs `_rank_job` on `workers` processes; their events reach `handle` here, live."""
-    from pipedream_fast.launch import launch
+    """Runs `_rank_job` on `workers` processes; their events reach `handle` here, live.
 
-    queue = multiprocessing.get_context("spawn").Queue()
-    outcome: dict[str, Any] = {}
+    `launch` runs in this (the main) thread, so SIGINT and SIGTERM reach it: it forwards them
+    to the ranks, kills what is left after its grace period, and this command then exits with
+    128 + the signal's number and one line saying so. The events are handed to `handle` by a
+    helper thread; should `handle` fail, the ranks are stopped and its error raised here."""
+    from pipedream_fast.launch import LaunchError, launch, signal_name
 
-    def work() -> None:
-        try:
-            outcome["values"] = launch(_rank_job, workers, config, queue,
-                                       timeout=config["timeout"])
-        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
-            outcome["error"] = err
-        finally:
-            queue.put(None)
+    events = multiprocessing.get_context("spawn").Queue()
+    done, stop = threading.Event(), threading.Event()
+    handler_error: list[BaseException] = []
+    drained = [0]  # events read so far: tells a thread busy on a backlog from a stuck one
 
-    thread = threading.Thread(target=work, name="pipedream-launch", daemon=True)
+    def drain() -> None:
+        while True:
+            try:
+                event = events.get(timeout=0.1)
+            except queue_module.Empty:
+                if done.is_set():  # the ranks are gone: what they sent is all here
+                    return
+                continue
+            drained[0] += 1
+            if handler_error:
+                continue  # keep reading, so that no rank blocks on a full pipe
+            try:
+                handle(event)
+            except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+                handler_error.append(err)
+                stop.set()
+
+    thread = threading.Thread(target=drain, name="pipedream-events", daemon=True)
     thread.start()
-    while (event := queue.get()) is not None:
-        handle(event)
-    thread.join()
-    queue.close()
-    if "error" in outcome:
-        raise outcome["error"]
-    return list(outcome["values"])
+    try:
+        values = launch(_rank_job, workers, config, events, timeout=config["timeout"],
+                        stop=stop)
+    except (KeyboardInterrupt, LaunchError) as err:
+        if handler_error:
+            raise handler_error[0] from None
+        signum = signal.SIGINT if isinstance(err, KeyboardInterrupt) else err.stopped_by
+        if signum is None:
+            raise
+        print(f"pipedream-fast train: {err or f'stopped by {signal_name(signum)}'}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum) from None
+    finally:
+        done.set()
+        while thread.is_alive():  # the events left: until none came for a second
+            seen = drained[0]
+            thread.join(timeout=1.0)
+            if drained[0] == seen:
+                break
+        if not thread.is_alive():  # else it is stuck on a truncated event: leave it be
+            events.close()
+    if handler_error:
+        raise handler_error[0]
+    return list(values)
 
 
 def train_threads(config: dict[str, Any], handle: Callable[[dict[str, Any]], None]

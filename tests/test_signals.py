@@ -1,0 +1,301 @@
+"""Issue 10, item 1 and 7 (launchers): stopping is a first-class path.
+
+Faults injected into both launchers, `launch(fn, n)` and `pipedream-fast run` (and through
+`launch`, `pipedream-fast train --nproc`): kill -9 of either rank, SIGTERM and SIGINT to the
+launcher, a SIGSTOPped rank. Each test asserts the outcome: every process is gone within the
+grace period plus a few seconds, the right rank is named, and the exit codes are those of a
+shell (128 + the signal number).
+
+Process start-up (torch's import) dominates on 2 busy cores, so the ranks that are not the
+point (the signal is) are plain scripts that do not import torch, and `pipedream-fast run` is
+called in-process (as `cli.main`) where the signal can be sent to this process.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipedream_fast.cli import main
+from pipedream_fast.launch import LaunchError, launch
+
+launch_module = sys.modules["pipedream_fast.launch"]  # the package exports the function too
+
+ROOT = Path(__file__).resolve().parent.parent
+GRACE = 2.0       # seconds the launchers give the ranks before SIGKILL, in these tests
+SLACK = 8.0       # what "a few seconds" may take on 2 busy cores
+START = 120.0     # how long the ranks may take to start (torch import on busy cores)
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+def write_pid(folder: str | Path, rank: int | str) -> None:
+    """The rank's pid in folder/rankN.pid, written whole (renamed into place)."""
+    path = Path(folder) / f"rank{rank}.pid"
+    path.with_suffix(".tmp").write_text(str(os.getpid()))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def wait_for_pids(folder: Path, ranks: Sequence[int], timeout: float = START,
+                  alive: Callable[[], bool] = lambda: True) -> list[int]:
+    deadline = time.monotonic() + timeout
+    paths = [folder / f"rank{r}.pid" for r in ranks]
+    while not all(p.exists() for p in paths):
+        assert alive(), "the launcher ended before its ranks started"
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.05)
+    return [int(p.read_text()) for p in paths]
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie (dead, waiting for its parent or init to reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def wait_gone(pids: Sequence[int], timeout: float) -> list[int]:
+    """The pids still running after `timeout` seconds (killed by the test, so none leak)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(gone(p) for p in pids):
+        time.sleep(0.05)
+    left = [p for p in pids if not gone(p)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+SLEEPER = """\
+import os, sys, time
+folder, rank = sys.argv[1], os.environ["RANK"]
+path = os.path.join(folder, f"rank{rank}.pid")
+with open(path + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.replace(path + ".tmp", path)
+end = time.monotonic() + 60  # a safety net: the tests stop it long before
+while time.monotonic() < end:
+    time.sleep(0.05)
+"""
+
+# A real job: two ranks training a small MLP Pipeline on an endless stream of minibatches.
+# Each writes its pid once it has trained a step.
+TRAINER = """\
+import itertools, os, sys
+import torch
+from torch import nn
+from pipedream_fast import Pipeline
+folder, rank = sys.argv[1], os.environ["RANK"]
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                      nn.Linear(16, 4))
+pipe = Pipeline(model, nn.functional.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.01),
+                schedule="1f1b", chunks=2, balance=[3, 2], timeout=60)
+data = ((torch.randn(8, 8), torch.randint(0, 4, (8,))) for _ in itertools.count())
+for step, _ in enumerate(pipe.train(data, steps=10**6)):
+    if step == 1:
+        path = os.path.join(folder, f"rank{rank}.pid")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+"""
+
+
+def script(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.py"
+    path.write_text(text)
+    return path
+
+
+def in_thread(work: Callable[[], None]) -> threading.Thread:
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    return thread
+
+
+# --- launch(): kill -9 of either rank -------------------------------------------------------
+
+def busy_job(rank: int, world: int, folder: str) -> None:
+    """All-reduces until a peer dies: the survivor fails on the closed connection."""
+    write_pid(folder, rank)
+    t = torch.zeros(1)
+    end = time.monotonic() + 60  # a safety net: the test kills a rank long before
+    while time.monotonic() < end:
+        dist.all_reduce(t)
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_launch_names_the_rank_killed_by_sigkill_not_the_survivor(tmp_path, victim):
+    killed_at: list[float] = []
+    pids: list[int] = []
+
+    def kill() -> None:
+        pids.extend(wait_for_pids(tmp_path, [0, 1]))
+        time.sleep(0.3)
+        killed_at.append(time.monotonic())
+        os.kill(pids[victim], signal.SIGKILL)
+
+    thread = in_thread(kill)
+    with pytest.raises(LaunchError) as info:
+        launch(busy_job, 2, str(tmp_path), timeout=30, grace=GRACE)
+    raised_at = time.monotonic()
+    thread.join(1)
+    err = info.value
+    first_line = str(err).splitlines()[0]
+    assert first_line.startswith(f"rank {victim} of 2 was killed by SIGKILL"), str(err)
+    assert (err.rank, err.returncode, err.exit_code) == (victim, -signal.SIGKILL, 137)
+    assert raised_at - killed_at[0] < GRACE + SLACK
+    assert all(gone(p) for p in pids)  # launch reaped both before raising
+
+
+def _rank(report: tuple | None, failed_at: float, exitcode: int | None = 1) -> Any:
+    return launch_module._Rank(SimpleNamespace(exitcode=exitcode), queue.SimpleQueue(), None,
+                               None, report=report, failed_at=failed_at)
+
+
+def test_blame_prefers_a_killed_rank_then_an_own_error_then_a_peer_symptom():
+    peer = ("error", "RuntimeError: Connection reset by peer", True)
+    own = ("error", "ValueError: boom", False)
+    stopped = ("stopped", "Stopped: stopped by SIGTERM", signal.SIGTERM)
+    blame = launch_module._blame
+    assert blame({0: _rank(peer, 1.0), 1: _rank(None, 1.2, -9)}) == 1
+    assert blame({0: _rank(peer, 1.0), 1: _rank(own, 1.2)}) == 1
+    assert blame({0: _rank(own, 1.1), 1: _rank(stopped, 1.2, None)}) == 1
+    assert blame({0: _rank(peer, 1.1), 1: _rank(peer, 1.0)}) == 1  # else the earliest
+    assert blame({0: _rank(("ok", b""), None, 0), 1: _rank(None, None, None)}) is None
+
+
+# --- pipedream-fast run: signals to the launcher --------------------------------------------
+
+def cli_process(*args: str) -> subprocess.Popen[str]:
+    """The command in a session of its own, so that a Ctrl-C (to its process group) reaches
+    it and its ranks, not pytest."""
+    return subprocess.Popen([sys.executable, "-m", "pipedream_fast.cli", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+@pytest.mark.parametrize("signum, job", [(signal.SIGTERM, TRAINER), (signal.SIGINT, SLEEPER)],
+                         ids=["SIGTERM-pipeline", "SIGINT-sleeper"])
+def test_run_forwards_sigterm_and_sigint_and_leaves_no_rank(tmp_path, signum, job):
+    launcher = cli_process("run", "--nproc", "2", "--grace", str(GRACE),
+                           str(script(tmp_path, job)), str(tmp_path))
+    try:
+        pids = wait_for_pids(tmp_path, [0, 1], alive=lambda: launcher.poll() is None)
+        sent = time.monotonic()
+        launcher.send_signal(signum)
+        _, stderr = launcher.communicate(timeout=GRACE + SLACK)
+        assert time.monotonic() - sent < GRACE + SLACK
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signum, stderr
+    name = signal.Signals(signum).name
+    assert f"pipedream-fast run: stopped by {name}: sent it to the 2 ranks" in stderr
+    assert wait_gone(pids, 2.0) == []
+
+
+def test_run_kills_a_sigstopped_rank_after_the_grace_period(tmp_path, capsys):
+    """Rank 1 is stopped (SIGSTOP), then the launcher gets SIGTERM: rank 0 dies of it, rank
+    1 cannot; it is SIGKILLed after the grace period and the launcher returns 143."""
+    pids: list[int] = []
+    sent: list[float] = []
+
+    def stop_then_terminate() -> None:
+        pids.extend(wait_for_pids(tmp_path, [0, 1]))
+        os.kill(pids[1], signal.SIGSTOP)
+        while state(pids[1]) != "T":
+            time.sleep(0.01)
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)  # to this process, where run_script runs
+
+    before = signal.getsignal(signal.SIGTERM)
+    thread = in_thread(stop_then_terminate)
+    code = main(["run", "--nproc", "2", "--grace", str(GRACE),
+                 str(script(tmp_path, SLEEPER)), str(tmp_path)])
+    thread.join(1)
+    assert code == 143
+    assert GRACE <= time.monotonic() - sent[0] < GRACE + SLACK
+    err = capsys.readouterr().err
+    assert ("pipedream-fast run: stopped by SIGTERM: sent it to the 2 ranks; rank 1 did not "
+            f"stop within {GRACE:g} s and was killed (SIGKILL)") in err
+    assert all(gone(p) for p in pids)
+    assert signal.getsignal(signal.SIGTERM) is before  # the launcher's handler is gone
+
+
+def test_run_exits_137_naming_the_rank_killed_by_sigkill(tmp_path, capsys):
+    pids: list[int] = []
+
+    def kill() -> None:
+        pids.extend(wait_for_pids(tmp_path, [0, 1]))
+        os.kill(pids[1], signal.SIGKILL)
+
+    thread = in_thread(kill)
+    code = main(["run", "--nproc", "2", "--grace", str(GRACE),
+                 str(script(tmp_path, SLEEPER)), str(tmp_path)])
+    thread.join(1)
+    assert code == 137
+    err = capsys.readouterr().err
+    assert "pipedream-fast run: rank 1 was killed by SIGKILL; stopping the other ranks" in err
+    assert all(gone(p) for p in pids)
+
+
+# --- pipedream-fast train --nproc: signals to the launcher ----------------------------------
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_train_stops_its_ranks_on_sigterm_and_sigint(tmp_path, signum):
+    """SIGTERM goes to the launcher only (as Kubernetes sends it); SIGINT to the launcher's
+    process group, as Ctrl-C in a terminal does: the ranks get it twice, directly and
+    forwarded."""
+    out = tmp_path / "run"
+    launcher = cli_process("train", "--nproc", "2", "--steps", "100000", "--data",
+                           "synthetic", "--model", "mlp", "--log-every", "10",
+                           "--out", str(out))
+    try:
+        deadline = time.monotonic() + START
+        while not (out / "metrics.csv").exists() or \
+                len((out / "metrics.csv").read_text().splitlines()) < 2:  # a step was logged
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.1)
+        # The ranks, not the resource tracker multiprocessing also starts.
+        ranks = [c for c in children(launcher.pid)
+                 if "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_text()]
+        assert len(ranks) == 2
+        sent = time.monotonic()
+        if signum == signal.SIGINT:
+            os.killpg(launcher.pid, signum)
+        else:
+            launcher.send_signal(signum)
+        _, stderr = launcher.communicate(timeout=5.0 + SLACK)  # train's grace is the default
+        assert time.monotonic() - sent < 5.0 + SLACK
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signum, stderr
+    assert f"pipedream-fast train: stopped by {signal.Signals(signum).name}" in stderr
+    assert wait_gone(ranks, 2.0) == []
