@@ -108,6 +108,30 @@ class StageRuntime:
                                f"previous run never finished their backward")
         self.newest = 0
 
+    def abandon_run(self) -> None:
+        """Discards what a run that was stopped early left behind, so the next `begin_run`
+        starts clean: the microbatches in flight (their graphs and input gradients), the
+        retained weight versions and the accumulated gradients. The live weights and the
+        optimizer state keep every update that was applied."""
+        self.inflight.clear()
+        self.input_grads.clear()
+        if self.recorder is not None:
+            self.recorder.recording = None
+        if self.ring is not None:
+            for version in self.ring.held_versions():
+                self.ring.release(version)
+        for g in self.grads:
+            g.zero_()
+        self.prepared = False
+        if self.buckets is not None:
+            # Forget reductions started or armed for the update that never came (without
+            # waiting on them: their peers may be gone).
+            self.buckets._pending.clear()
+            self.buckets._armed = False
+            for bucket in self.buckets._buckets:
+                bucket.started = False
+                bucket.landed = 0
+
     def snapshot(self, version: int) -> None:
         if self.ring is None or self.ring.holds(version):
             return  # already retained (snapshots are taken at the first forward that needs one)
