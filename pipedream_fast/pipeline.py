@@ -15,8 +15,11 @@ schedule and hands its rank's actions to an `Executor`. A loader minibatch is sp
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
+import shutil
+import weakref
 from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +32,7 @@ from torch import nn
 
 from torch.utils import _pytree as pytree
 
+from pipedream_fast import checkpoint as ckpt
 from pipedream_fast.formats import FormatError, Plan
 from pipedream_fast.ir import Schedule
 from pipedream_fast.runtime.executor import Executor
@@ -49,7 +53,10 @@ from pipedream_fast.training import (EpochBatches, MicrobatchFeed, StepTracker, 
                                      stage_runtime,
                                      steps_for, target_spec, to_device)
 
-CHECKPOINT_FORMAT = "pipedream_fast.checkpoint/2"  # /2: one entry per stage the rank holds
+
+
+class NonFiniteLoss(RuntimeError):
+    """A microbatch's loss was NaN or infinite (on_nan='stop'); names step, microbatch, stage."""
 
 
 def _default_device() -> torch.device:
@@ -68,6 +75,36 @@ def _ensure_process_group(timeout_s: float) -> None:
                            "(or call torch.distributed.init_process_group first)")
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    atexit.register(_destroy_default_group)  # what we start, we tear down
+
+
+def _destroy_default_group() -> None:
+    """At exit, the process group a Pipeline started: left to interpreter teardown, gloo's
+    threads can outlive the objects they use (an abort at exit, 1 run in 10)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _Resources:
+    """What a Pipeline starts besides tensors: communication engines (threads) and process
+    groups. Released by `close()`, or when the Pipeline is collected, or at exit (before the
+    interpreter tears down the modules the threads use)."""
+
+    def __init__(self) -> None:
+        self.transports: list[ProcessTransport] = []
+        self.groups: list[Any] = []
+
+    def release(self) -> None:
+        transports, self.transports = self.transports, []
+        for transport in transports:
+            transport.close()
+        groups, self.groups = self.groups, []
+        if dist.is_initialized():
+            for group in groups:
+                try:
+                    dist.destroy_process_group(group)
+                except (ValueError, RuntimeError):
+                    pass  # already gone with the default group
 
 
 class Pipeline:
@@ -104,7 +141,10 @@ class Pipeline:
                  chunks: int | None = None, *, stages: int | None = None,
                  balance: Sequence[int] | None = None, split_points: Sequence[str] | None = None,
                  scheduler: SchedulerFactory | None = None, clip_grad_norm: float | None = None,
-                 precision: str = "fp32", seed: int = 0, example_inputs: Any = None,
+                 precision: str = "fp32", seed: int = 0, on_nan: str = "stop",
+                 checkpoint_dir: str | os.PathLike[str] | None = None,
+                 checkpoint_every: int | None = None, checkpoint_keep: int = 3,
+                 example_inputs: Any = None,
                  timeout: float = 300.0, trace: bool = False,
                  leaf_modules: Sequence[Any] = (), device: str | torch.device | None = None
                  ) -> None:
@@ -116,6 +156,15 @@ class Pipeline:
                              f"{precision!r}")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be a positive norm, got {clip_grad_norm}")
+        if on_nan not in ("stop", "skip"):
+            raise ValueError(f"on_nan must be 'stop' or 'skip', got {on_nan!r}")
+        if (checkpoint_dir is None) != (checkpoint_every is None):
+            raise ValueError("give checkpoint_dir and checkpoint_every together (save every N "
+                             "steps into checkpoint_dir/step-N)")
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1 steps, got {checkpoint_every}")
+        if checkpoint_keep < 1:
+            raise ValueError(f"checkpoint_keep must be >= 1, got {checkpoint_keep}")
         given = [n for n, v in (("plan", plan), ("stages", stages), ("balance", balance),
                                 ("split_points", split_points)) if v is not None]
         if len(given) > 1:
@@ -137,6 +186,10 @@ class Pipeline:
         self.seed = seed
         self.precision = precision
         self.clip_grad_norm = clip_grad_norm
+        self.on_nan = on_nan
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_keep = checkpoint_keep
         self._optimizer_factory = optimizer
         self._scheduler_factory = scheduler
         self._stages_wanted = stages
@@ -150,6 +203,8 @@ class Pipeline:
         self._optimizers: dict[int, torch.optim.Optimizer] = {}
         self._schedulers: dict[int, Any] = {}
         self._runtimes: dict[int, StageRuntime] = {}
+        self._resources = _Resources()
+        weakref.finalize(self, self._resources.release)
         self._transport: ProcessTransport | None = None
         self._control: Any = None  # a gloo group of every rank, with the Pipeline's timeout
         # Forward-only traffic, one transport per (batch size, chunks, target structure):
@@ -260,17 +315,19 @@ class Pipeline:
                 self._optimizers[index] = self._optimizer_factory(params)
                 if self._scheduler_factory is not None:
                     self._schedulers[index] = self._scheduler_factory(self._optimizers[index])
-        self._transport = ProcessTransport([s.ranks for s in plan.stages], self.timeout,
-                                           device=self.device)
+        # The training links get a group of their own: a run left early abandons them with
+        # receives still posted, which must not disturb the default group of the script.
+        self._transport = self._new_transport(self._new_group(list(range(self.world_size))))
         # Agreement between runs (data, metrics) and before updates, on CPU tensors, with
         # the Pipeline's timeout: a dead or stuck rank fails the others within it.
-        self._control = dist.new_group(list(range(self.world_size)), backend="gloo",
-                                       timeout=timedelta(seconds=self.timeout))
+        self._control = self._new_group(list(range(self.world_size)), backend="gloo")
         tied = self._tie_weights(plan)
-        if self.clip_grad_norm is not None or self._scaler is not None or tied:
+        skip_nan = self.on_nan == "skip"
+        if self.clip_grad_norm is not None or self._scaler is not None or tied or skip_nan:
             if not kind(self.schedule_name).synchronous:
                 wants = [w for w, on in (("clip_grad_norm", self.clip_grad_norm is not None),
                                          ("precision='fp16'", self._scaler is not None),
+                                         ("on_nan='skip'", skip_nan),
                                          ("tied weights across stages", bool(tied))) if on]
                 raise ValueError(f"{' and '.join(wants)} need every stage to agree before "
                                  f"each update, which only synchronous schedules allow "
@@ -278,8 +335,23 @@ class Pipeline:
                                  f"its stages at different times")
             self._sync = GlobalUpdateSync(
                 self._control, {i: len(plan.stages[i].ranks) for i in self.stage_indices},
-                self.clip_grad_norm, self._scaler, tied)
+                self.clip_grad_norm, self._scaler, tied, skip_nonfinite=skip_nan)
         self._model = None  # only this rank's stages are kept
+
+    def _new_group(self, ranks: list[int], backend: str | None = None) -> Any:
+        """A process group with the Pipeline's timeout, released with it. Collective."""
+        group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=self.timeout))
+        self._resources.groups.append(group)
+        return group
+
+    def _new_transport(self, group: Any, stage_groups: bool = True) -> ProcessTransport:
+        """Point-to-point links (on `group`, default: the default group) and the replica
+        all-reduce groups, released with the Pipeline. Collective."""
+        assert self.plan is not None
+        transport = ProcessTransport([s.ranks for s in self.plan.stages] if stage_groups else [],
+                                     self.timeout, device=self.device, group=group)
+        self._resources.transports.append(transport)
+        return transport
 
     def _tie_weights(self, plan: Plan) -> list[TiedWeight]:
         """The weights this rank shares with other ranks' stages: each gets a process group
@@ -298,7 +370,7 @@ class Pipeline:
             if len(mine) > 1:
                 raise ValueError(f"{name} is used by stages {holders}, of which this rank holds "
                                  f"{mine}; tied weights need their stages on different ranks")
-            group = dist.new_group(ranks)  # collective: every rank, same order
+            group = self._new_group(ranks)  # collective: every rank, same order
             if mine:
                 param = params[pid]
                 src = plan.stages[holders[0]].ranks[0]
@@ -457,9 +529,30 @@ class Pipeline:
         from `loader` (pairs of inputs, targets; a re-iterable loader is read again for each
         epoch and left usable). Only first-stage ranks read it (others may pass None). Yields
         each step's mean microbatch loss on every rank (a replicated stage's rank: the mean of
-        the microbatches that passed through it). Collective: every rank must iterate it."""
+        the microbatches that passed through it). With `checkpoint_dir`, the pipeline drains
+        and saves every `checkpoint_every` steps. Collective: every rank must iterate it."""
         steps, chunks, spec, batches = self._open_data(loader, steps, epochs)
-        assert self.plan is not None and self._transport is not None
+        done = 0
+        try:
+            while done < steps:
+                run = steps - done
+                if self.checkpoint_every:
+                    run = min(run, self.checkpoint_every - self._step % self.checkpoint_every)
+                yield from self._run(run, chunks, spec, batches)
+                done += run
+                if self.checkpoint_every and self._step % self.checkpoint_every == 0:
+                    self._save_periodic()
+        finally:
+            if self._source is not None:  # the next run begins a new epoch
+                self._epoch = self._source.epochs_started()
+                self._source = None
+
+    def _run(self, steps: int, chunks: int, spec: pytree.TreeSpec,
+             batches: Iterator[Any] | None) -> Iterator[torch.Tensor | None]:
+        """One executor run of `steps` minibatches (a drained pipeline at both ends)."""
+        assert self.plan is not None
+        if self._transport is None:  # the last run was abandoned: new links (collective)
+            self._transport = self._new_transport(self._new_group(list(range(self.world_size))))
         schedule = build_schedule(self.plan, self.schedule_name, steps, chunks)
         check_backend(schedule, str(dist.get_backend()))
         runtimes = self._runtimes_for(schedule)
@@ -470,24 +563,72 @@ class Pipeline:
         executor = Executor(schedule, self.rank, runtimes, self._transport, inputs,
                             target_spec=spec, trace=self.trace, update_sync=self._sync)
         tracker = StepTracker(schedule, self.rank, chunks)
-        losses: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> mb -> loss
         for runtime in runtimes.values():
             runtime.begin_run()
             if self._scaler is not None:  # a microbatch's loss / chunks, scaled, as GradScaler
                 runtime.loss_scale = self._scaler.scale / chunks
+        yielded = 0
+        try:
+            for item in self._losses(executor, tracker, steps, chunks):
+                yielded += 1  # before the yield: a caller leaving there has had this step
+                yield item
+        except BaseException as err:  # left early (GeneratorExit) or failed: clean up
+            self._abandon(executor, yielded, chunks, type(err))
+            raise
+
+    def _losses(self, executor: Executor, tracker: StepTracker, steps: int,
+                chunks: int) -> Iterator[torch.Tensor | None]:
+        """Each step's mean loss as the rank finishes the step. A non-finite loss (on_nan
+        'stop') ends the run at the end of its step, where every rank learns of it (the loss
+        travels back with the gradients), so all stop at the same step; its update is not
+        applied (see `_abandon`)."""
+        losses: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> mb -> loss
+        bad: dict[int, str] = {}  # step -> what was non-finite
         for _, action, loss in executor.run():
             if loss is not None:
                 assert action.microbatch is not None
-                losses[action.microbatch // chunks][action.microbatch] = loss
+                step = action.microbatch // chunks
+                if self.on_nan == "stop" and not torch.isfinite(loss) and step not in bad:
+                    bad[step] = (f"the loss of microbatch {action.microbatch % chunks} of step "
+                                 f"{self._step + step} is {float(loss)} (seen on rank "
+                                 f"{self.rank} at {action.to_text()})")
+                losses[step][action.microbatch] = loss
             for step in tracker.done(action, steps):
+                if step in bad:
+                    raise NonFiniteLoss(f"{bad[step]}; training stopped after step "
+                                        f"{self._step + step - 1} (on_nan='stop'). Lower the "
+                                        f"learning rate, or pass on_nan='skip'")
                 got = losses.pop(step, {})
                 yield torch.stack(list(got.values())).mean() if got else None
         self._step += steps
-        if self._source is not None:
-            self._epoch = self._source.epochs_started()
-            self._source = None
         self.last_stats = executor.stats.to_dict()
         self.last_events = executor.events or []
+
+    def _abandon(self, executor: Executor, yielded: int, chunks: int,
+                 error: type[BaseException]) -> None:
+        """The caller left `train()` early (break, exception, close) or the run failed.
+        A run left by the caller first finishes what follows the steps already yielded
+        (their sends and updates, which peers finishing those steps wait for) and starts
+        nothing more. Then the microbatches in flight are discarded, and the transport, whose
+        links may hold messages that will never be received, is replaced at the next run
+        (collectively): every rank must leave at the same step, as an SPMD script does. A
+        synchronous schedule continues exactly; an asynchronous one keeps the updates made,
+        and forgets the gradients of microbatches in flight."""
+        if error in (GeneratorExit, NonFiniteLoss):
+            # A non-finite loss stops the run at the end of its step (not yielded): that step
+            # is finished for the peers, but not applied.
+            finished = yielded + (error is NonFiniteLoss)
+            try:
+                executor.drain(finished * chunks, apply_below=yielded * chunks)
+            except Exception:  # noqa: BLE001 - a peer is gone: nothing more to finish
+                pass
+        self._step += yielded
+        for runtime in self._runtimes.values():
+            runtime.abandon_run()
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        self.last_stats = executor.stats.to_dict()
 
     def step(self, inputs: Any, targets: Any) -> torch.Tensor | None:
         """One minibatch of a synchronous schedule (gpipe, 1f1b, data-parallel)."""
@@ -504,10 +645,8 @@ class Pipeline:
         every rank knows the key from the same agreed values)."""
         if key not in self._inference_transports:
             assert self.plan is not None
-            group = dist.new_group(list(range(self.world_size)),
-                                   timeout=timedelta(seconds=self.timeout))
-            self._inference_transports[key] = ProcessTransport(
-                [], self.timeout, device=self.device, group=group)
+            self._inference_transports[key] = self._new_transport(
+                self._new_group(list(range(self.world_size))), stage_groups=False)
         return self._inference_transports[key]
 
     def _forward_only(self, schedule: Schedule, inputs: Any, spec: pytree.TreeSpec,
@@ -602,7 +741,8 @@ class Pipeline:
         mine = named_state([m for i, m in self._modules.items()
                             if self.plan.stages[i].ranks[0] == self.rank], self._names)
         gathered: list[Any] = [None] * self.world_size if self.rank == 0 else None  # type: ignore
-        dist.gather_object(mine, gathered, dst=0)
+        self._agree(lambda: dist.gather_object(mine, gathered, dst=0, group=self._control),
+                    "gathering the model")
         if self.rank != 0:
             return None
         full: dict[str, torch.Tensor] = {}
@@ -611,51 +751,81 @@ class Pipeline:
         return full
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Each rank writes its stage (weights, optimizer state, step) to `path/rank<r>.pt`
-        atomically; rank 0 adds the plan. Collective."""
+        """Writes a checkpoint directory (see `pipedream_fast.checkpoint`): each stage's first
+        rank writes its stage durably, then rank 0 commits the set with the manifest. Saving
+        over an existing checkpoint stages the new one and swaps it in. Collective."""
         self._require_setup("save()")
         assert self.plan is not None
-        folder = Path(path)
+        final = Path(path)
+        folder = ckpt.staging(final) if final.exists() else final
+        if self.rank == 0 and folder.exists():
+            shutil.rmtree(folder)  # an earlier save that never finished
+        self._agree(lambda: dist.barrier(group=self._control), "saving a checkpoint")
         folder.mkdir(parents=True, exist_ok=True)
-        stages = {}
+        entries = []
         for index, module in self._modules.items():
-            optimizer = self._optimizers.get(index)
-            stages[index] = {"model": module.state_dict(),
-                             "optimizer": optimizer.state_dict() if optimizer else None}
-        state = {"format": CHECKPOINT_FORMAT, "rank": self.rank, "step": self._step,
-                 "epoch": self._epoch, "schedule": self.schedule_name, "stages": stages}
-        tmp = folder / f"rank{self.rank}.pt.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, folder / f"rank{self.rank}.pt")
+            if self.plan.stages[index].ranks[0] != self.rank:
+                continue  # replicas hold the same weights: the first one writes them
+            optimizer, scheduler = self._optimizers.get(index), self._schedulers.get(index)
+            payload = {"model": named_state([module], self._names),
+                       "optimizer": optimizer.state_dict() if optimizer else None,
+                       "scheduler": scheduler.state_dict() if scheduler is not None else None}
+            entries.append((index, ckpt.write_stage(folder, index, payload)))
+        gathered: list[Any] = [None] * self.world_size
+        self._agree(lambda: dist.all_gather_object(gathered, entries, group=self._control),
+                    "saving a checkpoint")
         if self.rank == 0:
-            self.plan.save(folder / "plan.json")
-        dist.barrier()
+            ckpt.write_manifest(folder, ckpt.manifest_for(
+                self._step, self._epoch, self.schedule_name, self.plan.to_dict(),
+                [e for part in gathered for e in part]))
+            if folder != final:
+                ckpt.swap_in(final)
+        self._agree(lambda: dist.barrier(group=self._control), "saving a checkpoint")
+
+    def _save_periodic(self) -> None:
+        assert self.checkpoint_dir is not None
+        root = Path(self.checkpoint_dir)
+        self.save(root / f"step-{self._step}")
+        if self.rank == 0:
+            ckpt.prune(root, self.checkpoint_keep)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], model: nn.Module,
+    def load(cls, path: str | os.PathLike[str], model: nn.Module | Callable[[], nn.Module],
              loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: OptimizerFactory,
              **kwargs: Any) -> Pipeline:
-        """Rebuilds a Pipeline saved with `save` (same world size) and restores its state."""
-        folder = Path(path)
-        pipe = cls(model, loss_fn, optimizer, plan=folder / "plan.json", **kwargs)
-        file = folder / f"rank{pipe.rank}.pt"
-        if not file.exists():
-            raise FileNotFoundError(f"checkpoint {folder} has no file for rank {pipe.rank}; was it "
-                                    f"saved with {pipe.world_size} ranks?")
-        state = torch.load(file, weights_only=False)
-        held = sorted(state.get("stages", {})) if isinstance(state, dict) else None
-        if state.get("format") != CHECKPOINT_FORMAT or held != list(pipe.stage_indices):
-            raise FormatError(f"{file} is not a checkpoint of stages {list(pipe.stage_indices)} "
-                              f"(format {state.get('format')!r}, stages {held})")
-        for index, saved in state["stages"].items():
-            pipe._modules[index].load_state_dict(saved["model"])
-            if saved["optimizer"] is not None:
+        """Rebuilds a Pipeline from a checkpoint written by `save` (or the newest complete one
+        under a `checkpoint_dir`) and restores weights, optimizer and scheduler state, step
+        and epoch. The files are verified against the manifest and read without running
+        code. A synchronous schedule then continues exactly as an uninterrupted run."""
+        folder, notes = ckpt.resolve(Path(path))
+        manifest = ckpt.read_manifest(folder)
+        pipe = cls(model, loss_fn, optimizer, plan=Plan.from_dict(manifest["plan"]), **kwargs)
+        if pipe.rank == 0:
+            for note in notes:
+                print(f"pipedream_fast: {note}", flush=True)
+        assert pipe.plan is not None
+        for index in pipe.stage_indices:
+            saved = ckpt.load_stage(folder, manifest, index)
+            module = pipe._modules[index]
+            for t in list(module.parameters()) + list(module.buffers()):
+                name = pipe._names.get(id(t))
+                if name is None or name not in saved["model"]:
+                    raise ckpt.CheckpointError(f"{folder / ckpt.stage_file(index)} lacks "
+                                               f"{name!r} of stage {index}")
+                with torch.no_grad():
+                    t.copy_(saved["model"][name])
+            if saved["optimizer"] is not None and index in pipe._optimizers:
                 pipe._optimizers[index].load_state_dict(saved["optimizer"])
-        pipe._step = int(state["step"])
-        pipe._epoch = int(state.get("epoch", 0))
+            if saved.get("scheduler") is not None and index in pipe._schedulers:
+                pipe._schedulers[index].load_state_dict(saved["scheduler"])
+        pipe._step = int(manifest["step"])
+        pipe._epoch = int(manifest["epoch"])
         return pipe
 
     def close(self) -> None:
-        for transport in [self._transport, *self._inference_transports.values()]:
-            if transport is not None:
-                transport.close()
+        """Stops this Pipeline's communication threads and removes its process groups (not the
+        default group, which a script may still use; one the Pipeline started goes at exit).
+        Also done when the Pipeline is garbage-collected, and at exit."""
+        self._resources.release()
+        self._transport = None
+        self._inference_transports.clear()

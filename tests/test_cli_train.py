@@ -101,7 +101,7 @@ def test_default_job_for_one_epoch_trains_digits_on_two_processes(tmp_path):
     out = result.stdout
     for phase in ("profiling", "planning", "simulated", "training", "writing"):
         assert phase in out, out
-    data = check_run_dir(tmp_path / "run", {0, 1}, ["plan.json", "rank0.pt", "rank1.pt"])
+    data = check_run_dir(tmp_path / "run", {0, 1}, ["manifest.json", "stage0.pt", "stage1.pt"])
     run = data["runs"][0]
     assert (data["model"], data["data"], run["schedule"], run["chunks"]) == \
         ("convnet", "digits", "pipedream", 1)

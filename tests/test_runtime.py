@@ -342,8 +342,8 @@ def test_save_and_load_resume_training_exactly(tmp_path):
     # Momentum buffers were restored too, or the third step would differ.
     assert_same_state(state, train_reference(tiny_cnn(), batches(STEPS), CHUNKS, loss_fn,
                                              optimizer("sgd")))
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["plan.json", "rank0.pt",
-                                                                    "rank1.pt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["manifest.json",
+                                                                    "stage0.pt", "stage1.pt"]
 
 
 def meta_job(rank: int, world: int) -> list[str]:

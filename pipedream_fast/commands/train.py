@@ -116,6 +116,9 @@ def register(subparsers: Any) -> None:
                      help="seed of the weights, the shuffling and synthetic data")
     opt.add_argument("--timeout", type=float, default=300.0,
                      help="seconds any transfer may take before the run fails (default 300)")
+    opt.add_argument("--on-nan", default="stop", choices=("stop", "skip"),
+                     help="a non-finite loss stops training, naming the step and microbatch "
+                          "(default), or its update is skipped (synchronous schedules)")
     opt.add_argument("--torch-threads", type=int, default=1,
                      help="intra-op threads per rank (default 1: ranks share the cores)")
     out = parser.add_argument_group("output")
@@ -166,7 +169,7 @@ def settings(args: argparse.Namespace) -> Settings:
               "torch_threads", "log_every", "stages_per_rank")
     if args.trace_steps < 0:
         raise UsageError(f"--trace-steps must be >= 0, got {args.trace_steps}")
-    if args.timeout <= 0:
+    if not 0 < args.timeout < float("inf"):
         raise UsageError(f"--timeout must be positive seconds, got {args.timeout}")
     if args.lr is not None and not args.lr > 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
@@ -388,6 +391,7 @@ def _base_config(s: Settings, args: argparse.Namespace) -> dict[str, Any]:
         "model": s.model, "data": s.data, "batch_size": s.batch_size,
         "eval_batch_size": s.batch_size, "epochs": s.epochs, "steps": s.steps,
         "optimizer": s.optimizer, "lr": s.lr, "seed": args.seed, "timeout": args.timeout,
+        "on_nan": args.on_nan,
         "torch_threads": args.torch_threads, "target": s.target, "synthetic": None}
     if s.data == "synthetic":
         try:

@@ -247,6 +247,39 @@ class Executor:
     def _unsupported(self, a: Action) -> None:
         raise NotImplementedError(f"the executor cannot run {a.kind.value} actions yet")
 
+    def drain(self, limit: int, apply_below: int | None = None) -> None:
+        """After the caller stopped at a step boundary: every compute of the microbatches below
+        `limit` (the steps yielded) has run on this rank, but what follows them may not have:
+        their sends, all-reduces and updates, which peers finishing those steps wait for.
+        Performs those, skips receives posted for later microbatches, and stops at the next
+        compute (or a send of a later microbatch): nothing of a later step starts. Updates
+        that include a microbatch >= `apply_below` (default `limit`) are skipped: a step whose
+        loss was not finite sends what its peers wait for, but is not applied."""
+        apply_below = limit if apply_below is None else apply_below
+        handlers = self._handlers()
+        while (action := self._program.pop()) is not None:
+            mb = action.microbatch
+            if action.kind.is_compute:
+                break
+            if mb is not None and mb >= limit:
+                if action.kind in (K.RECV_ACT, K.RECV_GRAD):
+                    continue  # a receive for a microbatch that will not come
+                break
+            if (action.kind in (K.ALLREDUCE, K.OPTIMIZER_STEP)
+                    and self._updates_past(action, apply_below)):
+                continue  # an update that includes a microbatch not finished (or not to apply)
+            handlers[action.kind](action)
+        # No flush: sends of later microbatches may wait for receives that never come. The
+        # ones queued here go out in order before the transport's shutdown lets go of it.
+
+    def _updates_past(self, action: Action, limit: int) -> bool:
+        """Whether this all-reduce or update is for gradients of a microbatch >= limit."""
+        step = action
+        if action.kind is K.ALLREDUCE:  # its update follows: decide both alike
+            step = next((b for b in self._program.ahead() if b.kind is K.OPTIMIZER_STEP
+                         and (b.stage, b.copy) == (action.stage, action.copy)), action)
+        return any(m >= limit for m in (step.microbatches or ()))
+
     # --- the loop --------------------------------------------------------------------------
     def run(self) -> Iterator[tuple[int, Action, torch.Tensor | None]]:
         """Performs every action; yields (index, action, loss) after each one, where loss is

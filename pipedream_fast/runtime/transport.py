@@ -19,6 +19,7 @@ in the order they were posted.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Protocol
 from collections.abc import Sequence
 
@@ -90,7 +91,8 @@ class ProcessTransport:
             group = dist.distributed_c10d._get_default_group()
         self._engine = _C.CommEngine(group, timeout=timeout_s,
                                      device=device or torch.device("cpu"))
-        self._groups: dict[tuple[int, ...], object] = {}
+        self._closed = False
+        self._groups: dict[tuple[int, ...], Any] = {}
         for ranks in stage_groups:
             key = tuple(sorted(ranks))
             if len(key) > 1 and key not in self._groups:
@@ -119,29 +121,52 @@ class ProcessTransport:
         return dict(self._engine.stats())
 
     def close(self) -> None:
+        """Stops the engine's threads and removes the replica groups; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._engine.shutdown()
+        if dist.is_initialized():
+            for group in self._groups.values():
+                try:
+                    dist.destroy_process_group(group)
+                except (ValueError, RuntimeError):
+                    pass  # gone with the default group already
 
 
 class ThreadHub:
     """The shared state of ranks that run as threads of one process: a queue per directed
-    link, channel and receiving stage, and a rendezvous for all-reduces."""
+    link, channel and receiving stage, and a rendezvous for all-reduces.
+
+    `close()` stops the run: every queue and all-reduce, existing or made later (the hub
+    remembers it is closed), wakes its waiters with an error at once. Every wait is bounded
+    by `timeout_s`."""
 
     def __init__(self, world_size: int, timeout_s: float, depth: int = 64) -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._depth = depth
         self._lock = threading.Lock()
+        self._closed = False
         self._queues: dict[tuple[int, int, int, int], _C.ActivationQueue] = {}
         self._reduces: dict[tuple[int, ...], _ThreadReduce] = {}
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def queue(self, src: int, dst: int, channel: _C.Channel, stage: int) -> _C.ActivationQueue:
-        """The queue from rank `src` to rank `dst` of `channel` messages for `stage`."""
+        """The queue from rank `src` to rank `dst` of `channel` messages for `stage` (born
+        closed once the hub is closed)."""
         key = (src, dst, int(channel), stage)
         with self._lock:
             if key not in self._queues:
-                self._queues[key] = _C.ActivationQueue(
+                q = _C.ActivationQueue(
                     self._depth,
                     f"{channel.name.lower()} from rank {src} to rank {dst} for stage {stage}")
+                if self._closed:
+                    q.close()
+                self._queues[key] = q
             return self._queues[key]
 
     def reduce(self, ranks: Sequence[int]) -> _ThreadReduce:
@@ -149,10 +174,14 @@ class ThreadHub:
         with self._lock:
             if key not in self._reduces:
                 self._reduces[key] = _ThreadReduce(len(key), self.timeout_s)
+                if self._closed:
+                    self._reduces[key].barrier.abort()
             return self._reduces[key]
 
     def close(self) -> None:
+        """Wakes every waiter of every queue and all-reduce with an error (idempotent)."""
         with self._lock:
+            self._closed = True
             for q in self._queues.values():
                 q.close()
             for r in self._reduces.values():
@@ -160,7 +189,8 @@ class ThreadHub:
 
 
 class _ThreadReduce:
-    """Sums equally shaped tensor lists from `parties` threads, in place in each of them."""
+    """Sums equally shaped tensor lists from `parties` threads, in place in each of them.
+    Each of its barrier waits is bounded by `timeout_s`."""
 
     def __init__(self, parties: int, timeout_s: float) -> None:
         self.barrier = threading.Barrier(parties, timeout=timeout_s)
@@ -185,17 +215,40 @@ class _ThreadReduce:
 
 
 class ThreadTransport:
-    """One rank that is a thread of this process; tensors are handed over, never copied."""
+    """One rank that is a thread of this process; tensors are handed over, never copied.
+
+    `waiting` says what the rank is blocked on (a queue or an all-reduce), None while it
+    computes; `since` is when its current wait began or its last one ended (monotonic). A
+    waiter wakes at once when the hub is closed, a computing thread does not."""
 
     def __init__(self, hub: ThreadHub, rank: int) -> None:
         self.rank = rank
         self._hub = hub
         self._sent = 0
+        self.waiting: str | None = None
+        self.since = time.monotonic()
+
+    def _wait(self, what: str | None) -> None:
+        self.since = time.monotonic()
+        self.waiting = what
+
+    def _stopped(self, what: str) -> _C.QueueClosed:
+        return _C.QueueClosed(f"rank {self.rank} stopped waiting for the {what}: the run was "
+                              f"stopped (another rank failed, or the caller left train())")
 
     def send(self, peer: int, channel: _C.Channel, stage: int, microbatch: int,
              tensors: Sequence[torch.Tensor]) -> None:
-        self._hub.queue(self.rank, peer, channel, stage).push(
-            [t.detach() for t in tensors], microbatch=microbatch, timeout=self._hub.timeout_s)
+        q = self._hub.queue(self.rank, peer, channel, stage)
+        what = f"room to send the {channel.name.lower()} of stage {stage}, microbatch " \
+               f"{microbatch} to rank {peer}"
+        self._wait(what)
+        try:
+            q.push([t.detach() for t in tensors], microbatch=microbatch,
+                   timeout=self._hub.timeout_s)
+        except _C.QueueClosed:
+            raise self._stopped(what) from None
+        finally:
+            self._wait(None)
         self._sent += 1
 
     def post_recv(self, peer: int, channel: _C.Channel, stage: int, microbatch: int) -> None:
@@ -205,23 +258,36 @@ class ThreadTransport:
                   microbatch: int) -> list[torch.Tensor]:
         q = self._hub.queue(peer, self.rank, channel, stage)
         what = f"{channel.name.lower()} of stage {stage}, microbatch {microbatch} from rank {peer}"
+        self._wait(what)
         try:
             bundle = q.pop(timeout=self._hub.timeout_s)
         except _C.QueueTimeout:
             raise _C.QueueTimeout(
-                f"rank {self.rank} waited {self._hub.timeout_s} s for the {what}; "
+                f"rank {self.rank} waited {self._hub.timeout_s:g} s for the {what}; "
                 f"is rank {peer} alive and running the same schedule?") from None
+        except _C.QueueClosed:
+            raise self._stopped(what) from None
+        finally:
+            self._wait(None)
         if bundle.microbatch != microbatch:
             raise RuntimeError(f"rank {self.rank}: expected the {what}, got microbatch "
                                f"{bundle.microbatch}; the ranks disagree on the schedule")
         return list(bundle.tensors)
 
     def allreduce(self, ranks: Sequence[int], tensors: Sequence[torch.Tensor]) -> PendingReduce:
+        self._wait(f"the all-reduce among ranks {list(ranks)}")
         try:
             self._hub.reduce(ranks).run(tensors)
         except threading.BrokenBarrierError:
-            raise RuntimeError(f"rank {self.rank}: the all-reduce among ranks {list(ranks)} was "
-                               f"abandoned (a replica failed or timed out)") from None
+            if self._hub.closed:
+                raise RuntimeError(f"rank {self.rank}: the all-reduce among ranks {list(ranks)} "
+                                   f"was abandoned: the run was stopped (another rank failed, "
+                                   f"or the caller left train())") from None
+            raise RuntimeError(f"rank {self.rank}: the all-reduce among ranks {list(ranks)} "
+                               f"timed out after {self._hub.timeout_s:g} s or was broken; is "
+                               f"every replica alive?") from None
+        finally:
+            self._wait(None)
         return _Done()
 
     def flush(self) -> None:

@@ -9,8 +9,9 @@ other stages' gradients, so before the first update of each version a rank:
    update's (averaged over the step's microbatches, unscaled),
 2. sums each tied weight's gradient over the ranks of the stages holding it (a replica adds
    1/replicas of it, so the sum counts each stage once),
-3. all-reduces (sum of squared gradients, overflow flag) over every rank, each stage counted
-   once and a tied weight only on its first stage, then clips and decides the skip.
+3. all-reduces the sum of squared gradients over every rank, each stage counted once and a
+   tied weight only on its first stage, then clips, and skips the update everywhere when the
+   norm is not finite (an fp16 overflow, or NaN gradients under on_nan="skip").
 
 Only synchronous schedules update every stage once per step, after all its backwards, so only
 they can agree this way (the Pipeline refuses the others); all ranks then meet in step 3 in
@@ -73,12 +74,14 @@ class GlobalUpdateSync:
 
     def __init__(self, group: Any, stage_replicas: dict[int, int],
                  clip_grad_norm: float | None = None, scaler: LossScaler | None = None,
-                 tied: Sequence[TiedWeight] = ()) -> None:
+                 tied: Sequence[TiedWeight] = (), skip_nonfinite: bool = False) -> None:
         self.group = group  # gloo: the norm travels as a CPU tensor
         self.stage_replicas = stage_replicas  # stage index -> its replica count
         self.clip_grad_norm = clip_grad_norm
         self.scaler = scaler
         self.tied = list(tied)
+        self.skip_nonfinite = skip_nonfinite  # on_nan="skip": no update from NaN gradients
+        self.skipped = 0  # updates skipped for non-finite gradients
         self._decided: dict[int, list[Any]] = {}  # version -> [skip, stages still to update]
         self.last_norm: float | None = None  # the global gradient norm of the last update
 
@@ -123,9 +126,9 @@ class GlobalUpdateSync:
                 for stage in stages.values():
                     for g in stage.grads:
                         g.mul_(coef)
-        skip = False
+        skip = overflow and (self.scaler is not None or self.skip_nonfinite)
+        self.skipped += skip
         if self.scaler is not None:
-            skip = overflow
             self.scaler.update(overflow)
             for stage in stages.values():  # as GradScaler scales loss / microbatches
                 stage.loss_scale = self.scaler.scale / len(microbatches)
