@@ -192,3 +192,21 @@ def test_unparseable_memory_is_an_argparse_error(mlp_profile: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:
         run("plan", "--profile", mlp_profile, "--topology", "2x1e9", "--memory-per-worker", "lots")
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("bad", ["1e400", "nan", "-5", "0"])
+def test_infinite_or_non_positive_memory_is_one_line(mlp_profile: Path, bad: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run("plan", "--profile", mlp_profile, "--topology", "2x1e9", "--memory-per-worker", bad)
+    assert exit_info.value.code == 2
+    assert "positive, finite number of bytes" in capsys.readouterr().err
+
+
+def test_an_input_shape_the_model_does_not_take_is_one_line(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert run("profile", "--model", "cnn", "--input-shape", "5,5", "--batch-size", "2",
+               "--out", tmp_path / "p.json") == 2
+    err = capsys.readouterr().err
+    assert "does not run on inputs of shape (2, 5, 5) (from --input-shape)" in err
+    assert "Traceback" not in err and not (tmp_path / "p.json").exists()

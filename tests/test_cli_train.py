@@ -230,6 +230,8 @@ def test_user_model_and_data_factories(tmp_path, monkeypatch):
     (["--target-accuracy", "150"], "--target-accuracy"),
     (["--batch-size", "30", "--schedule", "1f1b", "--chunks", "4"], "does not split into 4"),
     (["--epochs", "0"], "--epochs must be a positive integer"),
+    (["--lr", "nan"], "--lr must be positive, got nan"),
+    (["--timeout", "nan"], "--timeout must be positive seconds, got nan"),
 ])
 def test_bad_options_fail_with_a_clear_message(tmp_path, capsys, args, message):
     assert main(["train", "--threads", "2", "--out", str(tmp_path / "run"), *args]) == 2

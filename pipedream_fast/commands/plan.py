@@ -11,6 +11,7 @@ the bottleneck, the data-parallel time and the speedup over data parallelism.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
 
@@ -27,6 +28,9 @@ def _byte_count(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a number of bytes such as 16e9, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of bytes, got "
+                                         f"{text!r}")
     if value != int(value):
         raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r}")
     return int(value)

@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.torch_threads)
     shape = parse_shape(args.input_shape) if args.input_shape else None
     module, example = build_model(args.model, args.batch_size, shape)
+    _check_runs(module, example, args)
     profile = profile_model(module, example, args.batch_size, optimizer=args.optimizer,
                             warmup=args.warmup, repeat=args.repeat, device=args.device,
                             progress=not args.quiet, model_name=args.model,
@@ -78,6 +79,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: {len(profile.blocks)} blocks of {args.model} "
           f"at batch size {args.batch_size} on {profile.device}")
     return 0
+
+
+def _check_runs(module: Any, example: Any, args: argparse.Namespace) -> None:
+    """One forward on the example before profiling, so that inputs the model does not take
+    (a wrong --input-shape) are one line, not a traceback from inside the profiler."""
+    import torch
+
+    shape = (tuple(example.shape) if isinstance(example, torch.Tensor)
+             else type(example).__name__)
+    try:
+        with torch.no_grad():
+            module(*example) if isinstance(example, tuple) else module(example)
+    except Exception as err:
+        raise UsageError(f"model {args.model!r} does not run on inputs of shape {shape}"
+                         f"{' (from --input-shape)' if args.input_shape else ''}: "
+                         f"{type(err).__name__}: {str(err).splitlines()[0]}") from err
 
 
 def _print_table(profile: Any) -> None:

@@ -1,0 +1,148 @@
+"""Soak: a long run on both front ends, with resident memory, threads and open file
+descriptors sampled as it trains. After warm-up all three must stay flat: nothing grows with
+the number of microbatches (stashes, feeds, posted receives, trace buffers, engine threads).
+
+Each front end trains a small MLP with pipedream (asynchronous: weight stashing, versions
+released as they go) for `--microbatches` microbatches, one per step, on 2 stages:
+`LocalPipeline` (2 threads in this process) and `Pipeline` (2 processes, gloo). Every
+`--every` steps each rank samples /proc/self (VmRSS, Threads, fd count). Warm-up is the first
+10% of the run; the report gives the first sample after warm-up, the last, and the largest
+change of each quantity in between.
+
+    python bench/soak.py                          # 10,000 microbatches each; writes bench/results/soak.md
+    python bench/soak.py --microbatches 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipedream_fast.formats import Plan, StagePlan
+from pipedream_fast.launch import launch
+from pipedream_fast.local_pipeline import LocalPipeline
+from pipedream_fast.pipeline import Pipeline
+
+RESULTS = Path(__file__).resolve().parent / "results" / "soak.md"
+BATCH = 16
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 8))
+
+
+def plan() -> Plan:
+    return Plan(model="soak-mlp", batch_size=BATCH, workers=2, schedule="pipedream",
+                stages=[StagePlan(0, 2, 1, (0,), 1.0), StagePlan(2, 5, 1, (1,), 1.0)],
+                bottleneck_ms=1.0, data_parallel_ms=1.0)
+
+
+class Batches:
+    """The same few minibatches again and again: `steps` of them, re-iterable, with len()."""
+
+    def __init__(self, steps: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.pool = [(torch.randn(BATCH, 32, generator=g), torch.randint(0, 8, (BATCH,), generator=g))
+                     for _ in range(16)]
+        self.steps = steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Any:
+        return (self.pool[i % len(self.pool)] for i in range(self.steps))
+
+
+def sample() -> dict[str, int]:
+    status = Path("/proc/self/status").read_text().splitlines()
+    fields = {key: value.split()[0] for key, _, value in (line.partition(":") for line in status)
+              if value.split()}
+    return {"rss_kb": int(fields["VmRSS"]), "threads": int(fields["Threads"]),
+            "fds": len(os.listdir("/proc/self/fd"))}
+
+
+def soak(train: Any, steps: int, every: int) -> dict[str, Any]:
+    samples: list[tuple[int, dict[str, int]]] = []
+    began = time.perf_counter()
+    for step, _ in enumerate(train(Batches(steps), steps), 1):
+        if step % every == 0 or step == steps:
+            samples.append((step, sample()))
+    return {"samples": samples, "seconds": time.perf_counter() - began}
+
+
+def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def process_job(rank: int, world: int, steps: int, every: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    pipe = Pipeline(model(), nn.functional.cross_entropy, sgd, plan=plan(),
+                    schedule="pipedream", timeout=120)
+    out = soak(lambda data, n: pipe.train(data, steps=n), steps, every)
+    pipe.close()
+    return out
+
+
+def summary(samples: list[tuple[int, dict[str, int]]], steps: int) -> dict[str, Any]:
+    after = [(s, v) for s, v in samples if s > steps // 10]
+    first, last = after[0][1], after[-1][1]
+    spread = {k: max(v[k] for _, v in after) - min(v[k] for _, v in after) for k in first}
+    return {"first_step": after[0][0], "first": first, "last": last, "spread": spread,
+            "samples": len(after)}
+
+
+def row(name: str, s: dict[str, Any], seconds: float, steps: int) -> str:
+    first, last, spread = s["first"], s["last"], s["spread"]
+    return (f"| {name} | {steps:,} | {seconds:.0f} | {first['rss_kb'] / 1024:.1f} → "
+            f"{last['rss_kb'] / 1024:.1f} (±{spread['rss_kb'] / 1024:.1f}) | "
+            f"{first['threads']} → {last['threads']} | {first['fds']} → {last['fds']} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--microbatches", type=int, default=10_000)
+    parser.add_argument("--every", type=int, default=250)
+    args = parser.parse_args()
+    steps, every = args.microbatches, args.every
+    torch.set_num_threads(1)
+
+    local = LocalPipeline(model(), nn.functional.cross_entropy, sgd, plan(),
+                          schedule="pipedream", timeout=120)
+    threads = soak(lambda data, n: local.train(data, steps=n), steps, every)
+    processes = launch(process_job, 2, steps, every, timeout=600)
+
+    rows = [row("LocalPipeline (2 threads, one process)", summary(threads["samples"], steps),
+                threads["seconds"], steps)]
+    for rank, result in enumerate(processes):
+        rows.append(row(f"Pipeline rank {rank} (2 processes, gloo)",
+                        summary(result["samples"], steps), result["seconds"], steps))
+    text = "\n".join([
+        "# Soak: memory, threads and descriptors over a long run",
+        "",
+        f"`python bench/soak.py --microbatches {steps} --every {every}` on "
+        f"{platform.machine()} with {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}. pipedream schedule (weight stashing) on 2 stages of a "
+        f"small MLP, one microbatch of {BATCH} per step. Samples every {every} steps from the "
+        f"end of warm-up (the first 10%) to the end: first → last (± the largest spread "
+        f"between samples).",
+        "",
+        "| front end | microbatches | seconds | resident MB | threads | open fds |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *rows,
+        "",
+    ])
+    RESULTS.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
