@@ -372,7 +372,8 @@ class LocalPipeline:
                 kind, _, value = run.next_event()
                 if kind == "loss":
                     mb, loss = value  # every rank reports the losses it learns: keep one per mb
-                    losses[mb // self.chunks][mb] = loss
+                    if mb // self.chunks >= next_step:  # not a step yielded already
+                        losses[mb // self.chunks][mb] = loss
                     while len(losses.get(next_step, ())) == self.chunks:
                         yield torch.stack(list(losses.pop(next_step).values())).mean()
                         next_step += 1
