@@ -239,6 +239,15 @@ def test_bad_options_fail_with_a_clear_message(tmp_path, capsys, args, message):
     assert not (tmp_path / "run").exists()  # nothing is written before the checks pass
 
 
+def test_train_rejects_a_plan_for_another_model_before_starting_ranks(tmp_path, capsys):
+    plan = write_plan(tmp_path / "plan.json", "2-stage", model="cnn", blocks=9)  # the cnn's
+    assert main(["train", "--plan", str(plan), "--model", "mlp", "--data", "synthetic",
+                 "--nproc", "2", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--plan does not fit model 'mlp'" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_train_rejects_a_plan_for_another_worker_count(tmp_path, capsys):
     plan = write_plan(tmp_path / "plan.json", "2+1")
     assert main(["train", "--plan", str(plan), "--nproc", "2"]) == 2

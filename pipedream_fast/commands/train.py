@@ -275,6 +275,20 @@ def _plan(s: Settings, profile: Profile, args: argparse.Namespace, schedule: str
     return plan
 
 
+def _check_plan_fits_model(plan: Plan, s: Settings, micro: int) -> None:
+    """A --plan made for another model fails here, in one line, before any rank starts."""
+    from pipedream_fast.formats import FormatError
+    from pipedream_fast.tracing import trace
+    from pipedream_fast.training import check_plan_fits
+
+    with torch.device("meta"):
+        module, _ = build_model(s.model, micro)
+    try:
+        check_plan_fits(plan, trace(module))
+    except FormatError as err:
+        raise UsageError(f"--plan does not fit model {s.model!r}: {err}") from err
+
+
 def _simulate(profile: Profile, plan: Plan, schedule: str, chunks: int, steps: int,
               bandwidth: float) -> Any:
     from pipedream_fast.schedules import make_schedule
@@ -425,6 +439,7 @@ def _prepare(s: Settings, args: argparse.Namespace, schedule: str, chunks: int |
     if main and s.plan_file is not None:
         plan = s.plan_file
         schedule = plan.schedule if schedule == "auto" else schedule
+        _check_plan_fits_model(plan, s, micro)
     else:
         plan = _plan(s, profile, args, schedule, straight)
         schedule = plan.schedule if schedule == "auto" else schedule
