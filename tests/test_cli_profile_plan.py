@@ -194,13 +194,13 @@ def test_unparseable_memory_is_an_argparse_error(mlp_profile: Path) -> None:
     assert exit_info.value.code == 2
 
 
-@pytest.mark.parametrize("bad", ["1e400", "nan", "-5", "0"])
-def test_infinite_or_non_positive_memory_is_one_line(mlp_profile: Path, bad: str,
+@pytest.mark.parametrize("bad", ["1e400", "nan", "inf"])
+def test_infinite_memory_is_one_line(mlp_profile: Path, bad: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         run("plan", "--profile", mlp_profile, "--topology", "2x1e9", "--memory-per-worker", bad)
     assert exit_info.value.code == 2
-    assert "positive, finite number of bytes" in capsys.readouterr().err
+    assert "expected a finite number of bytes" in capsys.readouterr().err
 
 
 def test_an_input_shape_the_model_does_not_take_is_one_line(tmp_path: Path,

@@ -300,7 +300,7 @@ def test_digits_split_and_scaling():
 def test_char_corpus_windows_are_shifted_by_one():
     from pipedream_fast.datasets import VOCAB_SIZE, char_corpus, decode, package_docstrings
     train, test, vocab = char_corpus(seq_len=32)
-    assert vocab == VOCAB_SIZE and len(train) > 9 * len(test) > 0
+    assert vocab == VOCAB_SIZE and len(train) >= 8 * len(test) > 0  # 90/10 by position
     x, y = train[3]
     assert x.shape == y.shape == (32,) and x.dtype == torch.int64
     assert torch.equal(x[1:], y[:-1])

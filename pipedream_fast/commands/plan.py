@@ -28,9 +28,8 @@ def _byte_count(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a number of bytes such as 16e9, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive, finite number of bytes, got "
-                                         f"{text!r}")
+    if not math.isfinite(value):  # (zero and negatives: the topology's own message)
+        raise argparse.ArgumentTypeError(f"expected a finite number of bytes, got {text!r}")
     if value != int(value):
         raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r}")
     return int(value)
