@@ -99,7 +99,13 @@ class GradientBuckets:
         """OPTIMIZER_STEP: every bucket's reduction is complete."""
         for pending in self._pending:
             pending.wait()
+        self.forget()
+
+    def forget(self) -> None:
+        """Back to the start of an update, without waiting for reductions begun (after an
+        abandoned run their peers may be gone)."""
         self._pending.clear()
+        self._armed = False
         for bucket in self._buckets:
             bucket.started = False
             bucket.landed = 0

@@ -124,13 +124,7 @@ class StageRuntime:
             g.zero_()
         self.prepared = False
         if self.buckets is not None:
-            # Forget reductions started or armed for the update that never came (without
-            # waiting on them: their peers may be gone).
-            self.buckets._pending.clear()
-            self.buckets._armed = False
-            for bucket in self.buckets._buckets:
-                bucket.started = False
-                bucket.landed = 0
+            self.buckets.forget()  # reductions begun for the update that never came
 
     def snapshot(self, version: int) -> None:
         if self.ring is None or self.ring.holds(version):
