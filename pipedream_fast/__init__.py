@@ -10,11 +10,11 @@ The C++ core lives in `pipedream_fast._C`; everything here is the thin Python la
 import torch as _torch  # noqa: F401  (loads libtorch, which the C++ core links against)
 
 from pipedream_fast.formats import FormatError, Plan, Profile
-from pipedream_fast.launch import LaunchError, launch
+from pipedream_fast.launch import LaunchError, Stopped, launch
 from pipedream_fast.local_pipeline import LocalPipeline
 from pipedream_fast.pipeline import Pipeline
 
 __version__ = "0.1.0"
 
 __all__ = ["FormatError", "LaunchError", "LocalPipeline", "Pipeline", "Plan", "Profile",
-           "__version__", "launch"]
+           "Stopped", "__version__", "launch"]

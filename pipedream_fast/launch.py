@@ -82,14 +82,20 @@ class LaunchError(RuntimeError):
         return self.returncode or 1
 
 
-class Stopped(BaseException):
-    """Raised in a rank of `launch` by SIGTERM (SIGINT raises KeyboardInterrupt), so that its
-    `finally` blocks run; like KeyboardInterrupt it is not an `Exception`, so `except
-    Exception` in user code does not swallow it."""
+class Stopped(SystemExit):
+    """Raised in a rank by SIGTERM: at once in a rank of `launch`, or, in `Pipeline.train`,
+    after a step every rank agreed on (see `pipedream_fast.stopping`), so that `finally`
+    blocks run. A `SystemExit` with code 128 + the signal's number: `except Exception` does
+    not swallow it, and uncaught it ends the process with the status a shell expects."""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"stopped by {signal_name(signum)}")
+    def __init__(self, signum: int, detail: str = "", step: int | None = None) -> None:
+        super().__init__(128 + signum)
         self.signum = signum
+        self.detail = detail
+        self.step = step  # the step every rank stopped after (None: stopped where it was)
+
+    def __str__(self) -> str:
+        return f"stopped by {signal_name(self.signum)}{self.detail}"
 
 
 def signal_name(signum: int) -> str:
@@ -100,9 +106,11 @@ def signal_name(signum: int) -> str:
 
 
 def describe_exit(returncode: int) -> str:
-    """'was killed by SIGKILL' or 'exited with code 3'."""
+    """'was killed by SIGKILL', 'stopped on SIGTERM (exit code 143)' or 'exited with code 3'."""
     if returncode < 0:
         return f"was killed by {signal_name(-returncode)}"
+    if returncode - 128 in STOP_SIGNALS:  # what a rank that handled the signal exits with
+        return f"stopped on {signal_name(returncode - 128)} (exit code {returncode})"
     return f"exited with code {returncode}"
 
 
@@ -559,10 +567,18 @@ def run_script(script: str, script_args: Sequence[str], nprocs: int,
                                                       failures[r]))
                 rc = procs[blamed].returncode or 0
                 code = shell_status(rc)
-                say(f"rank {blamed} {describe_exit(rc)}; stopping the other ranks")
 
             def alive() -> list[int]:
                 return [r for r, p in procs.items() if p.poll() is None]
+
+            if signum is None:
+                if alive():
+                    rest = "; stopping the other ranks"
+                elif all(p.returncode == rc for p in procs.values()):
+                    rest = "; so did every rank" if len(procs) > 1 else ""
+                else:
+                    rest = "; the other ranks have ended"
+                say(f"rank {blamed} {describe_exit(rc)}{rest}")
 
             def send(r: int, sig: int) -> None:
                 try:

@@ -24,7 +24,7 @@ from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from pipedream_fast import checkpoint as ckpt
 from pipedream_fast.formats import FormatError, Plan
+from pipedream_fast.launch import Stopped, signal_name
 from pipedream_fast.ir import Schedule
 from pipedream_fast.runtime.executor import Executor
 from pipedream_fast.runtime.stage import (AUTOCAST_DTYPES, OptimizerFactory, SchedulerFactory,
@@ -42,6 +43,7 @@ from pipedream_fast.runtime.transport import ProcessTransport
 from pipedream_fast.runtime.update_sync import GlobalUpdateSync, LossScaler, TiedWeight
 from pipedream_fast.schedules import SYNCHRONOUS, kind
 from pipedream_fast.schedules.forward_only import forward_only
+from pipedream_fast.stopping import DeferredStop, StopVote
 from pipedream_fast.tracing import shared_parameters
 from pipedream_fast.tracing import trace as trace_model
 from pipedream_fast.training import (EpochBatches, MicrobatchFeed, StepTracker, build_schedule,
@@ -53,6 +55,10 @@ from pipedream_fast.training import (EpochBatches, MicrobatchFeed, StepTracker, 
                                      stage_runtime,
                                      steps_for, target_spec, to_device)
 
+
+
+class _StopAgreed(Exception):
+    """Every rank read the same stop vote after the same step: leave the run there."""
 
 
 class NonFiniteLoss(RuntimeError):
@@ -530,26 +536,47 @@ class Pipeline:
         epoch and left usable). Only first-stage ranks read it (others may pass None). Yields
         each step's mean microbatch loss on every rank (a replicated stage's rank: the mean of
         the microbatches that passed through it). With `checkpoint_dir`, the pipeline drains
-        and saves every `checkpoint_every` steps. Collective: every rank must iterate it."""
+        and saves every `checkpoint_every` steps. SIGTERM stops every rank after the same
+        step, a few steps later (see `pipedream_fast.stopping`): the pipeline is left as by a
+        `break`, a checkpoint is saved if there is a `checkpoint_dir`, and `Stopped` (a
+        `SystemExit` with code 143) is raised. Collective: every rank must iterate it."""
         steps, chunks, spec, batches = self._open_data(loader, steps, epochs)
+        assert self.plan is not None
         done = 0
         try:
-            while done < steps:
-                run = steps - done
-                if self.checkpoint_every:
-                    run = min(run, self.checkpoint_every - self._step % self.checkpoint_every)
-                yield from self._run(run, chunks, spec, batches)
-                done += run
-                if self.checkpoint_every and self._step % self.checkpoint_every == 0:
-                    self._save_periodic()
+            with DeferredStop() as request:
+                while done < steps:
+                    run = steps - done
+                    if self.checkpoint_every:
+                        run = min(run, self.checkpoint_every - self._step % self.checkpoint_every)
+                    vote = StopVote(self._control, self.world_size, len(self.plan.stages) + 1,
+                                    self._agree)
+                    done += yield from self._run(run, chunks, spec, batches, request, vote)
+                    if vote.signum:
+                        self._stop(vote.signum)
+                    if self.checkpoint_every and self._step % self.checkpoint_every == 0:
+                        self._save_periodic()
         finally:
             if self._source is not None:  # the next run begins a new epoch
                 self._epoch = self._source.epochs_started()
                 self._source = None
 
+    def _stop(self, signum: int) -> None:
+        """Every rank agreed to stop here on `signum`: save if configured, raise `Stopped`."""
+        detail = f" after step {self._step}"
+        if self.checkpoint_dir is not None:
+            self._save_periodic()
+            detail += f"; checkpoint saved to {Path(self.checkpoint_dir) / f'step-{self._step}'}"
+        if self.rank == 0:
+            print(f"pipedream_fast: {signal_name(signum)}: every rank stopped{detail}",
+                  flush=True)
+        raise Stopped(signum, detail, step=self._step)
+
     def _run(self, steps: int, chunks: int, spec: pytree.TreeSpec,
-             batches: Iterator[Any] | None) -> Iterator[torch.Tensor | None]:
-        """One executor run of `steps` minibatches (a drained pipeline at both ends)."""
+             batches: Iterator[Any] | None, request: DeferredStop | None = None,
+             vote: StopVote | None = None) -> Generator[torch.Tensor | None, None, int]:
+        """One executor run of `steps` minibatches (a drained pipeline at both ends). Returns
+        the steps trained: fewer when the ranks agreed to stop (`vote.signum` then set)."""
         assert self.plan is not None
         if self._transport is None:  # the last run was abandoned: new links (collective)
             self._transport = self._new_transport(self._new_group(list(range(self.world_size))))
@@ -569,19 +596,25 @@ class Pipeline:
                 runtime.loss_scale = self._scaler.scale / chunks
         yielded = 0
         try:
-            for item in self._losses(executor, tracker, steps, chunks):
+            for item in self._losses(executor, tracker, steps, chunks, request, vote):
                 yielded += 1  # before the yield: a caller leaving there has had this step
                 yield item
+        except _StopAgreed:  # every rank leaves after the same step, as on a break
+            self._abandon(executor, yielded, chunks, GeneratorExit, vote)
+            return yielded
         except BaseException as err:  # left early (GeneratorExit) or failed: clean up
-            self._abandon(executor, yielded, chunks, type(err))
+            self._abandon(executor, yielded, chunks, type(err), vote)
             raise
+        return steps
 
-    def _losses(self, executor: Executor, tracker: StepTracker, steps: int,
-                chunks: int) -> Iterator[torch.Tensor | None]:
+    def _losses(self, executor: Executor, tracker: StepTracker, steps: int, chunks: int,
+                request: DeferredStop | None = None, vote: StopVote | None = None
+                ) -> Iterator[torch.Tensor | None]:
         """Each step's mean loss as the rank finishes the step. A non-finite loss (on_nan
         'stop') ends the run at the end of its step, where every rank learns of it (the loss
         travels back with the gradients), so all stop at the same step; its update is not
-        applied (see `_abandon`)."""
+        applied (see `_abandon`). After each step the rank votes on stopping (`vote`), and
+        leaves the run once the votes of an earlier step say so (`_StopAgreed`)."""
         losses: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> mb -> loss
         bad: dict[int, str] = {}  # step -> what was non-finite
         for _, action, loss in executor.run():
@@ -599,13 +632,19 @@ class Pipeline:
                                         f"{self._step + step - 1} (on_nan='stop'). Lower the "
                                         f"learning rate, or pass on_nan='skip'")
                 got = losses.pop(step, {})
+                if vote is not None:
+                    vote.cast(step, request.signum if request is not None else None)
                 yield torch.stack(list(got.values())).mean() if got else None
+                if vote is not None and step + 1 < steps and vote.outcome(step):
+                    raise _StopAgreed
+        if vote is not None:
+            vote.settle()  # a stop agreed on in the last steps ends the run here, drained
         self._step += steps
         self.last_stats = executor.stats.to_dict()
         self.last_events = executor.events or []
 
     def _abandon(self, executor: Executor, yielded: int, chunks: int,
-                 error: type[BaseException]) -> None:
+                 error: type[BaseException], vote: StopVote | None = None) -> None:
         """The caller left `train()` early (break, exception, close) or the run failed.
         A run left by the caller first finishes what follows the steps already yielded
         (their sends and updates, which peers finishing those steps wait for) and starts
@@ -620,6 +659,8 @@ class Pipeline:
             finished = yielded + (error is NonFiniteLoss)
             try:
                 executor.drain(finished * chunks, apply_below=yielded * chunks)
+                if vote is not None:  # every rank cast the same votes: read them all
+                    vote.settle()
             except Exception:  # noqa: BLE001 - a peer is gone: nothing more to finish
                 pass
         self._step += yielded

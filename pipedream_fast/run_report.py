@@ -242,6 +242,9 @@ class RunRecorder:
     # -- events --
     def handle(self, event: dict[str, Any]) -> None:
         kind = event["event"]
+        if kind == "note":  # a line about the whole job (a stop, a saved checkpoint)
+            self.print(event["text"])
+            return
         run = self.runs.setdefault(event["run"], RunHistory(event["run"]))
         if kind == "start":
             run.steps, run.epochs = event["steps"], event["epochs"]

@@ -269,9 +269,9 @@ def children(pid: int) -> list[int]:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
 def test_train_stops_its_ranks_on_sigterm_and_sigint(tmp_path, signum):
-    """SIGTERM goes to the launcher only (as Kubernetes sends it); SIGINT to the launcher's
-    process group, as Ctrl-C in a terminal does: the ranks get it twice, directly and
-    forwarded."""
+    """SIGTERM goes to the launcher only (as Kubernetes sends it): the ranks stop after an
+    agreed step and write the run's checkpoint. SIGINT goes to the launcher's process group,
+    as Ctrl-C in a terminal does: the ranks get it twice, directly and forwarded."""
     out = tmp_path / "run"
     launcher = cli_process("train", "--nproc", "2", "--steps", "100000", "--data",
                            "synthetic", "--model", "mlp", "--log-every", "10",
@@ -299,3 +299,5 @@ def test_train_stops_its_ranks_on_sigterm_and_sigint(tmp_path, signum):
     assert launcher.returncode == 128 + signum, stderr
     assert f"pipedream-fast train: stopped by {signal.Signals(signum).name}" in stderr
     assert wait_gone(ranks, 2.0) == []
+    if signum == signal.SIGTERM:  # the ranks agreed on a step and saved the run there
+        assert (out / "checkpoint" / "manifest.json").exists()

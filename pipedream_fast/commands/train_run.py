@@ -178,6 +178,7 @@ def train_loop(pipe: Any, train: DataLoader, config: dict[str, Any],
 
 def _rank_job(rank: int, world: int, config: dict[str, Any], queue: Any) -> dict[str, Any]:
     """One rank of a process run: build, train, evaluate, save; events go to `queue`."""
+    from pipedream_fast.launch import Stopped
     from pipedream_fast.pipeline import Pipeline
 
     torch.set_num_threads(config["torch_threads"])
@@ -187,8 +188,17 @@ def _rank_job(rank: int, world: int, config: dict[str, Any], queue: Any) -> dict
                     chunks=config["chunks"], seed=config["seed"], timeout=config["timeout"],
                     on_nan=config.get("on_nan", "stop"))
     emit = queue.put if rank == config["reporter"] else (lambda event: None)
-    outcome = train_loop(pipe, train, config, emit,
-                         lambda: pipe.evaluate(test, metrics={"accuracy": accuracy}))
+    try:
+        outcome = train_loop(pipe, train, config, emit,
+                             lambda: pipe.evaluate(test, metrics={"accuracy": accuracy}))
+    except Stopped as stopped:
+        # SIGTERM: every rank left training after the same step (`Pipeline.train`), so the
+        # stages are consistent there and the run's checkpoint can still be written.
+        if stopped.step is not None and config["checkpoint"]:
+            pipe.save(config["checkpoint"])
+            emit({"event": "note", "text": f"the run's checkpoint (step {stopped.step}) "
+                                           f"saved to {config['checkpoint']}"})
+        raise
     if config["checkpoint"]:
         pipe.save(config["checkpoint"])
     pipe.close()

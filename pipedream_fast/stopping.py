@@ -1,0 +1,146 @@
+"""Stopping a run on SIGTERM at a step every rank agrees on.
+
+SLURM, Kubernetes, torchrun and the launchers stop a job by sending SIGTERM to every rank, at
+slightly different moments, while each rank is in a different action. Raising at once would
+leave the ranks at different steps, with messages in flight and no checkpoint. So while
+`Pipeline.train` runs, SIGTERM only records a request (`DeferredStop`). Each rank casts a vote
+at the end of a step (every step, or every few when steps take milliseconds); the votes of a
+step are combined by an asynchronous all-reduce that is read `lag` steps later (`StopVote`),
+so in the steady state no rank waits for it, and every rank reads the same outcome after the
+same step. The Pipeline then leaves the run there, as a
+`break` would, saves a checkpoint when it has a `checkpoint_dir`, and raises `Stopped`.
+
+A second SIGTERM acts at once, as does SIGTERM outside `train`. SIGINT (Ctrl-C) is not
+deferred: someone at a keyboard wants the run to stop now.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import deque
+from types import FrameType, TracebackType
+from typing import Any
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from pipedream_fast.launch import Stopped
+
+
+class DeferredStop:
+    """While inside (in the main thread), SIGTERM is recorded in `signum` instead of acting.
+
+    Installed only over Python's default action or a handler of this package's launchers: a
+    handler the user installed, or an ignored SIGTERM, is left alone. Leaving restores the
+    previous handler; should a signal arrive after leaving but before that (a generator closed
+    outside the main thread cannot restore it), the previous action is taken then."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: Any = None
+        self._installed = False
+        self._active = False
+
+    def __enter__(self) -> DeferredStop:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is signal.SIG_DFL or getattr(previous, "__module__", None) == \
+                "pipedream_fast.launch":
+            self._previous = previous
+            signal.signal(signal.SIGTERM, self._record)
+            self._installed = True
+            self._active = True
+        return self
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        if self._active and self.signum is None:
+            self.signum = signum
+            return
+        self._restore()  # a second signal, or one after leaving: act as before
+        if callable(self._previous):
+            self._previous(signum, frame)
+        elif self._active:
+            raise Stopped(signum)
+        else:
+            os.kill(os.getpid(), signum)  # the default action, now that it is back
+
+    def _restore(self) -> None:
+        self._active = False
+        if self._installed and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous)
+            self._installed = False
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._restore()
+
+
+class StopVote:
+    """Every rank votes on stopping (0, or the signal it received) at the same steps; the
+    outcome of a vote cast after step s is read after step s + `lag`, by then normally long
+    combined. Collective: every rank casts and reads the same steps in the same order.
+
+    A vote costs a small all-reduce, which is noticeable only when steps take a few
+    milliseconds. So each vote also carries the rank's proposal for how many steps to leave
+    between votes (about `every_s` seconds of its steps); the smallest proposal is what every
+    rank reads, at the same step, and it spaces the votes cast after that. A stop therefore
+    takes `lag` steps plus at most about `every_s` seconds. `agree` wraps a wait so that a
+    rank that does not take part is named (the Pipeline's `_agree`)."""
+
+    MAX_EVERY = 1024
+
+    def __init__(self, group: Any, world_size: int, lag: int,
+                 agree: Callable[[Callable[[], Any], str], None], every_s: float = 0.1) -> None:
+        if lag < 1:
+            raise ValueError(f"lag must be >= 1 step, got {lag}")
+        self._group = group
+        self._world_size = world_size
+        self._lag = lag
+        self._agree = agree
+        self._every_s = every_s
+        self._every = 1  # steps between votes, as last agreed
+        self._next = 0  # the next step to vote after
+        self._last: tuple[int, float] | None = None  # (step, time) of this rank's last vote
+        self._pending: deque[tuple[int, torch.Tensor, Any]] = deque()
+        self.signum = 0  # the agreed signal, once read
+
+    def _proposal(self, step: int) -> int:
+        now = time.perf_counter()
+        last, self._last = self._last, (step, now)
+        if last is None or step <= last[0]:
+            return 1
+        per_step = (now - last[1]) / (step - last[0])
+        return max(1, min(self.MAX_EVERY, int(self._every_s / max(per_step, 1e-9))))
+
+    def cast(self, step: int, signum: int | None) -> None:
+        if step < self._next:
+            return
+        self._next = step + self._every
+        vote = torch.tensor([signum or 0, -self._proposal(step)], dtype=torch.int64)
+        work = None
+        if self._world_size > 1:  # MAX of the signals and of minus the proposals
+            work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group,
+                                   async_op=True)
+        self._pending.append((step, vote, work))
+
+    def _read(self, until: int) -> int:
+        while self._pending and self._pending[0][0] <= until:
+            _, vote, work = self._pending.popleft()
+            if work is not None:
+                self._agree(work.wait, "agreeing whether to stop")
+            self.signum = max(self.signum, int(vote[0]))
+            self._every = -int(vote[1])
+        return self.signum
+
+    def outcome(self, step: int) -> int:
+        """The agreed signal (0: go on), from the votes cast up to step `step - lag`."""
+        return self._read(step - self._lag)
+
+    def settle(self) -> int:
+        """Reads every vote cast: at the end of a run, and before leaving one together."""
+        return self._read(1 << 62)
