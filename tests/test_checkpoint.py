@@ -1,5 +1,5 @@
-"""Checkpoints: periodic saves that keep the last K, a save cut short by a failing rank that
-leaves the directory consistent (the newest complete checkpoint is used), files that are
+"""Checkpoints: periodic saves that keep the last K, a save cut short by a failing rank or by
+kill -9 that leaves the directory consistent (the newest complete checkpoint is used), files that are
 truncated, garbage or malicious refused by name without running anything, a resumed 1f1b run
 equal to an uninterrupted one, and export to a plain model's state dict (CLI and Python)."""
 
@@ -173,3 +173,82 @@ def test_a_directory_without_manifest_is_refused_with_the_reason(tmp_path):
         ckpt.export(tmp_path / "half")
     with pytest.raises(ckpt.CheckpointError, match="does not exist"):
         ckpt.export(tmp_path / "nowhere")
+
+
+# --- kill -9 during a save ------------------------------------------------------------------
+
+def stall_here(root: str) -> None:
+    """Says where this rank is (its pid in root/stalled) and waits to be killed."""
+    import os
+    import time
+    marker = Path(root) / "stalled"
+    marker.with_suffix(".tmp").write_text(str(os.getpid()))
+    os.replace(marker.with_suffix(".tmp"), marker)
+    time.sleep(120)
+
+
+def killed_save_job(rank: int, world: int, root: str, case: str) -> None:
+    """Saves a complete checkpoint of step 2, then is killed during the save of step 4:
+    rank 1 while its stage file is on a temporary name, rank 0 while writing the manifest,
+    or rank 0 between the two renames that swap a save into an existing checkpoint."""
+    import os
+    import types
+    if case == "swap":
+        pipe = pipeline()
+        list(pipe.train(batches(2), steps=2))
+        pipe.save(Path(root) / "ckpt")
+    else:
+        pipe = pipeline(checkpoint_dir=root, checkpoint_every=2)
+        list(pipe.train(batches(2), steps=2))
+    commit, replace = ckpt._commit, os.replace
+    if case == "stage file" and rank == 1:
+        ckpt._commit = lambda tmp, final: stall_here(root)  # type: ignore[assignment]
+    if case == "manifest" and rank == 0:
+        ckpt._commit = lambda tmp, final: (  # type: ignore[assignment]
+            stall_here(root) if final.name == ckpt.MANIFEST else commit(tmp, final))
+
+    def replace_then_stall(src: Any, dst: Any) -> None:
+        replace(src, dst)
+        if str(dst).endswith(".old"):
+            stall_here(root)
+
+    if case == "swap" and rank == 0:  # the module's own `os`, so nothing else is touched
+        ckpt.os = types.SimpleNamespace(**{**vars(os), "replace": replace_then_stall})  # type: ignore[assignment]
+    list(pipe.train(batches(4)[2:], steps=2))
+    if case == "swap":
+        pipe.save(Path(root) / "ckpt")
+
+
+@pytest.mark.parametrize("case, victim", [("stage file", 1), ("manifest", 0), ("swap", 0)])
+def test_a_rank_killed_during_a_save_leaves_the_last_complete_checkpoint(tmp_path, case,
+                                                                         victim):
+    import os
+    import signal
+    import threading
+    import time
+    from pipedream_fast.launch import LaunchError
+
+    def kill_when_stalled() -> None:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "stalled").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(int((tmp_path / "stalled").read_text()), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_stalled, daemon=True)
+    killer.start()
+    with pytest.raises(LaunchError, match=f"rank {victim} of 2 was killed by SIGKILL"):
+        launch(killed_save_job, 2, str(tmp_path), case, timeout=120)
+    killer.join(5)
+    path = tmp_path / "ckpt" if case == "swap" else tmp_path
+    folder, notes = ckpt.resolve(path)
+    if case == "swap":  # cut between the renames: the previous checkpoint, kept as .old
+        assert folder == tmp_path / "ckpt.old" and "cut short" in notes[0]
+    else:
+        assert folder == tmp_path / "step-2"
+        assert notes == [f"{tmp_path / 'step-4'} is incomplete (no manifest): skipped"]
+        assert not (tmp_path / "step-4" / ckpt.MANIFEST).exists()
+    assert ckpt.read_manifest(folder)["step"] == 2
+    want = train_reference(model(), batches(2), CHUNKS, nn.functional.cross_entropy, sgd)
+    got = ckpt.export(path)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
