@@ -138,6 +138,39 @@ def _optimizer_state_bytes(chain: LayerChain, inputs: tuple[Any, ...],
     return [sum(per_param.get(id(p), 0) for p in b.module.parameters()) for b in chain.blocks]
 
 
+def _update_costs_ms(timer: _Timer, chain: LayerChain,
+                     make: Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer],
+                     warmup: int, repeat: int) -> list[tuple[float, float]]:
+    """Per block, (optimizer step, weight copy) in ms: one `step()` of an optimizer over the
+    block's parameters (gradients present), and one copy of them into buffers of their own,
+    which is what retaining a weight version (SNAPSHOT) costs. Each block's weights are
+    copied back afterwards, so an optimizer with a learning rate changes nothing."""
+    costs = []
+    for block in chain.blocks:
+        params: list[torch.Tensor] = [p for p in block.module.parameters() if p.requires_grad]
+        if not params:
+            costs.append((0.0, 0.0))
+            continue
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        with torch.no_grad():
+            kept = [p.detach().clone() for p in params]
+        optimizer = make(params)  # type: ignore[arg-type]  # they are the block's Parameters
+        step_ms, copy_ms = [], []
+        for run in range(warmup + repeat):
+            s_ms, _ = timer(optimizer.step)
+            with torch.no_grad():
+                c_ms, _ = timer(lambda: torch._foreach_copy_(kept, params))  # noqa: B023
+            if run >= warmup:
+                step_ms.append(s_ms)
+                copy_ms.append(c_ms)
+        with torch.no_grad():
+            torch._foreach_copy_(params, kept)  # the weights as they were (kept is a copy)
+        costs.append((statistics.median(step_ms), statistics.median(copy_ms)))
+    return costs
+
+
 def _input_part_ms(timer: _Timer, module: nn.Module, inputs: tuple[Any, ...]) -> float:
     """Time of the input-gradient part of the block's backward alone (what a zero-bubble
     schedule's BACKWARD_INPUT does; the rest of backward_ms is its weight part)."""
@@ -234,7 +267,16 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
                                  statistics.median(input_ms)))
             if bar is not None:
                 bar.update(task, description=f"{title}: optimizer state")
+            before = None  # the built-in optimizers have lr 0; a factory's may step weights
+            if not isinstance(optimizer, str):
+                with torch.no_grad():
+                    before = [p.detach().clone() for p in model.parameters()]
             optimizer_bytes = _optimizer_state_bytes(chain, inputs, make_optimizer)
+            update_ms = _update_costs_ms(timer, chain, make_optimizer, warmup, repeat)
+            if before is not None:
+                with torch.no_grad():
+                    torch._foreach_copy_(list(model.parameters()), before)
+                del before
             if bar is not None:
                 bar.advance(task)
     finally:
@@ -242,14 +284,15 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
             p.grad = grad  # undo what the measuring backward passes accumulated
 
     blocks: list[BlockProfile] = []
-    for (name, f_ms, b_ms, act, saved, i_ms), block, opt in zip(measured, chain.blocks,
-                                                                optimizer_bytes):
+    for (name, f_ms, b_ms, act, saved, i_ms), block, opt, (step_ms, copy_ms) in zip(
+            measured, chain.blocks, optimizer_bytes, update_ms):
         param_bytes = _nbytes(block.module.parameters())
         blocks.append(BlockProfile(name=name, forward_ms=f_ms, backward_ms=b_ms,
                                    activation_bytes=act, parameter_bytes=param_bytes,
                                    optimizer_state_bytes=opt,
                                    extra={"saved_bytes": saved,
-                                          "backward_input_ms": min(i_ms, b_ms)}))
+                                          "backward_input_ms": min(i_ms, b_ms),
+                                          "optimizer_ms": step_ms, "snapshot_ms": copy_ms}))
     return Profile(model=model_name or type(model).__name__, batch_size=batch_size,
                    device=str(dev), blocks=blocks,
                    extra={"optimizer": optimizer_name, "warmup": warmup, "repeat": repeat,

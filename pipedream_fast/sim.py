@@ -92,6 +92,10 @@ class ProfileCosts:
     # Per stage, the share of the backward that computes the input gradient (split
     # backwards); from the profile's backward_input_ms where measured, else one half.
     input_fraction: tuple[float, ...] = ()
+    # Per stage, an optimizer step and a copy of the weights (SNAPSHOT), where the profile
+    # measured them (profiles before these fields: `optimizer_ms` for every step, free copies).
+    stage_optimizer_ms: tuple[float, ...] = ()
+    snapshot_ms: tuple[float, ...] = ()
 
     @classmethod
     def from_plan(cls, profile: Profile, plan: Plan, bandwidth: float = 10e9,
@@ -114,7 +118,9 @@ class ProfileCosts:
                    topology=topology,
                    # The first stage sends no input gradient: its split backward is all weight.
                    input_fraction=tuple(0.0 if k == 0 else _input_fraction(p)
-                                        for k, p in enumerate(parts)))
+                                        for k, p in enumerate(parts)),
+                   stage_optimizer_ms=_measured_per_stage(parts, "optimizer_ms"),
+                   snapshot_ms=_measured_per_stage(parts, "snapshot_ms"))
 
     def _bandwidth(self, a: int, b: int) -> float:
         return self.topology.bandwidth_between(a, b) if self.topology else self.bandwidth
@@ -129,6 +135,10 @@ class ProfileCosts:
             return self.backward_ms[action.stage] * share
         if action.kind is K.BACKWARD_WEIGHT:
             return self.backward_ms[action.stage] * (1 - share)
+        if action.kind is K.OPTIMIZER_STEP and self.stage_optimizer_ms:
+            return self.stage_optimizer_ms[action.stage]
+        if action.kind is K.SNAPSHOT:
+            return self.snapshot_ms[action.stage] if self.snapshot_ms else 0.0
         return self.optimizer_ms if action.kind in (K.OPTIMIZER_STEP, K.AVERAGE) else 0.0
 
     def transfer(self, action: Action, src: int, dst: int) -> float:
@@ -143,6 +153,13 @@ class ProfileCosts:
         slowest = (self.topology.slowest_bandwidth(ranks) if self.topology else self.bandwidth)
         volume = 2 * (r - 1) / r * self.parameter_bytes[stage]
         return volume / slowest * 1e3 + 2 * (r - 1) * self.latency_ms
+
+
+def _measured_per_stage(parts: Sequence[Sequence[Any]], key: str) -> tuple[float, ...]:
+    """Per stage, the sum of a cost every block measured; () if a block lacks it."""
+    if not all(key in b.extra for p in parts for b in p):
+        return ()
+    return tuple(sum(float(b.extra[key]) for b in p) for p in parts)
 
 
 def _input_fraction(blocks: Sequence[Any]) -> float:

@@ -126,3 +126,21 @@ def test_cuda_events_time_blocks_on_gpu() -> None:
     assert profile.device.startswith("cuda")
     assert all(b.forward_ms > 0 and b.backward_ms > 0 for b in profile.blocks)
     assert next(model.parameters()).is_cuda
+
+
+
+def test_update_costs_are_measured_and_leave_the_weights_as_they_were(one_thread: None) -> None:
+    """Each block's optimizer step and weight copy (a SNAPSHOT) are timed, larger for a block
+    with 256x the parameters; a factory with a real learning rate (which the profiler steps)
+    still leaves every weight as it was."""
+    model = nn.Sequential(OrderedDict(small=nn.Linear(64, 64), act=nn.ReLU(),
+                                      large=nn.Linear(64, 64 * 256)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    profile = run(model, torch.randn(8, 64), warmup=2, repeat=5,
+                  optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0, momentum=0.9))
+    small, act, large = profile.blocks
+    assert act.extra["optimizer_ms"] == act.extra["snapshot_ms"] == 0.0  # no parameters
+    assert 0 < small.extra["optimizer_ms"] < large.extra["optimizer_ms"]
+    assert 0 < small.extra["snapshot_ms"] < large.extra["snapshot_ms"]
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key

@@ -55,7 +55,9 @@ class RuntimeFailure(RuntimeError):
 
 @dataclass
 class ExecutorStats:
-    """Where a rank's time went, in seconds, plus the transport's byte counts."""
+    """Where a rank's time went, in seconds, plus the transport's byte counts: computing
+    (forwards and backwards, without their waits for a message), waiting for messages,
+    updating (optimizer steps, with their gradient all-reduce waits)."""
 
     compute_s: float = 0.0
     wait_s: float = 0.0
@@ -290,15 +292,16 @@ class Executor:
         handlers = self._handlers()
         index = 0
         while (action := self._program.pop()) is not None:
-            t0 = time.perf_counter()
+            t0, waited = time.perf_counter(), self.stats.wait_s
             try:
                 result = handlers[action.kind](action)
             except Exception as err:
                 raise RuntimeFailure(f"rank {self.rank}, action {index} ({action.to_text()}): "
                                      f"{err}") from err
             t1 = time.perf_counter()
+            waited = self.stats.wait_s - waited  # for a message, inside a forward or backward
             if action.kind.is_compute:
-                self.stats.compute_s += t1 - t0
+                self.stats.compute_s += t1 - t0 - waited
             elif action.kind is K.OPTIMIZER_STEP:
                 self.stats.update_s += t1 - t0
             if self.events is not None:
@@ -307,7 +310,7 @@ class Executor:
                     rank=self.rank, kind=action.kind.value, start_ms=t0 * 1e3,
                     duration_ms=(t1 - t0) * 1e3, stage=action.stage,
                     microbatch=action.microbatch, version=action.version,
-                    args={"token": action.to_text()}))
+                    args={"token": action.to_text(), "waited_ms": waited * 1e3}))
             yield index, action, result
             index += 1
         self.transport.flush()
