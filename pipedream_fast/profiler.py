@@ -20,6 +20,9 @@ to send gradients upstream, and nothing is double counted across blocks.
 * extra `saved_bytes`: bytes autograd keeps for the block's backward (recorded with
   `torch.autograd.graph.saved_tensors_hooks`, parameters excluded): the per-microbatch memory a
   stage holds while a microbatch is in flight. The planner's memory model uses it.
+* extra `optimizer_ms`, `snapshot_ms`: one optimizer step over the block's parameters, and one
+  copy of them (what retaining a weight version costs); the simulator charges them to each
+  OPTIMIZER_STEP and SNAPSHOT. They do not depend on the microbatch size.
 
 Only hooks and plain autograd are used; PyTorch is not patched.
 """
