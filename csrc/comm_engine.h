@@ -27,6 +27,10 @@
 // with a message naming the peer, the channel, the stage and the microbatch instead of mixing
 // data.
 //
+// A message of several small tensors (an activation with its target, a gradient with its
+// loss) travels packed in one byte buffer, one transfer instead of one per tensor; the
+// receiver gets views of it (see kPackMaxBytes in comm_engine.cpp).
+//
 // Receive buffers come from a per-link pool. A buffer is handed out again only when nobody
 // else holds its storage (the compute thread and autograd have dropped it), so steady-state
 // receives allocate nothing.

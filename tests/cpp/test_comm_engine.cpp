@@ -21,6 +21,7 @@ struct Mailbox {
   std::mutex mutex;
   std::condition_variable arrived;
   std::map<std::tuple<int, int, int>, std::deque<at::Tensor>> messages;  // (src, dst, tag)
+  int transfers = 0;  // sends the engines made, headers included
 };
 
 class DoneWork : public c10d::Work {
@@ -57,6 +58,7 @@ class LoopbackGroup : public c10d::ProcessGroup {
     {
       std::lock_guard<std::mutex> lock(box_->mutex);
       box_->messages[{getRank(), dst, tag}].push_back(tensors.at(0).clone());
+      ++box_->transfers;
     }
     box_->arrived.notify_all();
     return c10::make_intrusive<DoneWork>();
@@ -106,6 +108,43 @@ TEST(CommEngine, ActivationsForwardAndGradientsBackInOrder) {
   EXPECT_EQ(stats.messages_sent, kMicrobatches);
   EXPECT_EQ(stats.messages_received, kMicrobatches);
   EXPECT_EQ(stats.bytes_sent, kMicrobatches * (12 * 4 + 8));
+}
+
+TEST(CommEngine, SmallMessagesOfSeveralTensorsTravelPackedAndLargeOnesTensorByTensor) {
+  Pair pair;
+  // Mixed dtypes and odd sizes: every tensor must come back exactly, in one transfer.
+  std::vector<at::Tensor> small{at::arange(3, at::kHalf), at::arange(5, at::kLong),
+                                at::arange(7, at::kByte), at::arange(6, at::kFloat).view({2, 3}),
+                                at::full({}, 2.5, at::kDouble)};
+  // Two 3 MiB tensors: over the packing limit, so two transfers, no copy into a buffer.
+  std::vector<at::Tensor> large{at::arange(3 << 18, at::kFloat),
+                                at::arange(3 << 18, at::kFloat) * -1};
+  constexpr int kMessages = 3;
+  for (int mb = 0; mb < kMessages; ++mb) {
+    pair.b.post_recv(0, Channel::kActivation, 1, mb);
+    pair.b.post_recv(0, Channel::kActivation, 2, mb);
+  }
+  for (int mb = 0; mb < kMessages; ++mb) {
+    std::vector<at::Tensor> message;
+    for (const auto& t : small) message.push_back(t + mb);
+    pair.a.send(1, Channel::kActivation, 1, mb, message);
+    pair.a.send(1, Channel::kActivation, 2, mb, large);
+  }
+  for (int mb = 0; mb < kMessages; ++mb) {
+    auto got = pair.b.wait_recv(0, Channel::kActivation, 1, mb);
+    ASSERT_EQ(got.size(), small.size());
+    for (size_t i = 0; i < small.size(); ++i) {
+      EXPECT_EQ(got[i].scalar_type(), small[i].scalar_type());
+      EXPECT_TRUE(got[i].equal(small[i] + mb)) << "tensor " << i << " of microbatch " << mb;
+    }
+    auto big = pair.b.wait_recv(0, Channel::kActivation, 2, mb);
+    ASSERT_EQ(big.size(), 2u);
+    EXPECT_TRUE(big[0].equal(large[0]) && big[1].equal(large[1]));
+  }
+  pair.a.flush();
+  std::lock_guard<std::mutex> lock(pair.box->mutex);
+  // Per link one header, then one transfer per small message and two per large one.
+  EXPECT_EQ(pair.box->transfers, 2 + kMessages * (1 + 2));
 }
 
 TEST(CommEngine, RejectsShapesThatDifferFromTheNegotiatedOnes) {
