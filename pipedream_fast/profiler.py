@@ -20,9 +20,11 @@ to send gradients upstream, and nothing is double counted across blocks.
 * extra `saved_bytes`: bytes autograd keeps for the block's backward (recorded with
   `torch.autograd.graph.saved_tensors_hooks`, parameters excluded): the per-microbatch memory a
   stage holds while a microbatch is in flight. The planner's memory model uses it.
-* extra `optimizer_ms`, `snapshot_ms`: one optimizer step over the block's parameters, and one
-  copy of them (what retaining a weight version costs); the simulator charges them to each
-  OPTIMIZER_STEP and SNAPSHOT. They do not depend on the microbatch size.
+* extra `optimizer_ms`, `grad_scale_ms`, `grad_zero_ms`, `snapshot_ms`: one optimizer step
+  over the block's parameters; the passes over its gradients an update adds (the mean over
+  several microbatches, the clearing); one copy of its weights (what retaining a weight
+  version costs). The simulator charges them to OPTIMIZER_STEP and SNAPSHOT. They do not
+  depend on the microbatch size.
 
 Only hooks and plain autograd are used; PyTorch is not patched.
 """
@@ -143,16 +145,18 @@ def _optimizer_state_bytes(chain: LayerChain, inputs: tuple[Any, ...],
 
 def _update_costs_ms(timer: _Timer, chain: LayerChain,
                      make: Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer],
-                     warmup: int, repeat: int) -> list[tuple[float, float]]:
-    """Per block, (optimizer step, weight copy) in ms: one `step()` of an optimizer over the
-    block's parameters (gradients present), and one copy of them into buffers of their own,
-    which is what retaining a weight version (SNAPSHOT) costs. Each block's weights are
-    copied back afterwards, so an optimizer with a learning rate changes nothing."""
+                     warmup: int, repeat: int) -> list[tuple[float, float, float, float]]:
+    """Per block, in ms: one `step()` of an optimizer over the block's parameters (gradients
+    present); the two passes over the gradients an update of the runtime adds (scaling them
+    to the mean over the step's microbatches, zeroing them); and one copy of the weights into
+    buffers of their own, which is what retaining a weight version (SNAPSHOT) costs. Each
+    block's weights are copied back afterwards, so an optimizer with a learning rate changes
+    nothing."""
     costs = []
     for block in chain.blocks:
         params: list[torch.Tensor] = [p for p in block.module.parameters() if p.requires_grad]
         if not params:
-            costs.append((0.0, 0.0))
+            costs.append((0.0, 0.0, 0.0, 0.0))
             continue
         for p in params:
             if p.grad is None:
@@ -160,17 +164,21 @@ def _update_costs_ms(timer: _Timer, chain: LayerChain,
         with torch.no_grad():
             kept = [p.detach().clone() for p in params]
         optimizer = make(params)  # type: ignore[arg-type]  # they are the block's Parameters
-        step_ms, copy_ms = [], []
+        grads = [p.grad for p in params if p.grad is not None]
+        runs: list[list[float]] = [[], [], [], []]  # step, scale, zero, copy
         for run in range(warmup + repeat):
-            s_ms, _ = timer(optimizer.step)
             with torch.no_grad():
-                c_ms, _ = timer(lambda: torch._foreach_copy_(kept, params))  # noqa: B023
+                times = (timer(optimizer.step)[0],
+                         timer(lambda: torch._foreach_mul_(grads, 1.0))[0],  # noqa: B023
+                         timer(lambda: torch._foreach_zero_(grads))[0],  # noqa: B023
+                         timer(lambda: torch._foreach_copy_(kept, params))[0])  # noqa: B023
             if run >= warmup:
-                step_ms.append(s_ms)
-                copy_ms.append(c_ms)
+                for series, ms in zip(runs, times):
+                    series.append(ms)
         with torch.no_grad():
             torch._foreach_copy_(params, kept)  # the weights as they were (kept is a copy)
-        costs.append((statistics.median(step_ms), statistics.median(copy_ms)))
+        step, scale, zero, copy = (statistics.median(series) for series in runs)
+        costs.append((step, scale, zero, copy))
     return costs
 
 
@@ -287,7 +295,8 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
             p.grad = grad  # undo what the measuring backward passes accumulated
 
     blocks: list[BlockProfile] = []
-    for (name, f_ms, b_ms, act, saved, i_ms), block, opt, (step_ms, copy_ms) in zip(
+    for (name, f_ms, b_ms, act, saved, i_ms), block, opt, (step_ms, scale_ms, zero_ms,
+                                                          copy_ms) in zip(
             measured, chain.blocks, optimizer_bytes, update_ms):
         param_bytes = _nbytes(block.module.parameters())
         blocks.append(BlockProfile(name=name, forward_ms=f_ms, backward_ms=b_ms,
@@ -295,7 +304,9 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
                                    optimizer_state_bytes=opt,
                                    extra={"saved_bytes": saved,
                                           "backward_input_ms": min(i_ms, b_ms),
-                                          "optimizer_ms": step_ms, "snapshot_ms": copy_ms}))
+                                          "optimizer_ms": step_ms,
+                                          "grad_scale_ms": scale_ms, "grad_zero_ms": zero_ms,
+                                          "snapshot_ms": copy_ms}))
     return Profile(model=model_name or type(model).__name__, batch_size=batch_size,
                    device=str(dev), blocks=blocks,
                    extra={"optimizer": optimizer_name, "warmup": warmup, "repeat": repeat,

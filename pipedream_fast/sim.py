@@ -92,9 +92,11 @@ class ProfileCosts:
     # Per stage, the share of the backward that computes the input gradient (split
     # backwards); from the profile's backward_input_ms where measured, else one half.
     input_fraction: tuple[float, ...] = ()
-    # Per stage, an optimizer step and a copy of the weights (SNAPSHOT), where the profile
-    # measured them (profiles before these fields: `optimizer_ms` for every step, free copies).
+    # Per stage, where the profile measured them (older profiles: `optimizer_ms` for every
+    # update, free copies): an update (optimizer step and clearing the gradients), the pass
+    # that averages gradients over several microbatches, a copy of the weights (SNAPSHOT).
     stage_optimizer_ms: tuple[float, ...] = ()
+    grad_scale_ms: tuple[float, ...] = ()
     snapshot_ms: tuple[float, ...] = ()
 
     @classmethod
@@ -119,7 +121,9 @@ class ProfileCosts:
                    # The first stage sends no input gradient: its split backward is all weight.
                    input_fraction=tuple(0.0 if k == 0 else _input_fraction(p)
                                         for k, p in enumerate(parts)),
-                   stage_optimizer_ms=_measured_per_stage(parts, "optimizer_ms"),
+                   stage_optimizer_ms=_measured_per_stage(parts, "optimizer_ms",
+                                                          "grad_zero_ms"),
+                   grad_scale_ms=_measured_per_stage(parts, "grad_scale_ms"),
                    snapshot_ms=_measured_per_stage(parts, "snapshot_ms"))
 
     def _bandwidth(self, a: int, b: int) -> float:
@@ -136,7 +140,9 @@ class ProfileCosts:
         if action.kind is K.BACKWARD_WEIGHT:
             return self.backward_ms[action.stage] * (1 - share)
         if action.kind is K.OPTIMIZER_STEP and self.stage_optimizer_ms:
-            return self.stage_optimizer_ms[action.stage]
+            averaging = len(action.microbatches) > 1 and self.grad_scale_ms  # else no pass
+            return self.stage_optimizer_ms[action.stage] + (
+                self.grad_scale_ms[action.stage] if averaging else 0.0)
         if action.kind is K.SNAPSHOT:
             return self.snapshot_ms[action.stage] if self.snapshot_ms else 0.0
         return self.optimizer_ms if action.kind in (K.OPTIMIZER_STEP, K.AVERAGE) else 0.0
@@ -155,11 +161,11 @@ class ProfileCosts:
         return volume / slowest * 1e3 + 2 * (r - 1) * self.latency_ms
 
 
-def _measured_per_stage(parts: Sequence[Sequence[Any]], key: str) -> tuple[float, ...]:
-    """Per stage, the sum of a cost every block measured; () if a block lacks it."""
-    if not all(key in b.extra for p in parts for b in p):
+def _measured_per_stage(parts: Sequence[Sequence[Any]], *keys: str) -> tuple[float, ...]:
+    """Per stage, the sum of costs every block measured; () if a block lacks one."""
+    if not all(key in b.extra for p in parts for b in p for key in keys):
         return ()
-    return tuple(sum(float(b.extra[key]) for b in p) for p in parts)
+    return tuple(sum(float(b.extra[key]) for b in p for key in keys) for p in parts)
 
 
 def _input_fraction(blocks: Sequence[Any]) -> float:

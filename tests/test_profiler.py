@@ -139,8 +139,9 @@ def test_update_costs_are_measured_and_leave_the_weights_as_they_were(one_thread
     profile = run(model, torch.randn(8, 64), warmup=2, repeat=5,
                   optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0, momentum=0.9))
     small, act, large = profile.blocks
-    assert act.extra["optimizer_ms"] == act.extra["snapshot_ms"] == 0.0  # no parameters
-    assert 0 < small.extra["optimizer_ms"] < large.extra["optimizer_ms"]
-    assert 0 < small.extra["snapshot_ms"] < large.extra["snapshot_ms"]
+    keys = ("optimizer_ms", "grad_scale_ms", "grad_zero_ms", "snapshot_ms")
+    for key in keys:
+        assert act.extra[key] == 0.0, key  # no parameters
+        assert 0 < small.extra[key] < large.extra[key], key
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key

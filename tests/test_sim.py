@@ -100,24 +100,32 @@ def test_profile_costs_by_hand() -> None:
 
 
 def test_profiled_optimizer_steps_and_weight_copies_are_charged_per_stage() -> None:
-    """Blocks that measured an optimizer step and a weight copy charge them to their stage's
-    OPTIMIZER_STEP and SNAPSHOT; a profile without them keeps the old costs (0 and the
-    global optimizer_ms)."""
+    """Blocks that measured an update and a weight copy charge them to their stage's
+    OPTIMIZER_STEP (step and clearing; the averaging pass only for an update of several
+    microbatches) and SNAPSHOT; a profile without them keeps the old costs (0 and the global
+    optimizer_ms)."""
     profile, plan = two_stage_plan((1, 1), None)
     old = ProfileCosts.from_plan(profile, plan, optimizer_ms=0.25)
     assert old.stage_optimizer_ms == () and old.snapshot_ms == ()
     for k, block in enumerate(profile.blocks):
-        block.extra.update(optimizer_ms=0.5 * (k + 1), snapshot_ms=0.1 * (k + 1))
+        block.extra.update(optimizer_ms=0.5 * (k + 1), grad_zero_ms=0.01, grad_scale_ms=0.02,
+                           snapshot_ms=0.1 * (k + 1))
     costs = ProfileCosts.from_plan(profile, plan, optimizer_ms=0.25)
-    assert costs.stage_optimizer_ms == pytest.approx((1.5, 3.5))  # blocks 0+1, 2+3
+    assert costs.stage_optimizer_ms == pytest.approx((1.52, 3.52))  # blocks 0+1, 2+3
+    assert costs.grad_scale_ms == pytest.approx((0.04, 0.04))
     assert costs.snapshot_ms == pytest.approx((0.3, 0.7))
-    s = make_schedule("pipedream", 2, 8, stage_ranks=[list(st.ranks) for st in plan.stages])
+    layout = [list(st.ranks) for st in plan.stages]
+    s = make_schedule("pipedream", 2, 8, stage_ranks=layout)
     charged = {(r.action.kind, r.action.stage): r.end - r.start
                for r in simulate(s, costs).records
                if r.action.kind in (K.OPTIMIZER_STEP, K.SNAPSHOT)}
-    assert charged[(K.OPTIMIZER_STEP, 1)] == pytest.approx(3.5)
+    assert charged[(K.OPTIMIZER_STEP, 1)] == pytest.approx(3.52)  # one microbatch: no mean
     assert charged[(K.SNAPSHOT, 0)] == pytest.approx(0.3)
     assert simulate(s, costs).makespan > simulate(s, old).makespan
+    flush = make_schedule("1f1b", 2, 8, stage_ranks=layout, chunks=4)
+    updates = [r.end - r.start for r in simulate(flush, costs).records
+               if r.action.kind is K.OPTIMIZER_STEP and r.action.stage == 1]
+    assert updates == pytest.approx([3.56, 3.56])  # the mean over 4 microbatches: one pass
 
 
 def test_profile_costs_use_the_plan_topology() -> None:

@@ -253,8 +253,8 @@ class StageRuntime:
         and, under fp16 loss scaling, unscaled."""
         if not self.prepared:
             scale = 1.0 / (len(microbatches) * self.loss_scale)
-            for g in self.grads:
-                g.mul_(scale)
+            if scale != 1.0 and self.grads:  # one microbatch, unscaled: a pass saved
+                torch._foreach_mul_(self.grads, scale)
             self.prepared = True
 
     def step(self, version: int, microbatches: Sequence[int], skip: bool = False) -> None:
@@ -267,8 +267,8 @@ class StageRuntime:
             self.prepare_update(microbatches)
             if not skip:
                 self.optimizer.step()
-            for g in self.grads:
-                g.zero_()
+            if self.grads:
+                torch._foreach_zero_(self.grads)
             if self.scheduler is not None:
                 self.scheduler.step()
         self.prepared = False
