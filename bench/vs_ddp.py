@@ -1,0 +1,540 @@
+"""pipedream_fast against DistributedDataParallel on an emulated 2-machine cluster.
+
+Two ranks, each in a network namespace of its own (bench/netcluster.py), joined by a link
+shaped with tbf to 10gbit, 1gbit or 100mbit in each direction; one torch thread per rank, gloo.
+Per model and link rate, in this one invocation, one contender after the other:
+
+  DistributedDataParallel      global batch 32 per step: 16 per rank, gradients all-reduced
+  pipedream_fast pipedream     2 stages, one 32-sample microbatch per step (one update per step)
+  pipedream_fast 2bw           2 stages, chunks=2 (two 16-sample microbatches, one update)
+  pipedream_fast 1f1b          2 stages, chunks=2 (two 16-sample microbatches, flushed)
+
+Every contender trains on the same global batch of 32 samples per step with SGD lr 0.01 on a
+fixed synthetic batch (as bench/model_a.py does). Models:
+
+  A      pipedream_fast.models.build_cnn(): 6 convolutions + 3 large linear layers, 35 M
+         parameters (140 MB); pipelines split at the conv|fc boundary (block 6, model_a's
+         --split 6), where only 32 x 4096 floats (512 KiB) cross per step
+  convs  5 convolutions at 32x32 resolution + global average pool + Linear(64, 10): 0.13 M
+         parameters, but 4-8 MiB of activations cross any cut per step; pipelines split where
+         the profiled compute is balanced. Data parallelism should win here.
+
+Measured: steady-state samples/s (the clock starts after the warm-up steps; the last rank's
+clock for pipelines, as bench/model_a.py) and bytes on the wire per sample (the tx_bytes of
+both ranks' veths over the same window: frames with their headers, as the kernel counts them).
+The planner's view: the model is profiled once here (1 thread, batch 32) and planned for the
+topology "2x<rate in bytes/s>": whether its dynamic program picks data parallelism or a
+pipeline, and its predicted time per batch for both.
+
+The machine may be shared: each rank also reads the machine's busy CPU time and its own, so
+the report shows how much CPU other processes took during every measured window; a run where
+they took more than DISTURBED cores is run again (--retries) and the less disturbed run kept.
+
+    python bench/vs_ddp.py [--rates 10gbit,1gbit,100mbit] [--models a,convs] [--scale 1]
+                           [--retries 1] [--out bench/results/vs_ddp.md]
+
+The tables are written to --out; the reading under them in bench/results/vs_ddp.md is written
+by hand after a run.
+
+Needs what bench/netcluster.py needs (root, iproute2, network namespaces, tbf).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipedream_fast.formats import Plan, Profile, StagePlan
+from pipedream_fast.models import build_cnn
+
+# Scripts next to this file (bench/ is on sys.path when this file runs as a script).
+import netcluster
+
+BATCH = 32
+WORLD = 2
+LR = 0.01
+DEFAULT_RATES = ("10gbit", "1gbit", "100mbit")
+CONTENDERS = ("ddp", "pipedream", "2bw", "1f1b")
+CHUNKS = {"pipedream": 1, "2bw": 2, "1f1b": 2}
+RESULT = "VS_DDP_RESULT "
+
+# (warm-up, measured) steps. DDP moves every gradient (140 MB for model A) per step, so its
+# step time grows tenfold per tenfold slower link: its count shrinks with the rate. Pipelines
+# move 1-16 MB per step, so their step time hardly depends on the rate: one count for all.
+DDP_STEPS = {"10gbit": (3, 15), "1gbit": (2, 8), "100mbit": (1, 3)}
+DDP_STEPS_OTHER_RATES = (2, 5)
+PIPELINE_STEPS = (3, 15)
+TIMEOUT_S = {"10gbit": 240.0, "1gbit": 300.0, "100mbit": 600.0}
+# A run during which other processes took more than this many cores is run again.
+DISTURBED = 0.25
+
+
+# ---- models --------------------------------------------------------------------------------
+
+def _conv(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU())
+
+
+def build_convs() -> nn.Sequential:
+    """Conv-only model with few parameters: 5 convolutions at 32x32, average pool, tiny head."""
+    widths = [(3, 32), (32, 64), (64, 64), (64, 64), (64, 64)]
+    blocks: dict[str, nn.Module] = {f"conv{i + 1}": _conv(cin, cout)
+                                    for i, (cin, cout) in enumerate(widths)}
+    blocks["head"] = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+    return nn.Sequential(OrderedDict(blocks))
+
+
+MODELS = {"a": build_cnn, "convs": build_convs}
+MODEL_TITLES = {"a": "model A (build_cnn)", "convs": "convs (conv-only, few parameters)"}
+MODEL_A_SPLIT = 6  # conv | fc, as bench/model_a.py --split 6
+
+
+def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ---- ranks (run inside the namespaces) -----------------------------------------------------
+
+def own_tx_bytes() -> int:
+    """Bytes this rank's veth has sent (0 outside an emulated cluster)."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not ifname:
+        return 0
+    with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine spent in user and system mode since boot (all cores;
+    interrupt and softirq time, where the network stack's receive work goes, excluded)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()  # cpu user nice system idle ...
+    return (int(fields[1]) + int(fields[2]) + int(fields[3])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Snapshot:
+    time_s: float
+    tx_bytes: int
+    busy_s: float
+    cpu_s: float
+
+    @classmethod
+    def now(cls) -> Snapshot:
+        return cls(time.perf_counter(), own_tx_bytes(), machine_busy_s(), time.process_time())
+
+
+@dataclass
+class Window:
+    """What one rank measured between the end of the warm-up and the end of the run: its
+    seconds, samples and bytes sent, the machine's busy CPU seconds and its own CPU seconds
+    (the difference is what other processes took)."""
+
+    seconds: float
+    samples: int
+    tx_bytes: int
+    busy_s: float
+    cpu_s: float
+
+    @classmethod
+    def since(cls, start: Snapshot, samples: int) -> Window:
+        end = Snapshot.now()
+        return cls(end.time_s - start.time_s, samples, end.tx_bytes - start.tx_bytes,
+                   end.busy_s - start.busy_s, end.cpu_s - start.cpu_s)
+
+
+def ddp_rank(model_name: str, warmup: int, measured: int) -> Window:
+    """DistributedDataParallel, this rank's half of the global batch of 32 per step."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank = dist.get_rank()
+    model = DistributedDataParallel(MODELS[model_name]())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = fixed_batch()
+    share = BATCH // WORLD
+    x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+    start = Snapshot.now()
+    for step in range(warmup + measured):
+        if step == warmup:
+            dist.barrier()
+            start = Snapshot.now()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    dist.barrier()
+    window = Window.since(start, BATCH * measured)
+    dist.destroy_process_group()
+    return window
+
+
+def two_stage_plan(model_name: str, split: int, blocks: int, schedule: str) -> Plan:
+    return Plan(model_name, BATCH, WORLD, schedule,
+                [StagePlan(0, split, 1, (0,), 0.0), StagePlan(split, blocks, 1, (1,), 0.0)],
+                1.0, 1.0)
+
+
+def pipeline_rank(model_name: str, schedule: str, split: int, warmup: int,
+                  measured: int) -> Window:
+    """pipedream_fast's Pipeline on two stages cut before block `split`."""
+    from pipedream_fast.pipeline import Pipeline
+
+    model = MODELS[model_name]()
+    plan = two_stage_plan(model_name, split, len(model), schedule)
+    pipe = Pipeline(model, nn.functional.cross_entropy,
+                    lambda ps: torch.optim.SGD(ps, lr=LR), plan=plan, schedule=schedule,
+                    chunks=CHUNKS[schedule], timeout=600.0)
+    steps = warmup + measured
+    start = Snapshot.now()
+    for step, _ in enumerate(pipe.train([fixed_batch()] * steps, steps)):
+        if step == warmup - 1:
+            start = Snapshot.now()
+    window = Window.since(start, BATCH * measured)
+    pipe.close()
+    return window
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    if args.worker == "ddp":
+        window = ddp_rank(args.model, args.warmup, args.measured)
+    else:
+        window = pipeline_rank(args.model, args.worker, args.split, args.warmup, args.measured)
+    print(RESULT + json.dumps(window.__dict__), flush=True)
+    return 0
+
+
+# ---- the planner's view --------------------------------------------------------------------
+
+@dataclass
+class PlannerView:
+    choice: str           # "data parallel" or "pipeline: ..."
+    chosen_ms: float      # its predicted time per batch of 32
+    data_parallel_ms: float
+    pipeline_ms: float    # the 2-stage pipeline the bench runs
+    pipeline_split: int
+
+
+def profile(model_name: str) -> Profile:
+    from pipedream_fast.profiler import profile_model
+
+    torch.set_num_threads(1)  # as each rank runs
+    torch.manual_seed(0)
+    x, _ = fixed_batch()
+    return profile_model(MODELS[model_name](), x, BATCH, progress=False, model_name=model_name)
+
+
+def balanced_split(prof: Profile) -> int:
+    """First block of stage 1 when 2 stages are balanced by profiled compute."""
+    from pipedream_fast.planner.baselines import balanced_partition
+
+    return balanced_partition([b.forward_ms + b.backward_ms for b in prof.blocks], 2)[1]
+
+
+def describe_plan(plan: Plan) -> str:
+    if len(plan.stages) == 1:
+        return "data parallel" if plan.stages[0].replicas > 1 else "one worker"
+    parts = [f"{s.start}-{s.stop - 1}" + (f" x{s.replicas}" if s.replicas > 1 else "")
+             for s in plan.stages]
+    return f"pipeline, blocks {' / '.join(parts)}"
+
+
+def planner_view(prof: Profile, rate_bits: int, split: int) -> PlannerView:
+    """The dynamic program's plan for 2 workers at this rate, and the predicted time of the
+    2-stage pipeline the bench runs (cut before block `split`) under the same cost model."""
+    from pipedream_fast.planner import evaluate_plan, make_plan
+    from pipedream_fast.topology import Topology
+
+    topology = Topology.parse(f"{WORLD}x{rate_bits / 8:g}")
+    chosen = make_plan(prof, topology, schedule="pipedream")
+    ours = evaluate_plan(two_stage_plan(prof.model, split, len(prof.blocks), "pipedream"), prof,
+                         topology)
+    return PlannerView(describe_plan(chosen), chosen.bottleneck_ms, chosen.data_parallel_ms,
+                       ours.bottleneck_ms, split)
+
+
+# ---- the harness ---------------------------------------------------------------------------
+
+@dataclass
+class Measurement:
+    model: str
+    rate: str
+    contender: str
+    samples_per_s: float
+    bytes_per_sample: float
+    warmup: int
+    measured: int
+    wall_s: float
+    other_cores: float     # CPU other processes took during the window, in cores
+    tries: int = 1
+
+
+def contender_label(name: str) -> str:
+    if name == "ddp":
+        return "DDP (gloo), 16 per rank"
+    chunks = CHUNKS[name]
+    return f"pipedream_fast {name}" + (f", chunks={chunks}" if chunks > 1 else "")
+
+
+def steps_for(contender: str, rate: str, scale: float) -> tuple[int, int]:
+    warmup, measured = (DDP_STEPS.get(rate, DDP_STEPS_OTHER_RATES) if contender == "ddp"
+                        else PIPELINE_STEPS)
+    return warmup, max(1, round(measured * scale))
+
+
+def run_contender(cluster: netcluster.Cluster, model: str, contender: str, split: int,
+                  rate: str, scale: float) -> Measurement:
+    warmup, measured = steps_for(contender, rate, scale)
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", contender, "--model", model,
+            "--split", str(split), "--warmup", str(warmup), "--measured", str(measured)]
+    began = time.monotonic()
+    result = cluster.run(argv, timeout=TIMEOUT_S.get(rate, 600.0),
+                         env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    windows = [parse_window(r.output, r.rank) for r in result.ranks]
+    last = windows[-1]
+    return Measurement(model, rate, contender, last.samples / last.seconds,
+                       sum(w.tx_bytes for w in windows) / last.samples,
+                       warmup, measured, time.monotonic() - began, other_cores(windows))
+
+
+def other_cores(windows: list[Window]) -> float:
+    """Cores' worth of CPU that processes other than the ranks used during the window: the
+    machine's busy time (each rank read it; their windows nearly coincide) less the ranks'
+    own CPU time."""
+    machine = sum(w.busy_s for w in windows) / len(windows)
+    seconds = sum(w.seconds for w in windows) / len(windows)
+    return max(0.0, machine - sum(w.cpu_s for w in windows)) / seconds
+
+
+def measure(cluster: netcluster.Cluster, model: str, contender: str, split: int, rate: str,
+            scale: float, retries: int, deadline: float) -> Measurement:
+    """Run a contender; while other processes took more than DISTURBED cores of the CPU
+    during its window, run it again (up to `retries` times, while before `deadline`) and keep
+    the least disturbed run."""
+    best = run_contender(cluster, model, contender, split, rate, scale)
+    tries = 1
+    while best.other_cores > DISTURBED and tries <= retries and time.monotonic() < deadline:
+        print(f"[{rate}] {model:5s} {contender_label(contender):40s} disturbed (other "
+              f"processes took {best.other_cores:.2f} cores): again", flush=True)
+        again = run_contender(cluster, model, contender, split, rate, scale)
+        tries += 1
+        if again.other_cores < best.other_cores:
+            best = again
+    best.tries = tries
+    return best
+
+
+def parse_window(output: str, rank: int) -> Window:
+    match = re.search(re.escape(RESULT) + r"(\{.*\})", output)
+    if match is None:
+        raise RuntimeError(f"rank {rank} printed no result; its output:\n{output[-3000:]}")
+    return Window(**json.loads(match.group(1)))
+
+
+def link_check(cluster: netcluster.Cluster) -> float:
+    """Payload MB/s of one TCP stream rank 1 -> rank 0, to show what the link really carries."""
+    nbytes = 8 << 20 if (cluster.rate_bits or 10**10) <= 10**8 else 64 << 20
+    return netcluster.measure_throughput(cluster, nbytes).payload_bytes_per_s / 1e6
+
+
+def run_all(models: list[str], rates: list[str], scale: float, retries: int, budget_s: float
+            ) -> tuple[list[Measurement], dict[tuple[str, str], PlannerView], dict[str, int],
+                       dict[str, float]]:
+    profiles = {m: profile(m) for m in models}
+    splits = {m: MODEL_A_SPLIT if m == "a" else balanced_split(profiles[m]) for m in models}
+    views = {(m, r): planner_view(profiles[m], netcluster.parse_rate(r) or 10**12, splits[m])
+             for m in models for r in rates}
+    rows: list[Measurement] = []
+    links: dict[str, float] = {}
+    deadline = time.monotonic() + budget_s  # no more retries after it
+    for rate in rates:
+        with netcluster.Cluster(world=WORLD, rate=rate) as cluster:
+            links[rate] = link_check(cluster)
+            print(f"[{rate}] link check: one TCP stream carries {links[rate]:.1f} MB/s",
+                  flush=True)
+            for model in models:
+                for contender in CONTENDERS:
+                    row = measure(cluster, model, contender, splits[model], rate, scale,
+                                  retries, deadline)
+                    rows.append(row)
+                    print(f"[{rate}] {model:5s} {contender_label(contender):40s} "
+                          f"{row.samples_per_s:7.1f} samples/s "
+                          f"{row.bytes_per_sample / 1e6:8.3f} MB/sample "
+                          f"({row.warmup}+{row.measured} steps, {row.wall_s:.0f} s, others took "
+                          f"{row.other_cores:.2f} cores)", flush=True)
+    return rows, views, splits, links
+
+
+# ---- the report ----------------------------------------------------------------------------
+
+def markdown(rows: list[Measurement], views: dict[tuple[str, str], PlannerView],
+             splits: dict[str, int], links: dict[str, float], command: str,
+             total_s: float) -> str:
+    models = list(dict.fromkeys(r.model for r in rows))
+    rates = list(dict.fromkeys(r.rate for r in rows))
+    retried = sum(r.tries > 1 for r in rows)
+    lines = ["# pipedream_fast vs DistributedDataParallel on an emulated 2-machine cluster", "",
+             f"Command: `{command}`", "",
+             f"Date: {datetime.date.today().isoformat()}. Machine: {os.cpu_count()} cores, "
+             f"{platform.processor() or platform.machine()}, torch {torch.__version__}, Python "
+             f"{sys.version.split()[0]}. Whole run: {total_s / 60:.1f} min.", "",
+             "- Cluster: 2 ranks, each in a network namespace of its own, joined through a "
+             "bridge by veth links shaped with `tc tbf` in both directions "
+             "(bench/netcluster.py); one torch thread per rank, gloo. Link check, one TCP "
+             "stream's payload rate: "
+             + ", ".join(f"{rate} {links[rate]:.1f} MB/s" for rate in rates) + ".",
+             "- Same work for every contender: a global batch of 32 samples per step, SGD lr "
+             "0.01, one fixed synthetic batch. DDP: 16 samples per rank. `pipedream`: one "
+             "32-sample microbatch per step. `2bw` and `1f1b`: chunks=2 (two 16-sample "
+             "microbatches, one update per step).",
+             "- Samples/s: steady state, the clock starts after the warm-up steps (for a "
+             "pipeline, its last rank's clock). Steps, warm-up + measured: DDP "
+             + ", ".join(f"{r} {steps_text(rows, r, 'ddp')}" for r in rates)
+             + f"; pipelines {steps_text(rows, rates[0], 'pipedream')} at every rate.",
+             "- MB/sample: both ranks' veth tx_bytes over that same window, divided by its "
+             "samples: frames as the kernel counts them, TCP/IP headers once per "
+             "segmentation-offload packet of up to 64 KiB, ACKs included.",
+             "- Others: the CPU that processes other than the two ranks took during the window, "
+             "in cores (the machine's user+system time less the ranks' own; the machine has "
+             f"{os.cpu_count()}). A run where others took more than {DISTURBED} cores was run "
+             f"again and the less disturbed run kept ({retried} of {len(rows)} runs were).", ""]
+    for model in models:
+        lines += model_section(model, rows, views, splits, rates)
+    return "\n".join(lines) + "\n"
+
+
+def steps_text(rows: list[Measurement], rate: str, contender: str) -> str:
+    found = sorted({(r.warmup, r.measured) for r in rows
+                    if r.rate == rate and r.contender == contender})
+    return "/".join(f"{w}+{m}" for w, m in found) or "-"
+
+
+def model_section(model: str, rows: list[Measurement], views: dict[tuple[str, str], PlannerView],
+                  splits: dict[str, int], rates: list[str]) -> list[str]:
+    built = MODELS[model]()
+    split_name = list(dict(built.named_children()))[splits[model]]
+    return [f"## {MODEL_TITLES[model]}", "",
+            f"{sum(p.numel() for p in built.parameters()) / 1e6:.2f} M parameters "
+            f"({parameter_bytes(built) / 1e6:.1f} MB); pipelines: 2 stages, stage 1 starts at "
+            f"block {splits[model]} ({split_name}).", "",
+            *measured_table(model, rows, views, rates), "",
+            "The planner (PipeDream's dynamic program, schedule pipedream, topology "
+            "`2x<rate/8 bytes/s>`, profile of this machine with 1 thread) against the "
+            "measurements, in ms per batch of 32:", "",
+            *planner_table(model, rows, views, rates), ""]
+
+
+def measured_table(model: str, rows: list[Measurement],
+                   views: dict[tuple[str, str], PlannerView], rates: list[str]) -> list[str]:
+    lines = ["| link | contender | samples/s | vs DDP | MB/sample | bytes vs DDP | others "
+             "(cores) | planner's choice |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for rate in rates:
+        here = [r for r in rows if r.model == model and r.rate == rate]
+        ddp = next((r for r in here if r.contender == "ddp"), None)
+        for index, row in enumerate(here):
+            speed = f"{row.samples_per_s / ddp.samples_per_s:.2f}x" if ddp else "-"
+            volume = f"{row.bytes_per_sample / ddp.bytes_per_sample:.3f}x" if ddp else "-"
+            first = index == 0
+            lines.append(f"| {rate if first else ''} | {contender_label(row.contender)} | "
+                         f"{row.samples_per_s:.1f} | {speed} | {row.bytes_per_sample / 1e6:.3f} | "
+                         f"{volume} | {row.other_cores:.2f} | "
+                         f"{views[(model, rate)].choice if first else ''} |")
+    return lines
+
+
+def planner_table(model: str, rows: list[Measurement],
+                  views: dict[tuple[str, str], PlannerView], rates: list[str]) -> list[str]:
+    lines = ["| link | planner picks | predicted: data parallel | predicted: the "
+             "measured 2-stage pipeline (split) | measured: DDP | measured: best pipeline |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for rate in rates:
+        view = views[(model, rate)]
+        here = [r for r in rows if r.model == model and r.rate == rate]
+        ddp = next((r for r in here if r.contender == "ddp"), None)
+        pipes = [r for r in here if r.contender != "ddp"]
+        best = max(pipes, key=lambda r: r.samples_per_s) if pipes else None
+        lines.append(f"| {rate} | {view.choice} | {view.data_parallel_ms:.0f} | "
+                     f"{view.pipeline_ms:.0f} ({view.pipeline_split}) | "
+                     f"{ms_per_batch(ddp) if ddp else '-'} | "
+                     f"{f'{ms_per_batch(best)} ({best.contender})' if best else '-'} |")
+    return lines
+
+
+def ms_per_batch(row: Measurement) -> str:
+    return f"{BATCH / row.samples_per_s * 1e3:.0f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", default=",".join(DEFAULT_RATES),
+                        help="comma-separated link rates (default 10gbit,1gbit,100mbit)")
+    parser.add_argument("--models", default="a,convs",
+                        help=f"comma-separated models among {', '.join(MODELS)} (default a,convs)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="multiply every measured step count (default 1)")
+    parser.add_argument("--retries", type=int, default=1,
+                        help=f"runs again a contender disturbed by other processes (more than "
+                             f"{DISTURBED} cores taken) up to this many times (default 1)")
+    parser.add_argument("--retry-budget-min", type=float, default=11.0,
+                        help="no retries once this many minutes have passed (default 11)")
+    parser.add_argument("--out", default=None, help="also write the tables to this markdown file")
+    parser.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
+    parser.add_argument("--split", type=int, default=MODEL_A_SPLIT, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument("--measured", type=int, default=10, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker_main(args)
+    rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for rate in rates:
+        try:
+            if netcluster.parse_rate(rate) is None:
+                parser.error("every rate must be finite here (the planner needs a bandwidth)")
+        except ValueError as err:
+            parser.error(str(err))
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        parser.error(f"unknown model(s) {unknown}; choose among {', '.join(MODELS)}")
+    if args.retries < 0:
+        parser.error(f"--retries must be >= 0, got {args.retries}")
+    if not (args.scale > 0 and math.isfinite(args.scale)):
+        parser.error(f"--scale must be a positive number, got {args.scale}")
+    ok, why = netcluster.available()
+    if not ok:
+        print(f"vs_ddp: cannot emulate a cluster here: {why}", file=sys.stderr)
+        return 2
+    began = time.monotonic()
+    rows, views, splits, links = run_all(models, rates, args.scale, args.retries,
+                                         args.retry_budget_min * 60)
+    text = markdown(rows, views, splits, links, "python " + " ".join(
+        [os.path.relpath(__file__)] + sys.argv[1:]), time.monotonic() - began)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
