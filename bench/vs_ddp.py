@@ -230,18 +230,19 @@ def worker_main(args: argparse.Namespace) -> int:
 class PlannerView:
     choice: str           # "data parallel" or "pipeline: ..."
     chosen_ms: float      # its predicted time per batch of 32
-    data_parallel_ms: float
+    ddp_ms: float         # DDP at 16 per rank, from a profile at that batch
     pipeline_ms: float    # the 2-stage pipeline the bench runs
     pipeline_split: int
 
 
-def profile(model_name: str) -> Profile:
+def profile(model_name: str, batch: int = BATCH) -> Profile:
     from pipedream_fast.profiler import profile_model
 
     torch.set_num_threads(1)  # as each rank runs
     torch.manual_seed(0)
     x, _ = fixed_batch()
-    return profile_model(MODELS[model_name](), x, BATCH, progress=False, model_name=model_name)
+    return profile_model(MODELS[model_name](), x[:batch], batch, progress=False,
+                         model_name=model_name)
 
 
 def balanced_split(prof: Profile) -> int:
@@ -259,9 +260,10 @@ def describe_plan(plan: Plan) -> str:
     return f"pipeline, blocks {' / '.join(parts)}"
 
 
-def planner_view(prof: Profile, rate_bits: int, split: int) -> PlannerView:
-    """The dynamic program's plan for 2 workers at this rate, and the predicted time of the
-    2-stage pipeline the bench runs (cut before block `split`) under the same cost model."""
+def planner_view(prof: Profile, per_replica: Profile, rate_bits: int, split: int) -> PlannerView:
+    """The dynamic program's plan for 2 workers at this rate, the predicted time of the 2-stage
+    pipeline the bench runs (cut before block `split`), and of DDP: the data-parallel plan
+    costed from a profile at DDP's per-rank batch (its microbatch), 16 samples per replica."""
     from pipedream_fast.planner import evaluate_plan, make_plan
     from pipedream_fast.topology import Topology
 
@@ -269,7 +271,10 @@ def planner_view(prof: Profile, rate_bits: int, split: int) -> PlannerView:
     chosen = make_plan(prof, topology, schedule="pipedream")
     ours = evaluate_plan(two_stage_plan(prof.model, split, len(prof.blocks), "pipedream"), prof,
                          topology)
-    return PlannerView(describe_plan(chosen), chosen.bottleneck_ms, chosen.data_parallel_ms,
+    ddp = make_plan(per_replica, topology, schedule="1f1b", strategy="data-parallel",
+                    chunks=WORLD)  # one microbatch per replica per step, as DDP runs
+    batches = BATCH // per_replica.batch_size  # microbatches of the profile per batch of 32
+    return PlannerView(describe_plan(chosen), chosen.bottleneck_ms, ddp.bottleneck_ms * batches,
                        ours.bottleneck_ms, split)
 
 
@@ -361,8 +366,10 @@ def run_all(models: list[str], rates: list[str], scale: float, retries: int, bud
             ) -> tuple[list[Measurement], dict[tuple[str, str], PlannerView], dict[str, int],
                        dict[str, float]]:
     profiles = {m: profile(m) for m in models}
+    per_replica = {m: profile(m, BATCH // WORLD) for m in models}
     splits = {m: MODEL_A_SPLIT if m == "a" else balanced_split(profiles[m]) for m in models}
-    views = {(m, r): planner_view(profiles[m], netcluster.parse_rate(r) or 10**12, splits[m])
+    views = {(m, r): planner_view(profiles[m], per_replica[m], netcluster.parse_rate(r) or 10**12,
+                                  splits[m])
              for m in models for r in rates}
     rows: list[Measurement] = []
     links: dict[str, float] = {}
@@ -440,7 +447,10 @@ def model_section(model: str, rows: list[Measurement], views: dict[tuple[str, st
             *measured_table(model, rows, views, rates), "",
             "The planner (PipeDream's dynamic program, schedule pipedream, topology "
             "`2x<rate/8 bytes/s>`, profile of this machine with 1 thread) against the "
-            "measurements, in ms per batch of 32:", "",
+            "measurements, in ms per batch of 32. DDP is predicted as the planner's data-"
+            "parallel plan from a profile at its per-rank batch of 16; the planner's own "
+            "choice is made at the pipeline's microbatch of 32, where a replica takes whole "
+            "microbatches in turn:", "",
             *planner_table(model, rows, views, rates), ""]
 
 
@@ -464,8 +474,8 @@ def measured_table(model: str, rows: list[Measurement],
 
 def planner_table(model: str, rows: list[Measurement],
                   views: dict[tuple[str, str], PlannerView], rates: list[str]) -> list[str]:
-    lines = ["| link | planner picks | predicted: data parallel | predicted: the "
-             "measured 2-stage pipeline (split) | measured: DDP | measured: best pipeline |",
+    lines = ["| link | planner picks | predicted: DDP, 16 per rank | measured: DDP | predicted: "
+             "the measured 2-stage pipeline (split) | measured: best pipeline |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
     for rate in rates:
         view = views[(model, rate)]
@@ -473,9 +483,9 @@ def planner_table(model: str, rows: list[Measurement],
         ddp = next((r for r in here if r.contender == "ddp"), None)
         pipes = [r for r in here if r.contender != "ddp"]
         best = max(pipes, key=lambda r: r.samples_per_s) if pipes else None
-        lines.append(f"| {rate} | {view.choice} | {view.data_parallel_ms:.0f} | "
-                     f"{view.pipeline_ms:.0f} ({view.pipeline_split}) | "
+        lines.append(f"| {rate} | {view.choice} | {view.ddp_ms:.0f} | "
                      f"{ms_per_batch(ddp) if ddp else '-'} | "
+                     f"{view.pipeline_ms:.0f} ({view.pipeline_split}) | "
                      f"{f'{ms_per_batch(best)} ({best.contender})' if best else '-'} |")
     return lines
 
@@ -533,6 +543,10 @@ def main() -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text)
+        Path(args.out).with_suffix(".json").write_text(json.dumps({
+            "rows": [row.__dict__ for row in rows], "links_mb_s": links, "splits": splits,
+            "planner": [{"model": m, "rate": r, **view.__dict__}
+                        for (m, r), view in views.items()]}, indent=1) + "\n")
     return 0
 
 

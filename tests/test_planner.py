@@ -40,7 +40,9 @@ def profiles(draw: st.DrawFn, max_blocks: int = 5) -> Profile:
                            optimizer_state_bytes=draw(st.integers(0, 300)) * UNIT,
                            extra={"saved_bytes": draw(st.integers(0, 300)) * UNIT})
               for k in range(n)]
-    return Profile(model="random", batch_size=4, device="cpu", blocks=blocks)
+    # Both cost models: the all-reduce added to compute (CPU) or hidden behind it (GPU).
+    device = draw(st.sampled_from(["cpu", "cuda"]))
+    return Profile(model="random", batch_size=4, device=device, blocks=blocks)
 
 
 BANDWIDTHS = st.sampled_from([1e9, 4e9, 2.5e10])
@@ -54,9 +56,20 @@ def block_arrays(profile: Profile) -> tuple[list[float], list[float], list[float
             [x.activation_bytes for x in b])
 
 
-def stage_time(compute: float, params: float, replicas: int, bandwidth: float) -> float:
-    allreduce = 4 * (replicas - 1) * params / (replicas * bandwidth) * 1e3 if replicas > 1 else 0.0
-    return max(compute, allreduce) / replicas
+def stage_time(compute: float, params: float, replicas: int, bandwidth: float,
+               overlap: bool, schedule: str = "pipedream", chunks: int = 1) -> float:
+    """A replicated stage (no update costs in these profiles): a ring all-reduce over full-duplex
+    links, hidden behind compute on GPU (PipeDream's max) and added to it on CPU. pipedream
+    all-reduces after every microbatch; 1f1b once per step of `chunks` microbatches, which the
+    replicas share."""
+    allreduce = 2 * (replicas - 1) * params / (replicas * bandwidth) * 1e3 if replicas > 1 else 0.0
+    if schedule != "pipedream":
+        allreduce /= max(1, chunks // replicas)
+    return (max(compute, allreduce) if overlap else compute + allreduce) / replicas
+
+
+def on_gpu(profile: Profile) -> bool:
+    return profile.device.startswith("cuda")
 
 
 def memory_ok(profile: Profile, flat: list[tuple[int, int, int]], limit: float | None,
@@ -106,7 +119,8 @@ def brute_force_flat(profile: Profile, workers: int, bandwidth: float, straight:
             flat = [(a, b, r) for (a, b), r in zip(stages, reps)]
             if not memory_ok(profile, flat, limit, schedule, workers):
                 continue
-            times = [stage_time(sum(comp[a:b]), sum(par[a:b]), r, bandwidth) for a, b, r in flat]
+            times = [stage_time(sum(comp[a:b]), sum(par[a:b]), r, bandwidth, on_gpu(profile),
+                                 schedule, workers) for a, b, r in flat]
             comms = [2 * act[b - 1] / bandwidth * 1e3 for _, b, _ in flat[:-1]]
             best = min(best, max(times + comms))
     return best
@@ -114,7 +128,8 @@ def brute_force_flat(profile: Profile, workers: int, bandwidth: float, straight:
 
 def plan_bottleneck_flat(profile: Profile, plan, bandwidth: float) -> float:
     comp, par, _, _, act = block_arrays(profile)
-    times = [stage_time(sum(comp[s.start:s.stop]), sum(par[s.start:s.stop]), s.replicas, bandwidth)
+    times = [stage_time(sum(comp[s.start:s.stop]), sum(par[s.start:s.stop]), s.replicas, bandwidth,
+                        on_gpu(profile))
              for s in plan.stages]
     comms = [2 * act[s.stop - 1] / bandwidth * 1e3 for s in plan.stages[:-1]]
     return max(times + comms)
@@ -195,7 +210,8 @@ def test_smallest_memory_requirement_is_exact(profile: Profile, workers: int, ba
 # ---- hierarchical: exhaustive search of the nested plan space -------------------------------
 
 def nested_plans(profile: Profile, topology: Topology, level: int, start: int, stop: int,
-                 units: int, exact: bool) -> Iterator[tuple[float, list[tuple[int, int, int]]]]:
+                 units: int, exact: bool, schedule: str = "pipedream"
+                 ) -> Iterator[tuple[float, list[tuple[int, int, int]]]]:
     """(bottleneck, flattened (start, stop, total replicas)) of every level-`level` pipeline on
     [start, stop) over `units` units; each unit of a stage runs a full pipeline of the level
     below on all of its units, replicas all-reduce at this level's bandwidth (PipeDream §3.1)."""
@@ -204,13 +220,16 @@ def nested_plans(profile: Profile, topology: Topology, level: int, start: int, s
     for stages in splits(start, stop):
         for reps in compositions(units, len(stages), exact, straight=False):
             if level == 0:
-                options = [[(stage_time(sum(comp[a:b]), sum(par[a:b]), r, bandwidth), [(a, b, r)])]
+                options = [[(stage_time(sum(comp[a:b]), sum(par[a:b]), r, bandwidth, on_gpu(profile),
+                                          schedule, topology.workers), [(a, b, r)])]
                            for (a, b), r in zip(stages, reps)]
             else:
                 below = topology.levels[level - 1].count
-                options = [[(stage_time(value, sum(par[a:b]), r, bandwidth),
+                options = [[(stage_time(value, sum(par[a:b]), r, bandwidth, on_gpu(profile), schedule,
+                                         topology.workers),
                              [(x, y, r * z) for x, y, z in flat])
-                            for value, flat in nested_plans(profile, topology, level - 1, a, b, below, True)]
+                            for value, flat in nested_plans(profile, topology, level - 1, a, b, below, True,
+                                                             schedule)]
                            for (a, b), r in zip(stages, reps)]
             comms = [2 * act[b - 1] / bandwidth * 1e3 for _, b in stages[:-1]]
             for combo in itertools.product(*options):
@@ -223,7 +242,7 @@ def brute_force_nested(profile: Profile, topology: Topology, limit: float | None
     top = len(topology.levels) - 1
     best = math.inf
     for value, flat in nested_plans(profile, topology, top, 0, len(profile.blocks),
-                                    topology.levels[top].count, exact=False):
+                                    topology.levels[top].count, exact=False, schedule=schedule):
         if memory_ok(profile, flat, limit, schedule, topology.workers):
             best = min(best, value)
     return best
@@ -425,3 +444,45 @@ def test_the_chosen_schedule_fits_the_memory_limit() -> None:
     assert tight.schedule != free.schedule
     refused = [r for r in tight.extra["schedule_choice"] if r["samples_per_s"] is None]
     assert refused and all("per worker" in r["why"] for r in refused)
+
+
+# ---- the planner's steady state against the simulator ---------------------------------------
+
+def update_profile(device: str) -> Profile:
+    """Unequal blocks whose updates cost something: what the update terms must get right."""
+    blocks = [BlockProfile(name=f"b{k}", forward_ms=10.0 + 5 * k, backward_ms=20.0 + 7 * k,
+                           activation_bytes=2 * 10**5, parameter_bytes=(k + 1) * 10**7,
+                           optimizer_state_bytes=0,
+                           extra={"saved_bytes": 10**5, "optimizer_ms": 2.0 + k,
+                                  "grad_zero_ms": 0.5, "grad_scale_ms": 1.5,
+                                  "snapshot_ms": 1.0 + k})
+              for k in range(4)]
+    return Profile(model="four", batch_size=8, device=device, blocks=blocks)
+
+
+@pytest.mark.parametrize("strategy", ["data-parallel", "time"])
+@pytest.mark.parametrize("schedule", ["pipedream", "2bw"])
+def test_predicted_time_per_microbatch_matches_the_simulated_steady_state(strategy: str,
+                                                                          schedule: str) -> None:
+    """The planner's bottleneck (compute, the all-reduce it cannot hide on CPU, the optimizer
+    step, clearing, averaging and weight copies) is what the simulator, running the schedule's
+    own actions, spends per microbatch once the pipeline is full."""
+    from pipedream_fast.planner.choose import predict
+
+    profile = update_profile("cpu")
+    plan = make_plan(profile, Topology.parse("2x1e9"), schedule=schedule, strategy=strategy,
+                     chunks=2)
+    planned = profile.batch_size / plan.bottleneck_ms * 1e3
+    simulated = predict(profile, plan, schedule, steps=40)
+    assert simulated == pytest.approx(planned, rel=0.05)
+
+
+def test_updates_and_the_all_reduce_add_to_compute_on_cpu_and_overlap_on_gpu() -> None:
+    cpu = make_plan(update_profile("cpu"), Topology.parse("2x1e9"), strategy="data-parallel")
+    gpu = make_plan(update_profile("cuda"), Topology.parse("2x1e9"), strategy="data-parallel")
+    compute = sum(b.forward_ms + b.backward_ms for b in update_profile("cpu").blocks)
+    params = sum(b.parameter_bytes for b in update_profile("cpu").blocks)
+    update = sum(2.0 + k + 0.5 for k in range(4))
+    reduce = 2 * (2 - 1) * params / (2 * 1e9) * 1e3  # a ring all-reduce over 2, full duplex
+    assert cpu.data_parallel_ms == pytest.approx((compute + reduce + update) / 2)
+    assert gpu.data_parallel_ms == pytest.approx((max(compute, reduce) + update) / 2)

@@ -104,7 +104,7 @@ def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedrea
     num_blocks = costs.num_blocks
 
     data_parallel = flatten(data_parallel_tree(num_blocks, topology), topology)
-    data_parallel_ms = nested_times(data_parallel, costs, topology)[0][0]
+    data_parallel_ms = nested_times(data_parallel, costs, topology, memory)[0][0]
 
     if strategy == "dp":
         found = HierarchicalDP(costs, topology, memory, straight).best_plan()
@@ -116,7 +116,7 @@ def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedrea
     else:
         stages = baseline_stages(strategy, costs, topology.workers, straight)
     times, cuts = (nested_times if strategy in ("dp", "data-parallel") else flat_times)(
-        stages, costs, topology)
+        stages, costs, topology, memory)
     footprints = stage_memory(stages, costs, memory)
     if memory.limit is not None and strategy != "dp":
         worst = max(f.bytes for f in footprints)
@@ -144,9 +144,9 @@ def interleaved_plan(profile: Profile, topology: Topology, stages_per_rank: int,
     bounds = balanced_partition(np.diff(costs.compute[0]).tolist(), workers * v)
     stages = [FlatStage(a, b, (k % workers,)) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     memory = MemoryModel(schedule, topology.memory_per_worker, topology.workers)
-    times, cuts = flat_times(stages, costs, topology)
+    times, cuts = flat_times(stages, costs, topology, memory)
     data_parallel = flatten(data_parallel_tree(costs.num_blocks, topology), topology)
-    data_parallel_ms = nested_times(data_parallel, costs, topology)[0][0]
+    data_parallel_ms = nested_times(data_parallel, costs, topology, memory)[0][0]
     plan = _assemble(profile, topology, stages, times, cuts, stage_memory(stages, costs, memory),
                      costs, memory, data_parallel_ms, "time", True, began, nested=False)
     plan.bottleneck_ms = max(max(sum(times[k::workers]) for k in range(workers)), max(cuts or [0]))
@@ -181,10 +181,10 @@ def evaluate_plan(plan: Plan, profile: Profile, topology: Topology,
                   for s, chain in zip(plan.stages, chains)]
     else:
         stages = [FlatStage(s.start, s.stop, tuple(s.ranks)) for s in plan.stages]
-    times, cuts = (nested_times if nested else flat_times)(stages, costs, topology)
+    times, cuts = (nested_times if nested else flat_times)(stages, costs, topology, memory)
     footprints = stage_memory(stages, costs, memory)
     data_parallel = flatten(data_parallel_tree(costs.num_blocks, topology), topology)
-    data_parallel_ms = nested_times(data_parallel, costs, topology)[0][0]
+    data_parallel_ms = nested_times(data_parallel, costs, topology, memory)[0][0]
     return _assemble(profile, topology, stages, times, cuts, footprints, costs, memory,
                      data_parallel_ms, str(plan.extra.get("strategy", "given")),
                      bool(plan.extra.get("straight", False)), began, nested=nested)

@@ -4,9 +4,24 @@ Times are in ms, sizes in bytes, bandwidths in bytes/s. Blocks are 0..L-1; a sta
 half-open block range [i, j); the cut at boundary s (1 <= s < L) lies after block s-1.
 
     compute(i, j)      = sum of forward_ms + backward_ms over blocks i..j-1
-    allreduce(i, j, r) = 4 (r-1) params(i, j) / (r B)            (0 when r = 1)
-    stage_time         = max(compute, allreduce) / r
+    allreduce(i, j, r) = 2 (r-1) params(i, j) / (r B)            (0 when r = 1)
+    update(i, j)       = the profile's optimizer step + gradient clearing (+ the averaging
+                         pass when an update covers several microbatches, + a weight copy for
+                         2bw, which snapshots every update), 0 where the profile lacks them
+    stage_time         = (compute + share (update + allreduce)) / r          on CPU
+                         (max(compute, share allreduce) + share update) / r   on GPU
     comm(s)            = 2 activation_bytes[s-1] / B               (activations out, gradients back)
+
+`share` is one over the microbatches each replica processes per update: 1 for pipedream (an
+update per microbatch), chunks / r for the schedules that update once per step.
+
+Two departures from PipeDream's formula, both measured (bench/results/sim_accuracy.md,
+bench/results/vs_ddp.md): a ring all-reduce sends and receives 2 (r-1)/r of the parameters
+per replica at once over full-duplex links, so it takes 2 (r-1) P / (r B), not 4; and on CPU
+the all-reduce does not hide behind the backward (gloo's threads copy and sum on the cores
+that compute), so it is added, while on GPU NCCL overlaps it with backward kernels
+(PipeDream's max). The update costs were missing altogether: a step of model A's fc layers
+costs 45 ms against 430 ms of compute.
 
 Memory of one replica of a stage (what a worker must hold), with NOAM = ceil(workers from this
 stage to the end of the pipeline / replicas of this stage):
@@ -29,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
 
 import numpy as np
 
@@ -55,6 +70,10 @@ class Costs:
     optimizer: np.ndarray    # (L+1, L+1) optimizer-state bytes of [i, j)
     activations: np.ndarray  # (L+1, L+1) bytes saved per in-flight microbatch by [i, j)
     cut_bytes: np.ndarray    # (L+1,) cut_bytes[s]: bytes crossing boundary s (s = 1..L-1)
+    update: np.ndarray       # (L+1, L+1) ms of an optimizer step and gradient clearing
+    grad_scale: np.ndarray   # (L+1, L+1) ms of averaging gradients over several microbatches
+    snapshot: np.ndarray     # (L+1, L+1) ms of one copy of the weights
+    overlap: bool = False    # the all-reduce hides behind compute (GPU) or adds to it (CPU)
 
     @property
     def num_blocks(self) -> int:
@@ -75,9 +94,17 @@ class Costs:
             entering = cut.copy()
             entering[0] = float(profile.extra.get("input_bytes", 0))
             saved = ranges(np.cumsum(np.concatenate([[0.0], cut[1:]]))) + entering[:, None]
+
+        def measured(*keys: str) -> np.ndarray:
+            if not all(key in b.extra for b in blocks for key in keys):
+                return ranges(np.zeros(len(blocks) + 1))  # older profiles: updates are free
+            return ranges(np.cumsum(zero + [sum(float(b.extra[k]) for k in keys) for b in blocks]))
+
         return cls(names=tuple(b.name for b in blocks), compute=ranges(compute),
                    params=ranges(params), optimizer=ranges(optimizer), activations=saved,
-                   cut_bytes=cut)
+                   cut_bytes=cut, update=measured("optimizer_ms", "grad_zero_ms"),
+                   grad_scale=measured("grad_scale_ms"), snapshot=measured("snapshot_ms"),
+                   overlap=profile.device.startswith("cuda"))
 
 
 @overload
@@ -85,10 +112,11 @@ def allreduce_ms(param_bytes: np.ndarray, replicas: int, bandwidth: float) -> np
 @overload
 def allreduce_ms(param_bytes: float, replicas: int, bandwidth: float) -> float: ...
 def allreduce_ms(param_bytes: np.ndarray | float, replicas: int, bandwidth: float) -> np.ndarray | float:
-    """4 (r-1) P / (r B) in ms: a ring all-reduce's traffic per replica, over the link B."""
+    """2 (r-1) P / (r B) in ms: what a ring all-reduce sends (and, at the same time, receives)
+    per replica, over the full-duplex link B."""
     if replicas <= 1:
         return param_bytes * 0.0
-    return 4.0 * (replicas - 1) * param_bytes / (replicas * bandwidth) * 1e3
+    return 2.0 * (replicas - 1) * param_bytes / (replicas * bandwidth) * 1e3
 
 
 @overload
@@ -150,3 +178,42 @@ class MemoryModel:
 def noam(workers_from_here: int, replicas: int) -> int:
     """Number of optimal active minibatches: ceil(workers from this stage on / replicas)."""
     return math.ceil(workers_from_here / replicas)
+
+
+def update_share(memory: MemoryModel, replicas: int) -> float:
+    """One over the microbatches a replica of a stage processes per update: pipedream updates
+    after each of its microbatches; the others once per step of `chunks` microbatches, which
+    the stage's replicas share."""
+    if not kind(memory.schedule).chunked_steps:
+        return 1.0
+    return 1.0 / max(1, memory.chunks // replicas)
+
+
+def update_ms(costs: Costs, memory: MemoryModel, replicas: int) -> np.ndarray:
+    """(L+1, L+1) ms one update of a replica of [i, j) costs: step and clearing, the averaging
+    pass when it covers several microbatches, a weight copy when every update keeps one."""
+    ms = costs.update
+    if update_share(memory, replicas) < 1.0:
+        ms = ms + costs.grad_scale
+    if kind(memory.schedule).weight_versions(1) > 1:  # 2bw: a new version on every update
+        ms = ms + costs.snapshot
+    return ms
+
+
+
+def sync_ms(costs: Costs, memory: MemoryModel, replicas: int, bandwidth: float,
+            updates: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(L+1, L+1) x 2: per microbatch of one replica of [i, j), its share of the all-reduce
+    among `replicas` over `bandwidth` and of the update (zero where `updates` is False: a
+    stage's update is charged once, on the innermost level)."""
+    share = update_share(memory, replicas)
+    reduce = share * allreduce_ms(costs.params, replicas, bandwidth)
+    update = share * update_ms(costs, memory, replicas) if updates else reduce * 0.0
+    return reduce, update
+
+
+def stage_ms(costs: Costs, unit: Any, reduce: Any, update: Any, replicas: Any) -> Any:
+    """Time per microbatch of a stage whose `replicas` units take `unit` ms each (compute, or
+    an inner pipeline's bottleneck) plus their `reduce` and `update` shares; arrays broadcast."""
+    hidden = np.maximum(unit, reduce) if costs.overlap else unit + reduce
+    return (hidden + update) / replicas

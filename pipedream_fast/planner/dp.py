@@ -4,7 +4,7 @@ Level by level, innermost first. At level k, a *unit* is one group of the level 
 worker at level 0), and `U(i, j)` is the bottleneck of the best pipeline of blocks [i, j) inside
 one unit (plain compute at level 0). A level-k pipeline over [i, j) uses exactly m units:
 
-    T(i, j, r)    = max(U(i, j), allreduce_k(i, j, r)) / r          one stage, r units
+    T(i, j, r)    = stage_ms(U(i, j), allreduce_k(i, j, r), update) / r   one stage, r units
     A(i, j, m)    = min( T(i, j, m),
                          min over i < s < j, 1 <= r < m of
                              max(T(i, s, r), comm_k(s), A(s, j, m - r)) )
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipedream_fast.planner.costs import Costs, MemoryModel, allreduce_ms, comm_ms
+from pipedream_fast.planner.costs import Costs, MemoryModel, comm_ms, stage_ms, sync_ms
 from pipedream_fast.topology import Topology
 
 INF = math.inf
@@ -123,8 +123,16 @@ class HierarchicalDP:
         kidx = np.zeros((c + 1, c + 1), dtype=np.intp)
         for (r, q), k in contexts.items():
             kidx[r, q] = keys.index(k)
-        allreduce = np.stack([np.zeros_like(costs.params)] +
-                             [allreduce_ms(costs.params, r, bandwidth) for r in range(1, c + 1)])
+        # Per replica count r: each replica's share of the all-reduce and of the update (the
+        # update is a worker's, so it is charged on level 0 only).
+        syncs = [sync_ms(costs, self.memory, r, bandwidth, updates=level == 0)
+                 for r in range(1, c + 1)]
+        zero = np.zeros_like(costs.params)
+        reduce = np.stack([zero] + [sync[0] for sync in syncs])
+        update = np.stack([zero] + [sync[1] for sync in syncs])
+
+        def stage(unit: np.ndarray, r: np.ndarray, rows: int, cols: np.ndarray) -> np.ndarray:
+            return stage_ms(costs, unit, reduce[r, rows, cols], update[r, rows, cols], r)
         comm = comm_ms(costs.cut_bytes, bandwidth)
 
         best = np.full((L + 1, L + 1, c + 1), INF)
@@ -138,8 +146,8 @@ class HierarchicalDP:
             ss = np.arange(i + 1, L)  # first cut; A(s, j, .) is inf unless s < j
             S, J = len(ss), len(js)
             # One stage holding all m units.
-            values = np.maximum(units[kidx[m_axis, 0][:, None], i, js[None, :]],
-                                allreduce[m_axis[:, None], i, js[None, :]]) / m_axis[:, None]
+            values = stage(units[kidx[m_axis, 0][:, None], i, js[None, :]], m_axis[:, None], i,
+                           js[None, :])
             values[m_axis > rmax] = INF                                      # (M, J)
             cut_at = np.full((c, J), -1, dtype=np.int32)
             first_r = np.repeat(m_axis[:, None], J, axis=1).astype(np.int32)
@@ -149,9 +157,9 @@ class HierarchicalDP:
                 qs = ms[:, None] - r_axis[None, :]                           # (M, R) units after
                 ok = qs >= 1
                 qs = np.where(ok, qs, 0)  # A(., ., 0) is inf: those (m, r) never win
-                head = np.maximum(units[kidx[r_axis[None, :], qs][:, :, None], i, ss[None, None, :]],
-                                  allreduce[r_axis[None, :, None], i, ss[None, None, :]])
-                head = np.maximum(head / r_axis[None, :, None], comm[ss][None, None, :])  # (M, R, S)
+                head = stage(units[kidx[r_axis[None, :], qs][:, :, None], i, ss[None, None, :]],
+                             r_axis[None, :, None], i, ss[None, None, :])
+                head = np.maximum(head, comm[ss][None, None, :])                  # (M, R, S)
                 tail = best[ss[None, None, :, None], js[None, None, None, :], qs[:, :, None, None]]
                 total = np.maximum(head[..., None], tail)                    # (M, R, S, J)
                 total = total.reshape(len(ms), len(r_axis) * S, J)

@@ -14,13 +14,14 @@ A flat stage keeps its `chain`: its (start, stop, replicas) on every level, inne
 Two cost evaluations are offered:
 
 * `nested_times` - PipeDream's hierarchical model, the one the dynamic program optimises. A
-  stage's time is built up level by level, V0 = max(compute, allreduce_0) / r0 and
-  Vk = max(V(k-1), allreduce_k(whole level-k stage range, rk)) / rk (the level-k all-reduce
-  carries all parameters of the level-k stage through the group's uplink); a cut between two
-  stages that first part at level d costs comm_d / (replicas of the enclosing stages above d).
-* `flat_times` - for plans without a tree (baselines): stage time max(compute,
-  allreduce over the slowest link among its ranks) / r, cut = comm over the slowest link
-  between the two stages' ranks. For a one-level topology both give the issue's flat model.
+  stage's time is built up level by level with `costs.stage_ms`: V0 = stage_ms(compute,
+  allreduce_0, update) / r0 and Vk = stage_ms(V(k-1), allreduce_k(whole level-k stage range,
+  rk), 0) / rk (the level-k all-reduce carries all parameters of the level-k stage through the
+  group's uplink); a cut between two stages that first part at level d costs
+  comm_d / (replicas of the enclosing stages above d).
+* `flat_times` - for plans without a tree (baselines): stage time stage_ms(compute, allreduce
+  over the slowest link among its ranks, update) / r, cut = comm over the slowest link
+  between the two stages' ranks. For a one-level topology both give the flat model.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipedream_fast.planner.costs import Costs, MemoryModel, allreduce_ms, comm_ms, noam
+from pipedream_fast.planner.costs import Costs, MemoryModel, comm_ms, noam, stage_ms, sync_ms
 from pipedream_fast.planner.dp import StageNode
 from pipedream_fast.topology import Topology
 
@@ -63,18 +64,24 @@ def flatten(stages: Sequence[StageNode], topology: Topology, base: int = 0) -> l
     return out
 
 
-def nested_times(stages: Sequence[FlatStage], costs: Costs,
-                 topology: Topology) -> tuple[list[float], list[float]]:
+def _stage_ms(costs: Costs, memory: MemoryModel, unit: float, start: int, stop: int,
+              replicas: int, bandwidth: float, updates: bool) -> float:
+    reduce, update = sync_ms(costs, memory, replicas, bandwidth, updates)
+    return float(stage_ms(costs, unit, reduce[start, stop], update[start, stop], replicas))
+
+
+def nested_times(stages: Sequence[FlatStage], costs: Costs, topology: Topology,
+                 memory: MemoryModel) -> tuple[list[float], list[float]]:
     """(per-stage time, per-cut time) under the hierarchical model; see the module docstring."""
     times = []
     for stage in stages:
         start, stop, r = stage.chain[0]
-        value = max(costs.compute[start, stop],
-                    allreduce_ms(costs.params[start, stop], r, topology.levels[0].bandwidth)) / r
+        value = _stage_ms(costs, memory, costs.compute[start, stop], start, stop, r,
+                          topology.levels[0].bandwidth, updates=True)
         for level, (start, stop, r) in enumerate(stage.chain[1:], start=1):
-            value = max(value, allreduce_ms(costs.params[start, stop], r,
-                                            topology.levels[level].bandwidth)) / r
-        times.append(float(value))
+            value = _stage_ms(costs, memory, value, start, stop, r,
+                              topology.levels[level].bandwidth, updates=False)
+        times.append(value)
     cuts = []
     for left, right in zip(stages, stages[1:]):
         depth = max(k for k in range(len(left.chain)) if left.chain[k] != right.chain[k])
@@ -85,14 +92,14 @@ def nested_times(stages: Sequence[FlatStage], costs: Costs,
     return times, cuts
 
 
-def flat_times(stages: Sequence[FlatStage], costs: Costs,
-               topology: Topology) -> tuple[list[float], list[float]]:
+def flat_times(stages: Sequence[FlatStage], costs: Costs, topology: Topology,
+               memory: MemoryModel) -> tuple[list[float], list[float]]:
     """(per-stage time, per-cut time) with every transfer on the slowest link it crosses."""
     times = []
     for stage in stages:
-        slowest = topology.slowest_bandwidth(stage.ranks)
-        reduce = allreduce_ms(costs.params[stage.start, stage.stop], stage.replicas, slowest)
-        times.append(float(max(costs.compute[stage.start, stage.stop], reduce)) / stage.replicas)
+        times.append(_stage_ms(costs, memory, costs.compute[stage.start, stage.stop], stage.start,
+                               stage.stop, stage.replicas,
+                               topology.slowest_bandwidth(stage.ranks), updates=True))
     cuts = []
     for left, right in zip(stages, stages[1:]):
         slowest = min(topology.bandwidth_between(a, b) for a in left.ranks for b in right.ranks)
