@@ -51,7 +51,8 @@ import re
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -154,12 +155,37 @@ class Window:
     tx_bytes: int
     busy_s: float
     cpu_s: float
+    breakdown: dict[str, float] | None = None  # a pipeline rank's ms per batch (see below)
 
     @classmethod
     def since(cls, start: Snapshot, samples: int) -> Window:
         end = Snapshot.now()
         return cls(end.time_s - start.time_s, samples, end.tx_bytes - start.tx_bytes,
                    end.busy_s - start.busy_s, end.cpu_s - start.cpu_s)
+
+
+# Where a pipeline rank's time goes, from its trace: the action kinds of each part.
+PARTS = {"compute": ("forward", "backward", "backward_input", "backward_weight"),
+         "update": ("optimizer_step", "allreduce", "average"),
+         "copies": ("snapshot", "release"),
+         "sends": ("send_act", "send_grad"),
+         "receives": ("recv_act", "recv_grad")}
+
+
+def breakdown(events: list[Any], begin_s: float, end_s: float, batches: int) -> dict[str, float]:
+    """ms per batch of the window [begin_s, end_s) (perf_counter seconds, the clock of the
+    runtime's trace) in each part of PARTS; `waiting` is a forward or backward's wait for its
+    message, `other` what no action covers (the data feed, Python between actions)."""
+    parts = dict.fromkeys([*PARTS, "waiting", "other"], 0.0)
+    part_of = {kind: part for part, kinds in PARTS.items() for kind in kinds}
+    for event in events:
+        if not begin_s * 1e3 <= event.start_ms < end_s * 1e3:
+            continue
+        waited = float(event.args.get("waited_ms", 0.0))
+        parts[part_of.get(event.kind, "other")] += event.duration_ms - waited
+        parts["waiting"] += waited
+    parts["other"] += (end_s - begin_s) * 1e3 - sum(parts.values())
+    return {part: ms / batches for part, ms in parts.items()}
 
 
 def ddp_rank(model_name: str, warmup: int, measured: int) -> Window:
@@ -202,13 +228,15 @@ def pipeline_rank(model_name: str, schedule: str, split: int, warmup: int,
     plan = two_stage_plan(model_name, split, len(model), schedule)
     pipe = Pipeline(model, nn.functional.cross_entropy,
                     lambda ps: torch.optim.SGD(ps, lr=LR), plan=plan, schedule=schedule,
-                    chunks=CHUNKS[schedule], timeout=600.0)
+                    chunks=CHUNKS[schedule], timeout=600.0, trace=True)
     steps = warmup + measured
     start = Snapshot.now()
     for step, _ in enumerate(pipe.train([fixed_batch()] * steps, steps)):
         if step == warmup - 1:
             start = Snapshot.now()
     window = Window.since(start, BATCH * measured)
+    window.breakdown = breakdown(pipe.last_events, start.time_s, start.time_s + window.seconds,
+                                 measured)
     pipe.close()
     return window
 
@@ -233,6 +261,8 @@ class PlannerView:
     ddp_ms: float         # DDP at 16 per rank, from a profile at that batch
     pipeline_ms: float    # the 2-stage pipeline the bench runs
     pipeline_split: int
+    limit_ms: float       # the balanced-pipeline limit: all the work split evenly, free links
+    split_limit_ms: float  # the best 2-stage cut's slower stage, free links
 
 
 def profile(model_name: str, batch: int = BATCH) -> Profile:
@@ -274,8 +304,11 @@ def planner_view(prof: Profile, per_replica: Profile, rate_bits: int, split: int
     ddp = make_plan(per_replica, topology, schedule="1f1b", strategy="data-parallel",
                     chunks=WORLD)  # one microbatch per replica per step, as DDP runs
     batches = BATCH // per_replica.batch_size  # microbatches of the profile per batch of 32
+    free = Topology.parse(f"{WORLD}x1e18")  # links that cost nothing: compute and updates only
+    work = make_plan(prof, Topology.parse("1x1e18"), schedule="pipedream").bottleneck_ms
+    best_cut = make_plan(prof, free, schedule="pipedream", straight=True).bottleneck_ms
     return PlannerView(describe_plan(chosen), chosen.bottleneck_ms, ddp.bottleneck_ms * batches,
-                       ours.bottleneck_ms, split)
+                       ours.bottleneck_ms, split, work / WORLD, best_cut)
 
 
 # ---- the harness ---------------------------------------------------------------------------
@@ -292,6 +325,7 @@ class Measurement:
     wall_s: float
     other_cores: float     # CPU other processes took during the window, in cores
     tries: int = 1
+    breakdowns: list[dict[str, float]] = field(default_factory=list)  # per rank, pipelines
 
 
 def contender_label(name: str) -> str:
@@ -319,7 +353,8 @@ def run_contender(cluster: netcluster.Cluster, model: str, contender: str, split
     last = windows[-1]
     return Measurement(model, rate, contender, last.samples / last.seconds,
                        sum(w.tx_bytes for w in windows) / last.samples,
-                       warmup, measured, time.monotonic() - began, other_cores(windows))
+                       warmup, measured, time.monotonic() - began, other_cores(windows),
+                       breakdowns=[w.breakdown for w in windows if w.breakdown is not None])
 
 
 def other_cores(windows: list[Window]) -> float:
@@ -451,7 +486,45 @@ def model_section(model: str, rows: list[Measurement], views: dict[tuple[str, st
             "parallel plan from a profile at its per-rank batch of 16; the planner's own "
             "choice is made at the pipeline's microbatch of 32, where a replica takes whole "
             "microbatches in turn:", "",
-            *planner_table(model, rows, views, rates), ""]
+            *planner_table(model, rows, views, rates), "",
+            *limit_section(model, rows, views, rates)]
+
+
+LIMIT_GOAL = 0.9  # of the balanced-pipeline limit, at every bandwidth
+
+
+def limit_section(model: str, rows: list[Measurement], views: dict[tuple[str, str], PlannerView],
+                  rates: list[str]) -> list[str]:
+    """`pipedream` against the machine's limit, and where each rank's time went."""
+    view = views[(model, rates[0])]  # the limits do not depend on the link
+    limit, cut = BATCH / view.limit_ms * 1e3, BATCH / view.split_limit_ms * 1e3
+    lines = [f"Against the machine's limit: the profile's work per batch of 32 (compute and "
+             f"updates, {view.limit_ms * WORLD:.0f} ms) split evenly over {WORLD} ranks with "
+             f"links that cost nothing gives **{limit:.1f} samples/s**; the best 2-stage cut "
+             f"of its blocks caps a real pipeline at {cut:.1f}. Goal: `pipedream` at least "
+             f"{LIMIT_GOAL} of the balanced limit at every bandwidth.", "",
+             "| link | `pipedream` samples/s | of the balanced limit | of the best cut's | goal |",
+             "| --- | ---: | ---: | ---: | --- |"]
+    runs = [r for r in rows if r.model == model and r.contender == "pipedream"]
+    for row in runs:
+        share = row.samples_per_s / limit
+        lines.append(f"| {row.rate} | {row.samples_per_s:.1f} | {share:.2f} | "
+                     f"{row.samples_per_s / cut:.2f} | "
+                     f"{'met' if share >= LIMIT_GOAL else 'missed'} |")
+    lines += ["", "Where each rank's time goes under `pipedream`, ms per batch, from the "
+              "runtime's trace over the measured window: compute (forward and backward, "
+              "less their waits), waiting (a forward or backward waiting for its message), "
+              "receives and sends (posting them), update (optimizer step), copies (weight "
+              "versions), other (what no action covers: the data feed, Python between "
+              "actions).", "",
+              "| link | rank | compute | waiting | receives | sends | update | copies | other |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in runs:
+        for rank, parts in enumerate(row.breakdowns):
+            lines.append(f"| {row.rate if rank == 0 else ''} | {rank} | " + " | ".join(
+                f"{parts[p]:.0f}" for p in ("compute", "waiting", "receives", "sends",
+                                             "update", "copies", "other")) + " |")
+    return lines + [""]
 
 
 def measured_table(model: str, rows: list[Measurement],
