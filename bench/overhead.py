@@ -17,6 +17,7 @@ of actions, after a warm-up run, median of --repeat runs.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -163,6 +164,10 @@ def main() -> int:
         lines += [f"| {name} | {us:.1f} | {n} | {us / base:.2f}x |" for name, us, n in rows]
         lines += ["", f"The executor adds {overhead:+.1f} us per action over the plain loop."]
         Path(args.out).write_text("\n".join(lines) + "\n")
+        Path(args.out).with_suffix(".json").write_text(json.dumps(
+            {"steps": args.steps, "rows": [{"driver": name, "us_per_action": us, "actions": n}
+                                           for name, us, n in rows],
+             "ratio": rows[1][1] / base}, indent=1) + "\n")
     return 0
 
 
