@@ -1,0 +1,366 @@
+"""GPU microbenchmarks of the C++ core: weight-version offload and the queue's stream hand-off.
+
+Step 'micro' of bench/gpu_check.sh on a lent GPU machine (bench/ring.py and bench/handoff.py
+measure the CPU paths only). Needs a CUDA build of pipedream_fast (`_C.cuda_enabled`).
+
+(a) Weight versions of a ~256 MB stage (`--stage-mb`; Linear(1024, 1024) layers, float32):
+
+    WeightRing(offload=True).snapshot()   device -> pinned host on the ring's side stream, the
+                                          current stream waiting on an event (then release)
+    WeightRing(offload=True).tensors(v)   pinned host -> device, the fetch before a backward
+    host pageable .copy_(device)          a plain copy into ordinary (pageable) host memory
+    host pinned .copy_(device)            the same into page-locked memory
+    device .copy_(pinned host)            the way back, plain
+    WeightRing(offload=False).snapshot()  a stash on the device (device -> device), reference
+    flat device dst.copy_(src)            the device's own copy bandwidth, same bytes
+
+    Every call is timed alone: synchronize, host clock, the call, synchronize, host clock;
+    variants interleaved in `--rounds` rounds of `--reps` calls after a warm-up; medians.
+    Bandwidth: bytes copied per second, one direction (a device-to-device copy reads and
+    writes each byte, so the memory traffic is twice that).
+
+(b) Hand-off of an activation from a producer stream to a consumer stream, per hand-off:
+
+    ActivationQueue push/pop   the producer's kernel writes `out`, push([out]) records an event;
+                               pop() makes the consumer's stream wait on it; no copy
+    wait_stream + copy_        consumer.wait_stream(producer), then a copy into a buffer the
+                               consumer owns (what a hand-off without the queue would do)
+    wait_stream, no copy       consumer.wait_stream(producer), nothing else: the floor
+
+    Each variant ends with `record_stream(consumer)` on what crossed (the producer drops `out`
+    after the round). Each round: the producer stream runs `out = src * k` (k = 1, 2, ...),
+    the hand-off, the consumer stream runs `acc += received`; one thread, `--handoffs` rounds
+    per run, timed on the host with a synchronize at both ends; median of `--repeats` runs per
+    variant; sizes `--sizes-kib` (default 512 KiB, model A's 32 x 4096 activation, and 64 MiB).
+    Every run checks `acc` (a new k each round, so a stale or early read shows).
+
+    python bench/gpu_micro.py [--out FILE.md]
+    python bench/gpu_micro.py --device cpu --stage-mb 8 --sizes-kib 64   # smoke test, no GPU
+
+On the CPU (`--device cpu`) the CUDA-only rows are left out and streams are no-ops: only the
+harness and the calls are exercised. Each part stays well under a minute on one H200 with
+the defaults. Exit status: 0, 1 when a check failed, 2 when the device is not there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as `python bench/gpu_micro.py` from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from pipedream_fast import _C  # noqa: E402
+
+WIDTH = 1024
+MB = 1 << 20
+
+
+class Device:
+    """The CUDA calls the benchmarks make, as no-ops on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def stream(self) -> Any:
+        return torch.cuda.Stream(self.device) if self.cuda else None
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def wait(self, consumer: Any, producer: Any) -> None:
+        if self.cuda:
+            consumer.wait_stream(producer)
+
+    def record(self, tensor: torch.Tensor, stream: Any) -> None:
+        if self.cuda:
+            tensor.record_stream(stream)
+
+
+def timed_calls(variants: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]],
+                dev: Device, reps: int, rounds: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds per call of each variant: (call, untimed set-up run before each call or None)."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for call, setup in variants.values():
+        for _ in range(warmup):
+            if setup:
+                setup()
+            call()
+        dev.sync()
+    for _ in range(rounds):
+        for name, (call, setup) in variants.items():
+            for _ in range(reps):
+                if setup:
+                    setup()
+                dev.sync()
+                start = time.perf_counter()
+                call()
+                dev.sync()
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def stage(dev: Device, megabytes: float) -> tuple[nn.Module, int]:
+    layers = max(1, round(megabytes * MB / (4 * (WIDTH * WIDTH + WIDTH))))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(layers)]).to(dev.device)
+    return model, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ---- (a) weight versions ----------------------------------------------------------------------
+
+def weight_versions(dev: Device, megabytes: float, reps: int, rounds: int) -> tuple[str, bool]:
+    offload_stage, nbytes = stage(dev, megabytes)
+    device_stage, _ = stage(dev, megabytes)
+    flat = torch.randn(nbytes // 4, device=dev.device)
+    flat_dst = torch.empty_like(flat)
+    pageable = torch.empty(flat.shape, dtype=flat.dtype)
+    variants: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]] = {}
+    ok = True
+
+    device_ring = _C.WeightRing(list(device_stage.parameters()), 2, offload=False)
+    variants["WeightRing(offload=False).snapshot(): on the device"] = (
+        lambda: device_ring.release(device_ring.snapshot()), None)
+    variants["flat device dst.copy_(src), same bytes"] = (lambda: flat_dst.copy_(flat), None)
+    variants["host pageable .copy_(device)"] = (lambda: pageable.copy_(flat), None)
+    if dev.cuda:
+        pinned = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        ring = _C.WeightRing(list(offload_stage.parameters()), 2, offload=True)
+        held: list[int] = []
+
+        def take_version() -> None:
+            for v in held:
+                ring.release(v)
+            held.clear()
+            held.append(ring.snapshot())
+
+        def fetch() -> None:
+            ring.tensors(held[0])
+
+        variants["WeightRing(offload=True).snapshot(): device -> pinned host"] = (
+            lambda: ring.release(ring.snapshot()), None)
+        variants["WeightRing(offload=True).tensors(v): pinned host -> device"] = (fetch, take_version)
+        variants["host pinned .copy_(device)"] = (lambda: pinned.copy_(flat), None)
+        variants["device .copy_(pinned host)"] = (lambda: flat_dst.copy_(pinned), None)
+
+        # The offloaded version must hold the weights of its snapshot, not later ones.
+        params = list(offload_stage.parameters())
+        expected = [p.detach().clone() for p in params]
+        for v in held:
+            ring.release(v)
+        held.clear()
+        version = ring.snapshot()
+        with torch.no_grad():
+            for p in params:
+                p.add_(1.0)
+        got = ring.tensors(version)
+        ok = all(torch.equal(g, e) for g, e in zip(got, expected))
+        ring.release(version)
+        print(f"offloaded version equals its snapshot: {ok}", flush=True)
+
+    times = timed_calls(variants, dev, reps, rounds)
+    rows = ["| variant | median ms | GB/s | vs pageable copy_ |", "| --- | ---: | ---: | ---: |"]
+    base = statistics.median(times["host pageable .copy_(device)"])
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        rows.append(f"| {name} | {median * 1e3:.3f} | {nbytes / median / 1e9:.1f} | "
+                    f"{base / median:.2f}x |")
+    layers = len(list(offload_stage.children()))
+    text = "\n".join([
+        f"### (a) Weight versions of a {nbytes / MB:.0f} MiB stage ({layers} x Linear({WIDTH}, "
+        f"{WIDTH}), float32)", "",
+        f"Median of {rounds} rounds x {reps} calls per variant, each call synchronized alone."
+        + ("" if dev.cuda else " CPU smoke run: the pinned-memory and offload rows need CUDA."),
+        "", *rows])
+    if dev.cuda:
+        text += (f"\n\nOffloaded version equals its snapshot after the live weights changed: "
+                 f"{'yes' if ok else 'NO'}")
+    return text, ok
+
+
+# ---- (b) stream hand-off ---------------------------------------------------------------------
+
+def handoff(dev: Device, kib: int, handoffs: int, repeats: int) -> tuple[list[tuple[str, float]], bool]:
+    """Microseconds per hand-off of each variant; whether every run's result was right."""
+    n = max(1, kib * 1024 // 4)
+    src = torch.randn(n, device=dev.device)
+    producer, consumer = dev.stream(), dev.stream()
+    queue = _C.ActivationQueue(4, "gpu_micro")
+    buffer = torch.empty_like(src)
+
+    # Each variant ends with record_stream: `out` was allocated on the producer stream and is
+    # dropped after the round, so without it the allocator could hand its memory to the next
+    # round's producer kernel while the consumer still reads it.
+    def via_queue(out: torch.Tensor) -> torch.Tensor:
+        queue.push([out], microbatch=0)
+        with dev.on(consumer):
+            received = queue.pop(timeout=10).tensors[0]
+            dev.record(received, consumer)
+            return received
+
+    def via_copy(out: torch.Tensor) -> torch.Tensor:
+        with dev.on(consumer):
+            dev.wait(consumer, producer)
+            buffer.copy_(out)
+            dev.record(out, consumer)
+            return buffer
+
+    def via_wait(out: torch.Tensor) -> torch.Tensor:
+        with dev.on(consumer):
+            dev.wait(consumer, producer)
+            dev.record(out, consumer)
+            return out
+
+    variants: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "ActivationQueue push/pop (event, no copy)": via_queue,
+        "wait_stream + copy_ into a consumer buffer": via_copy,
+        "wait_stream + record_stream, no copy (floor)": via_wait,
+    }
+
+    def run(hand: Callable[[torch.Tensor], torch.Tensor], count: int) -> tuple[float, bool]:
+        with dev.on(consumer):
+            acc = torch.zeros_like(src)
+        dev.sync()
+        start = time.perf_counter()
+        for i in range(count):
+            with dev.on(producer):
+                out = src * float(i + 1)  # a new value each round: a stale read shows in acc
+                # A hand-off sees the producer stream as current, as a stage's thread does.
+                received = hand(out)
+            with dev.on(consumer):
+                acc.add_(received)
+        dev.sync()
+        elapsed = time.perf_counter() - start
+        right = torch.allclose(acc, src * float(count * (count + 1) // 2), rtol=1e-4, atol=1e-3)
+        return elapsed / count * 1e6, right
+
+    for hand in variants.values():  # warm-up: allocations, stream and event creation
+        run(hand, 10)
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    ok = True
+    for _ in range(repeats):
+        for name, hand in variants.items():
+            us, right = run(hand, handoffs)
+            samples[name].append(us)
+            ok = ok and right
+    return [(name, statistics.median(s)) for name, s in samples.items()], ok
+
+
+def stream_handoff(dev: Device, sizes_kib: list[int], handoffs: int, repeats: int
+                   ) -> tuple[str, bool]:
+    rows = ["| size | variant | us per hand-off | vs wait_stream + copy_ |",
+            "| ---: | --- | ---: | ---: |"]
+    ok = True
+    for kib in sizes_kib:
+        results, right = handoff(dev, kib, handoffs, repeats)
+        ok = ok and right
+        copy_us = results[1][1]
+        size = f"{kib} KiB" if kib < 1024 else f"{kib / 1024:g} MiB"
+        for name, us in results:
+            rows.append(f"| {size} | {name} | {us:.1f} | {copy_us / us:.2f}x |")
+        print(f"hand-off {size}: " + ", ".join(f"{name}: {us:.1f} us" for name, us in results)
+              + ("" if right else "  WRONG RESULT"), flush=True)
+    text = "\n".join([
+        "### (b) Hand-off from a producer stream to a consumer stream", "",
+        f"Per round: producer `out = src * k`, the hand-off, consumer `acc += received` (each "
+        f"variant ends with `record_stream`); "
+        f"{handoffs} rounds per run, one thread, host clock with a synchronize at both ends; "
+        f"median of {repeats} runs." + ("" if dev.cuda else " CPU smoke run: no streams."),
+        "", *rows, "", f"Every run's result checked: {'right' if ok else 'WRONG'}"])
+    return text, ok
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+def machine(dev: Device) -> str:
+    if dev.cuda:
+        where = f"{torch.cuda.get_device_name(dev.device)}, CUDA {torch.version.cuda}"
+    else:
+        where = f"CPU {platform.processor() or platform.machine()}"
+    return (f"{where}; torch {torch.__version__}; Python {platform.python_version()}; "
+            f"pipedream_fast._C.cuda_enabled = {_C.cuda_enabled}")
+
+
+@contextlib.contextmanager
+def section(name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    print(f"-- {name}", flush=True)
+    yield
+    print(f"-- {name}: {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="(a) WeightRing offload vs plain copies to pageable/pinned host memory; "
+               "(b) ActivationQueue hand-off between CUDA streams vs wait_stream + copy_.")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
+    parser.add_argument("--parts", default="a,b", help="which parts: a, b or a,b (default)")
+    parser.add_argument("--stage-mb", type=float, default=256.0,
+                        help="weight bytes of the stage in (a), MiB (default 256)")
+    parser.add_argument("--reps", type=int, default=5, help="(a): timed calls per round")
+    parser.add_argument("--rounds", type=int, default=4, help="(a): interleaved rounds")
+    parser.add_argument("--sizes-kib", default="512,65536",
+                        help="(b): activation sizes, KiB, comma-separated (default 512,65536)")
+    parser.add_argument("--handoffs", type=int, default=200, help="(b): rounds per run")
+    parser.add_argument("--repeats", type=int, default=5, help="(b): runs per variant")
+    parser.add_argument("--out", default=None, help="also write the report to this markdown file")
+    args = parser.parse_args(argv)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not parts or parts - {"a", "b"}:
+        parser.error("--parts: a, b or a,b")
+    sizes = [int(s) for s in args.sizes_kib.split(",") if s.strip()]
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            print("gpu_micro: no CUDA GPU (torch.cuda.is_available() is False); use --device cpu "
+                  "for a smoke test", file=sys.stderr)
+            return 2
+        if not _C.cuda_enabled:
+            print("gpu_micro: pipedream_fast._C was built without CUDA; rebuild with FORCE_CUDA=1 "
+                  "(see bench/gpu_check.sh)", file=sys.stderr)
+            return 2
+        if device.index is None:
+            device = torch.device("cuda", 0)
+    dev = Device(device)
+    print(f"gpu_micro: {machine(dev)}", flush=True)
+    sections, ok = [], True
+    if "a" in parts:
+        with section("(a) weight versions"):
+            text, right = weight_versions(dev, args.stage_mb, args.reps, args.rounds)
+        sections.append(text)
+        ok = ok and right
+    if "b" in parts:
+        with section("(b) stream hand-off"):
+            text, right = stream_handoff(dev, sizes, args.handoffs, args.repeats)
+        sections.append(text)
+        ok = ok and right
+    command = "python bench/gpu_micro.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = "\n\n".join([
+        "## Core microbenchmarks on the GPU", f"Command: `{command.strip()}`",
+        f"Machine: {machine(dev)}.", *sections]) + "\n"
+    print("\n" + report, flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(report)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
