@@ -347,3 +347,51 @@ def render_text(table: Table, width: int = 100) -> str:
     console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
     console.print(table)
     return console.export_text()
+
+
+# ---- weight delays of the traced window ------------------------------------------------------
+
+def traced_weight_delays(results: Sequence[dict[str, Any]], simulated: Any
+                         ) -> dict[str, Any] | None:
+    """Steady-state weight delays of a run's traced window, measured on the run's trace (the
+    "events" of every rank's result) by `staleness.weight_delays`, next to the simulator's for
+    the same schedule and window (`simulated`: its SimResult, or None). None without events.
+
+    They agree when every update ends before or after each other rank's forward in the same
+    order in the run as in the simulation: the simulator's costs only approximate the run's,
+    and where the two are close (an exact tie in the simulation) the run's order is chance."""
+    from pipedream_fast.staleness import trace_delays
+
+    events = [e for r in results for e in r.get("events", [])]
+    if not events:
+        return None
+    sim = simulated.delays if simulated is not None else None
+    try:
+        measured = trace_delays(events, sim.num_stages if sim else None,
+                                sim.num_microbatches if sim else None)
+    except ValueError as err:  # a trace that does not hold whole microbatches
+        return {"error": str(err)}
+    lo, hi = measured.steady_range
+    return {"steady_microbatches": [lo, hi],
+            "measured": {"max": measured.max_delay, "mean": measured.mean_delay},
+            "simulated": None if sim is None else {"max": sim.max_delay,
+                                                   "mean": sim.mean_delay}}
+
+
+def weight_delay_text(delays: dict[str, Any] | None) -> str:
+    """One summary cell: 'max 3, mean 2.00 (simulated: max 3, mean 2.00)'."""
+    if delays is None:
+        return "-"
+    if "error" in delays:
+        return f"not measured: {delays['error']}"
+    lo, hi = delays["steady_microbatches"]
+
+    def text(d: dict[str, Any]) -> str:
+        return "no steady state" if d["max"] is None else f"max {d['max']}, mean {d['mean']:.2f}"
+
+    if delays["measured"]["max"] is None:
+        return (f"no steady state in the {lo + hi} traced microbatches (needs more than "
+                f"{2 * lo}: raise --trace-steps)")
+    sim = delays["simulated"]
+    return (f"{text(delays['measured'])} (simulated: {text(sim) if sim else '-'}; "
+            f"steady microbatches {lo}..{hi - 1})")
