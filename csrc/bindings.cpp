@@ -143,10 +143,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Background send/receive threads of one rank over a c10d ProcessGroup, one link per "
       "(peer, channel, stage), where `stage` is the pipeline stage that receives the message "
       "(0 <= stage < 512). send() and post_recv() return at once; wait_recv() blocks (GIL "
-      "released) until the tensors arrive or `timeout` seconds pass.")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, double, int64_t, at::Device>(),
-           py::arg("group"), py::arg("timeout") = 300.0, py::arg("depth") = 8,
-           py::arg("device") = at::Device(at::kCPU))
+      "released) until the tensors arrive or `timeout` seconds pass. `depth`: messages queued "
+      "per link and direction; `spin_us`: how long the link queues spin before blocking; "
+      "`recv_pool`: receive buffer sets pooled per link.")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, double, int64_t, at::Device, double,
+                    int64_t>(),
+           py::arg("group"), py::arg("timeout") = 300.0,
+           py::arg("depth") = CommEngine::kDefaultDepth, py::arg("device") = at::Device(at::kCPU),
+           py::arg("spin_us") = 0.0, py::arg("recv_pool") = CommEngine::kDefaultRecvPool)
+      .def_readonly_static("DEFAULT_DEPTH", &CommEngine::kDefaultDepth)
+      .def_readonly_static("DEFAULT_RECV_POOL", &CommEngine::kDefaultRecvPool)
       .def("send", &CommEngine::send, py::arg("peer"), py::arg("channel"), py::arg("stage"),
            py::arg("microbatch"), py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
            "Queue `tensors` of `microbatch` for the receiving `stage` on rank `peer`; returns "
@@ -163,6 +169,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &CommEngine::rank)
       .def_property_readonly("timeout", &CommEngine::timeout_s)
+      .def_property_readonly("depth", &CommEngine::depth)
+      .def_property_readonly("spin_us", &CommEngine::spin_us)
+      .def_property_readonly("recv_pool", &CommEngine::recv_pool)
       .def("stats", [](const CommEngine& e) {
         const CommStats s = e.stats();
         py::dict d;

@@ -1,6 +1,7 @@
 #include "comm_engine.h"
 
 #include <chrono>
+#include <cmath>
 #include <sstream>
 #include <thread>
 
@@ -11,7 +12,6 @@ namespace pipedream_fast {
 namespace {
 
 constexpr int64_t kHeaderLen = 128;  // int64 words: [count, (dtype, ndim, dims...)...]
-constexpr int64_t kMaxPooledSets = 64;
 
 // Message tags. The process group matches a receive to a send by (peer, tag) across every link
 // of a rank pair, so the tag names the link (channel, stage) and the microbatch:
@@ -153,19 +153,22 @@ const char* channel_name(Channel channel) {
 }
 
 struct CommEngine::Link {
-  Link(int peer, Channel channel, int stage, int64_t depth, std::string what)
+  Link(int peer, Channel channel, int stage, int64_t depth, double spin_us, int64_t recv_pool,
+       std::string what)
       : peer(peer),
         channel(channel),
         stage(stage),
+        recv_pool(recv_pool),
         what(std::move(what)),
-        sends(depth, this->what + " (sends)"),
-        requests(1 << 16, this->what + " (posted receives)"),
-        done(depth, this->what + " (received)") {}
+        sends(depth, this->what + " (sends)", spin_us),
+        requests(1 << 16, this->what + " (posted receives)", spin_us),
+        done(depth, this->what + " (received)", spin_us) {}
 
   const int peer;
   const Channel channel;
-  const int stage;         // the stage that receives this link's messages
-  const std::string what;  // "activation link of rank 0 with rank 1 for stage 3", for messages
+  const int stage;          // the stage that receives this link's messages
+  const int64_t recv_pool;  // most buffer sets kept in `pool`
+  const std::string what;   // "activation link of rank 0 with rank 1 for stage 3", for messages
   ActivationQueue sends;
   ActivationQueue requests;
   ActivationQueue done;
@@ -214,20 +217,29 @@ struct CommEngine::Link {
             at::empty(meta.sizes, at::TensorOptions().dtype(meta.dtype).device(device)));
       }
     }
-    if (static_cast<int64_t>(pool.size()) < kMaxPooledSets) pool.push_back(set);
+    if (static_cast<int64_t>(pool.size()) < recv_pool) pool.push_back(set);
     return set;
   }
 };
 
 CommEngine::CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout_s,
-                       int64_t depth, at::Device device)
+                       int64_t depth, at::Device device, double spin_us, int64_t recv_pool)
     : group_(std::move(group)),
       rank_(group_->getRank()),
       timeout_s_(timeout_s),
       depth_(depth),
-      device_(device) {
+      device_(device),
+      spin_us_(spin_us),
+      recv_pool_(recv_pool) {
   if (timeout_s <= 0) throw std::invalid_argument("CommEngine: timeout must be > 0 seconds");
   if (depth < 1) throw std::invalid_argument("CommEngine: depth must be >= 1");
+  if (!std::isfinite(spin_us) || spin_us < 0) {
+    throw std::invalid_argument("CommEngine: spin_us must be a finite number >= 0");
+  }
+  if (recv_pool < 1) {
+    throw std::invalid_argument("CommEngine: recv_pool must be >= 1 (buffer sets per link), got " +
+                                std::to_string(recv_pool));
+  }
 }
 
 CommEngine::~CommEngine() { shutdown(); }
@@ -249,7 +261,7 @@ CommEngine::Link& CommEngine::link(int peer, Channel channel, int stage) {
   }
   auto& slot = links_[{peer, static_cast<int>(channel), stage}];
   if (slot) return *slot;
-  auto link = std::make_shared<Link>(peer, channel, stage, depth_,
+  auto link = std::make_shared<Link>(peer, channel, stage, depth_, spin_us_, recv_pool_,
                                      std::string(channel_name(channel)) + " link of rank " +
                                          std::to_string(rank_) + " with rank " +
                                          std::to_string(peer) + " for stage " +

@@ -31,9 +31,10 @@
 // loss) travels packed in one byte buffer, one transfer instead of one per tensor; the
 // receiver gets views of it (see kPackMaxBytes in comm_engine.cpp).
 //
-// Receive buffers come from a per-link pool. A buffer is handed out again only when nobody
-// else holds its storage (the compute thread and autograd have dropped it), so steady-state
-// receives allocate nothing.
+// Receive buffers come from a per-link pool of at most `recv_pool` sets. A buffer is handed
+// out again only when nobody else holds its storage (the compute thread and autograd have
+// dropped it), so steady-state receives allocate nothing as long as the pool covers the
+// messages a stage holds at once; past that, receives allocate fresh buffers.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -68,11 +69,17 @@ struct CommStats {
 
 class CommEngine {
  public:
+  static constexpr int64_t kDefaultDepth = 8;
+  static constexpr int64_t kDefaultRecvPool = 64;
+
   // `timeout_s`: how long any one transfer or wait may take before it raises (a dead or stuck
   // peer never hangs this rank forever). `depth`: messages queued per link and direction.
   // `device`: where received tensors are allocated (CPU for gloo, the rank's GPU for NCCL).
-  CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout_s, int64_t depth = 8,
-             at::Device device = at::kCPU);
+  // `spin_us`: how long a link's queues spin before blocking (see ActivationQueue).
+  // `recv_pool`: receive buffer sets pooled per link. Speed only: none changes what arrives.
+  CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout_s,
+             int64_t depth = kDefaultDepth, at::Device device = at::kCPU, double spin_us = 0.0,
+             int64_t recv_pool = kDefaultRecvPool);
   CommEngine(const CommEngine&) = delete;
   CommEngine& operator=(const CommEngine&) = delete;
   ~CommEngine();
@@ -104,6 +111,9 @@ class CommEngine {
   CommStats stats() const;
   int rank() const { return rank_; }
   double timeout_s() const { return timeout_s_; }
+  int64_t depth() const { return depth_; }
+  double spin_us() const { return spin_us_; }
+  int64_t recv_pool() const { return recv_pool_; }
 
  private:
   struct Link;
@@ -114,6 +124,8 @@ class CommEngine {
   const double timeout_s_;
   const int64_t depth_;
   const at::Device device_;
+  const double spin_us_;
+  const int64_t recv_pool_;
   mutable std::mutex links_mutex_;
   // (peer, channel, stage) -> link; guarded by links_mutex_
   std::map<std::tuple<int, int, int>, std::shared_ptr<Link>> links_;

@@ -121,12 +121,18 @@ class CommEngine:
 
     One link per (peer, channel, stage), where `stage` is the pipeline stage that receives the
     message (0 <= stage < 512). send() and post_recv() return at once; wait_recv() blocks (GIL
-    released) until the tensors arrive or `timeout` seconds pass.
+    released) until the tensors arrive or `timeout` seconds pass. `depth`: messages queued per
+    link and direction; `spin_us`: how long the link queues spin before blocking; `recv_pool`:
+    receive buffer sets pooled per link (>= 1).
     """
+
+    DEFAULT_DEPTH: ClassVar[int]  # 8
+    DEFAULT_RECV_POOL: ClassVar[int]  # 64
 
     # device defaults to torch.device("cpu"); pybind11 takes a torch.device only, not a str.
     def __init__(self, group: ProcessGroup, timeout: float = 300.0, depth: int = 8,
-                 device: torch.device = ...) -> None: ...
+                 device: torch.device = ..., spin_us: float = 0.0,
+                 recv_pool: int = 64) -> None: ...
     def send(self, peer: int, channel: Channel, stage: int, microbatch: int,
              tensors: Sequence[torch.Tensor]) -> None: ...
     def post_recv(self, peer: int, channel: Channel, stage: int, microbatch: int) -> None: ...
@@ -138,6 +144,12 @@ class CommEngine:
     def rank(self) -> int: ...
     @property
     def timeout(self) -> float: ...
+    @property
+    def depth(self) -> int: ...
+    @property
+    def spin_us(self) -> float: ...
+    @property
+    def recv_pool(self) -> int: ...
     def stats(self) -> dict[str, float]:
         """A new dict: messages_sent, messages_received, bytes_sent, bytes_received (int);
         send_s, recv_s, wait_recv_s (float)."""

@@ -13,8 +13,9 @@ from pipedream_fast.formats import FormatError, Plan, Profile
 from pipedream_fast.launch import LaunchError, Stopped, launch
 from pipedream_fast.local_pipeline import LocalPipeline
 from pipedream_fast.pipeline import Pipeline
+from pipedream_fast.tuning import Tuning, TuningError
 
 __version__ = "0.1.0"
 
 __all__ = ["FormatError", "LaunchError", "LocalPipeline", "Pipeline", "Plan", "Profile",
-           "Stopped", "__version__", "launch"]
+           "Stopped", "Tuning", "TuningError", "__version__", "launch"]

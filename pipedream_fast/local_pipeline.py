@@ -48,6 +48,7 @@ from pipedream_fast.training import (EpochBatches, MicrobatchFeed, build_schedul
                                      check_plan_fits, check_runtime_fits, check_trainable,
                                      data_source, feed_uses, named_state, original_names,
                                      resolve_schedule, stage_runtime, steps_for, target_spec)
+from pipedream_fast.tuning import Tuning
 
 
 _POLL_S = 0.25    # how often the driving thread looks at the ranks while it waits for news
@@ -249,12 +250,15 @@ def _it(n: int) -> str:
 
 
 class LocalPipeline:
-    """Trains `model` with `plan` and `schedule`, one thread per rank of the plan."""
+    """Trains `model` with `plan` and `schedule`, one thread per rank of the plan.
+
+    `tuning`: the speed knobs that apply to threads (queue depth and spin of the hand-off
+    queues, bucket size, weight slots, offloaded stash; see `Tuning`)."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
                  optimizer: OptimizerFactory, plan: Plan | str, schedule: str = "pipedream",
                  chunks: int = 1, timeout: float = 300.0, trace: bool = False,
-                 seed: int = 0) -> None:
+                 seed: int = 0, *, tuning: Tuning | None = None) -> None:
         check_trainable(schedule)
         self.plan = Plan.load(plan) if isinstance(plan, str) else plan
         self.schedule_name = resolve_schedule(schedule, self.plan)
@@ -262,6 +266,9 @@ class LocalPipeline:
         self.timeout = timeout
         self.trace = trace
         self.seed = seed  # the loader's shuffling, per (seed, epoch), as in Pipeline
+        self.tuning = tuning or Tuning()
+        for param in model.parameters():  # where each stage's weight ring will live
+            self.tuning.check_device(param.device)
         self._epoch = 0
         self._names = original_names(model)
         chain = trace_model(model)
@@ -288,7 +295,8 @@ class LocalPipeline:
             key = (stage, rank)
             if key not in self._runtimes:
                 self._runtimes[key] = stage_runtime(self.plan, stage, rank, self._modules[key],
-                                                    self._optimizer, schedule, self._loss_fn)
+                                                    self._optimizer, schedule, self._loss_fn,
+                                                    tuning=self.tuning)
             check_runtime_fits(self._runtimes[key], schedule, rank)
             out[stage] = self._runtimes[key]
         return out
@@ -350,7 +358,8 @@ class LocalPipeline:
         runtimes = {rank: self._runtimes_of(rank, schedule) for rank in ranks}
         feed = MicrobatchFeed(itertools.chain([first], batches), self.chunks,
                               feed_uses(schedule, ranks))
-        hub = ThreadHub(schedule.num_ranks, self.timeout)
+        hub = ThreadHub(schedule.num_ranks, self.timeout, depth=self.tuning.thread_queue_depth,
+                        spin_us=self.tuning.spin_us)
         stop = threading.Event()
         executors = []
         for rank in ranks:

@@ -54,6 +54,7 @@ from pipedream_fast.training import (EpochBatches, MicrobatchFeed, StepTracker, 
                                      batch_size, fingerprint, pad_batch, split_microbatches,
                                      stage_runtime,
                                      steps_for, target_spec, to_device)
+from pipedream_fast.tuning import Tuning
 
 
 
@@ -138,6 +139,9 @@ class Pipeline:
     scaling); `clip_grad_norm` clips by the norm of all stages' gradients; weights used by two
     stages (tied embeddings) have their gradients summed across those stages before each
     update. These three agree across stages before updates, which needs a synchronous schedule.
+
+    `tuning`: the core's speed knobs (queue depth, spinning, bucket size, weight slots,
+    receive pool, offloaded stash; see `Tuning` and TUNING.md); they never change results.
     """
 
     def __init__(self, model: nn.Module | Callable[[], nn.Module],
@@ -152,8 +156,8 @@ class Pipeline:
                  checkpoint_every: int | None = None, checkpoint_keep: int = 3,
                  example_inputs: Any = None,
                  timeout: float = 300.0, trace: bool = False,
-                 leaf_modules: Sequence[Any] = (), device: str | torch.device | None = None
-                 ) -> None:
+                 leaf_modules: Sequence[Any] = (), device: str | torch.device | None = None,
+                 tuning: Tuning | None = None) -> None:
         check_trainable(schedule)
         if chunks is not None and chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
@@ -183,6 +187,8 @@ class Pipeline:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = torch.device(device) if device is not None else _default_device()
+        self.tuning = tuning or Tuning()
+        self.tuning.check_device(self.device)
         self.schedule_name = schedule
         self.microbatch_size = microbatch_size
         self.chunks = chunks
@@ -355,7 +361,10 @@ class Pipeline:
         all-reduce groups, released with the Pipeline. Collective."""
         assert self.plan is not None
         transport = ProcessTransport([s.ranks for s in self.plan.stages] if stage_groups else [],
-                                     self.timeout, device=self.device, group=group)
+                                     self.timeout, device=self.device, group=group,
+                                     depth=self.tuning.process_queue_depth,
+                                     spin_us=self.tuning.spin_us,
+                                     recv_pool=self.tuning.recv_pool)
         self._resources.transports.append(transport)
         return transport
 
@@ -417,7 +426,7 @@ class Pipeline:
             if index not in self._runtimes:
                 self._runtimes[index] = stage_runtime(
                     self.plan, index, self.rank, module, self._optimizers.get(index), schedule,
-                    self.loss_fn, self._schedulers.get(index), self.precision)
+                    self.loss_fn, self._schedulers.get(index), self.precision, self.tuning)
             check_runtime_fits(self._runtimes[index], schedule, self.rank)
         return self._runtimes
 

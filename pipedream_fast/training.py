@@ -26,6 +26,7 @@ from pipedream_fast.runtime.stage import OptimizerFactory, StageRuntime
 from pipedream_fast.schedules import TRAINABLE, kind, make_schedule
 from pipedream_fast.schedules.registry import splits_backward
 from pipedream_fast.tracing import LayerChain
+from pipedream_fast.tuning import Tuning
 
 
 def check_trainable(schedule: str) -> None:
@@ -386,14 +387,32 @@ def build_schedule(plan: Plan, name: str, steps: int, chunks: int) -> Schedule:
     return schedule
 
 
+def ring_slots(schedule: Schedule, rank: int, tuning: Tuning) -> int:
+    """The weight-version slots of `rank`'s stages: what the schedule keeps there, or
+    `tuning.weight_slots`. Too few is checked against the rank that keeps the most, so every
+    rank refuses alike (none trains on, waiting for a peer that gave up)."""
+    if tuning.weight_slots is None:
+        return schedule.max_versions[rank]
+    most = max(range(schedule.num_ranks), key=lambda r: schedule.max_versions[r])
+    need = schedule.max_versions[most]
+    if tuning.weight_slots < need:
+        raise ValueError(f"weight_slots={tuning.weight_slots} is too few: schedule "
+                         f"{schedule.name!r} keeps {need} weight versions at once (on rank "
+                         f"{most}); use weight_slots >= {need}, or None for what the schedule "
+                         f"needs")
+    return tuning.weight_slots
+
+
 def stage_runtime(plan: Plan, stage: int, rank: int, module: nn.Module,
                   optimizer: torch.optim.Optimizer | OptimizerFactory | None, schedule: Schedule,
                   loss_fn: Callable[[Any, Any], torch.Tensor], scheduler: Any = None,
-                  precision: str = "fp32") -> StageRuntime:
-    return StageRuntime(stage, module, optimizer, slots=schedule.max_versions[rank],
+                  precision: str = "fp32", tuning: Tuning | None = None) -> StageRuntime:
+    tuning = tuning or Tuning()
+    return StageRuntime(stage, module, optimizer, slots=ring_slots(schedule, rank, tuning),
                         is_first=stage == 0, is_last=stage == len(plan.stages) - 1,
                         loss_fn=loss_fn, split_backward=splits_backward(schedule.name),
-                        scheduler=scheduler, precision=precision)
+                        scheduler=scheduler, precision=precision,
+                        offload_stash=tuning.offload_stash, bucket_bytes=tuning.bucket_bytes)
 
 
 def check_backend(schedule: Schedule, backend: str) -> None:

@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from pipedream_fast.formats import Plan, Profile
 from pipedream_fast.models import (BUILTIN_MODELS, ModelSpecError, build_model, loss_fn,
                                    resolve_model)
 from pipedream_fast.schedules import TRAINABLE, kind
+from pipedream_fast.tuning import OFFLOAD_NEEDS_CUDA, Tuning, TuningError
 
 # Per dataset: the model it goes with and the hyperparameters of its default run. The digits
 # defaults end at 97.5-98.1% test accuracy after 10 epochs of pipedream on 2 processes (seeds
@@ -121,6 +122,26 @@ def register(subparsers: Any) -> None:
                           "(default), or its update is skipped (synchronous schedules)")
     opt.add_argument("--torch-threads", type=int, default=1,
                      help="intra-op threads per rank (default 1: ranks share the cores)")
+    knobs = parser.add_argument_group(
+        "tuning", "speed knobs of the core: they change speed or memory, never results "
+                  "(TUNING.md says when to change them)")
+    knobs.add_argument("--queue-depth", type=int, default=None, metavar="N",
+                       help="messages queued per link and direction before a send blocks "
+                            "(default: 8 between processes, 64 between threads)")
+    knobs.add_argument("--spin-us", type=float, default=0.0, metavar="US",
+                       help="microseconds a waiting queue spins before blocking; only when "
+                            "each rank has a core of its own (default 0: block at once)")
+    knobs.add_argument("--bucket-mb", type=float, default=Tuning.bucket_mb, metavar="MIB",
+                       help=f"gradient all-reduce bucket size in MiB for replicated stages "
+                            f"(default {Tuning.bucket_mb:g})")
+    knobs.add_argument("--weight-slots", type=int, default=None, metavar="K",
+                       help="weight-version slots per stage; at least what the schedule keeps "
+                            "(default: exactly that)")
+    knobs.add_argument("--recv-pool", type=int, default=Tuning.recv_pool, metavar="N",
+                       help=f"receive buffer sets pooled per link between processes "
+                            f"(default {Tuning.recv_pool})")
+    knobs.add_argument("--offload-stash", action="store_true",
+                       help="keep stashed weight versions in pinned host memory (GPU runs only)")
     out = parser.add_argument_group("output")
     out.add_argument("--out", default=None, metavar="DIR",
                      help="run directory (default: runs/<timestamp>)")
@@ -154,6 +175,7 @@ class Settings:
     target: float | None
     plan_file: Plan | None
     notes: list[str]
+    tuning: Tuning
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
@@ -218,6 +240,8 @@ def settings(args: argparse.Namespace) -> Settings:
     chunks = args.chunks
     if chunks is None and schedule != "auto":
         chunks = workers if kind(schedule).chunked_steps else 1
+    tuning = _tuning(args, on_gpus=args.threads is None and torch.cuda.is_available()
+                     and torch.cuda.device_count() >= workers)
     if args.compare == "data-parallel" and schedule == "data-parallel":
         raise UsageError("--compare data-parallel compares a pipeline schedule with data "
                          "parallelism; --schedule is data-parallel already")
@@ -226,7 +250,23 @@ def settings(args: argparse.Namespace) -> Settings:
                     optimizer=args.optimizer or defaults["optimizer"],
                     lr=args.lr if args.lr is not None else defaults["lr"],
                     workers=workers, threads=args.threads is not None, schedule=schedule,
-                    chunks=chunks, target=target, plan_file=plan_file, notes=notes)
+                    chunks=chunks, target=target, plan_file=plan_file, notes=notes,
+                    tuning=tuning)
+
+
+def _tuning(args: argparse.Namespace, on_gpus: bool) -> Tuning:
+    """The tuning flags as a `Tuning`; a bad value is reported under its flag. `on_gpus`:
+    the ranks will train on GPUs (processes, one GPU each: what `launch` picks)."""
+    try:
+        tuning = Tuning(queue_depth=args.queue_depth, spin_us=args.spin_us,
+                        bucket_mb=args.bucket_mb, weight_slots=args.weight_slots,
+                        recv_pool=args.recv_pool, offload_stash=args.offload_stash)
+    except TuningError as err:
+        raise UsageError(f"--{err.field.replace('_', '-')}: {err}") from None
+    if tuning.offload_stash and not on_gpus:
+        raise UsageError(f"--offload-stash: {OFFLOAD_NEEDS_CUDA}, and this run trains on the "
+                         f"CPU (it needs a GPU per rank, and processes, not --threads)")
+    return tuning
 
 
 # ---- profile, plan, simulate -----------------------------------------------------------------
@@ -405,7 +445,7 @@ def _base_config(s: Settings, args: argparse.Namespace) -> dict[str, Any]:
         "model": s.model, "data": s.data, "batch_size": s.batch_size,
         "eval_batch_size": s.batch_size, "epochs": s.epochs, "steps": s.steps,
         "optimizer": s.optimizer, "lr": s.lr, "seed": args.seed, "timeout": args.timeout,
-        "on_nan": args.on_nan,
+        "on_nan": args.on_nan, "tuning": asdict(s.tuning),
         "torch_threads": args.torch_threads, "target": s.target, "synthetic": None}
     if s.data == "synthetic":
         try:
@@ -564,10 +604,28 @@ def _summary(s: Settings, setups: list[RunSetup], histories: list[Any],
     rows.append(("first step", per(lambda st, h, f: f"{h.first_step_s:.2f} s (start-up, "
                                                    f"not in samples/s)"
                                    if h.first_step_s is not None else "-")))
+    delays = rr.traced_weight_delays(outcomes[0], setups[0].sim_window)  # the traced run
+    if delays is not None:
+        rows.append(("weight delay",
+                     [rr.weight_delay_text(delays)] + ["-"] * (len(setups) - 1)))
+    changed = _changed_knobs(s.tuning)
+    if changed:
+        rows.append(("tuning", [changed] * len(setups)))
     table = rr.summary_table(f"pipedream-fast train: {s.model} on {s.data}", columns, rows)
     table.caption = (f"wall time {wall_s:.1f} s (loading, profiling, planning, start-up, "
                      f"training, evaluation, writing); run directory {run_dir}")
     return table
+
+
+def _changed_knobs(tuning: Tuning) -> str:
+    """The knobs set away from their defaults, as their flags: `--queue-depth 2, ...`."""
+    default = Tuning()
+    flags = []
+    for name, value in asdict(tuning).items():
+        if value != getattr(default, name):
+            flag = f"--{name.replace('_', '-')}"
+            flags.append(flag if value is True else f"{flag} {value:g}")
+    return ", ".join(flags)
 
 
 def _summary_json(s: Settings, setups: list[RunSetup], histories: list[Any],
@@ -586,7 +644,10 @@ def _summary_json(s: Settings, setups: list[RunSetup], histories: list[Any],
             "test_loss": final.get("loss"), "test_accuracy": final.get("accuracy"),
             "time_to_target_s": h.target_reached_s, "target_step": h.target_reached_step,
             "rank_stats": {r["rank"]: r.get("stats", {}) for r in results}})
+    from pipedream_fast import run_report as rr
+    runs[0]["weight_delays"] = rr.traced_weight_delays(outcomes[0], setups[0].sim_window)
     return {"model": s.model, "data": s.data, "batch_size": s.batch_size,
             "optimizer": s.optimizer, "lr": s.lr, "workers": s.workers,
             "ranks_as": "threads" if s.threads else "processes", "target_accuracy": s.target,
+            "tuning": asdict(s.tuning),
             "wall_s": wall_s, "run_dir": os.fspath(run_dir), "files": files, "runs": runs}

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from pipedream_fast.formats import Plan
 from pipedream_fast.models import accuracy, build_model, loss_fn
+from pipedream_fast.tuning import Tuning
 
 
 class SyntheticData(torch.utils.data.Dataset):
@@ -68,6 +69,11 @@ def loaders(config: dict[str, Any]) -> tuple[DataLoader, DataLoader]:
     train = DataLoader(train_data, batch_size=config["batch_size"],
                        shuffle=config["data"] != "synthetic", drop_last=True)
     return train, DataLoader(test_data, batch_size=config["eval_batch_size"])
+
+
+def tuning(config: dict[str, Any]) -> Tuning:
+    """The run's speed knobs (the defaults where the config has none)."""
+    return Tuning(**config.get("tuning", {}))
 
 
 def optimizer_factory(name: str, lr: float) -> Callable[[Any], torch.optim.Optimizer]:
@@ -186,7 +192,7 @@ def _rank_job(rank: int, world: int, config: dict[str, Any], queue: Any) -> dict
     pipe = Pipeline(build(config), loss_fn, optimizer_factory(config["optimizer"], config["lr"]),
                     plan=Plan.from_dict(config["plan"]), schedule=config["schedule"],
                     chunks=config["chunks"], seed=config["seed"], timeout=config["timeout"],
-                    on_nan=config.get("on_nan", "stop"))
+                    on_nan=config.get("on_nan", "stop"), tuning=tuning(config))
     emit = queue.put if rank == config["reporter"] else (lambda event: None)
     try:
         outcome = train_loop(pipe, train, config, emit,
@@ -277,7 +283,7 @@ def train_threads(config: dict[str, Any], handle: Callable[[dict[str, Any]], Non
     pipe = LocalPipeline(build(config), loss_fn,
                          optimizer_factory(config["optimizer"], config["lr"]), plan,
                          schedule=config["schedule"], chunks=config["chunks"],
-                         timeout=config["timeout"], seed=config["seed"])
+                         timeout=config["timeout"], seed=config["seed"], tuning=tuning(config))
     evaluator = build(config)
 
     def evaluate() -> dict[str, float]:

@@ -104,7 +104,8 @@ class Executor:
                 def start(tensors: list[torch.Tensor], ranks: tuple[int, ...] = ranks) -> PendingReduce:
                     return transport.allreduce(ranks, tensors)
                 if stage.buckets is None:
-                    stage.buckets = GradientBuckets(stage.params, stage.grads, start)
+                    stage.buckets = GradientBuckets(stage.params, stage.grads, start,
+                                                    stage.bucket_bytes)
                 stage.buckets.start_reduce = start
 
     # --- helpers -------------------------------------------------------------------------

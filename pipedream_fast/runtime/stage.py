@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pipedream_fast import _C
-from pipedream_fast.runtime.buckets import GradientBuckets
+from pipedream_fast.runtime.buckets import DEFAULT_BUCKET_BYTES, GradientBuckets
 from pipedream_fast.runtime.split_backward import (Call, CallRecorder, input_part, splittable,
                                                    weight_part)
 
@@ -56,7 +56,11 @@ class StageRuntime:
                  slots: int, is_first: bool, is_last: bool,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                  split_backward: bool = False, scheduler: Any = None,
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", offload_stash: bool = False,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        """`slots`: weight versions the ring holds; `offload_stash`: they live in pinned host
+        memory (CUDA weights only); `bucket_bytes`: the all-reduce bucket size when the stage
+        is replicated (see `Tuning`)."""
         self.stage = stage
         self.module = module
         self.is_first = is_first
@@ -80,8 +84,9 @@ class StageRuntime:
         self.grads: list[torch.Tensor] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self.buckets: GradientBuckets | None = None  # set up when the stage is replicated
+        self.bucket_bytes = bucket_bytes
         if self.params:
-            self.ring = _C.WeightRing(self.params, max(1, slots))
+            self.ring = _C.WeightRing(self.params, max(1, slots), offload_stash)
             self.grads = self.ring.attach_grad_buffers()
             if optimizer is None:
                 raise ValueError("an optimizer factory is needed for a stage with parameters")

@@ -30,6 +30,8 @@ from pipedream_fast import _C
 
 ACTIVATION = _C.Channel.ACTIVATION
 GRADIENT = _C.Channel.GRADIENT
+# Messages queued per link between threads: cheap (tensors are handed over, not copied).
+THREAD_QUEUE_DEPTH = 64
 
 
 class PendingReduce(Protocol):
@@ -79,18 +81,22 @@ class ProcessTransport:
     """
 
     def __init__(self, stage_groups: Sequence[Sequence[int]], timeout_s: float,
-                 device: torch.device | None = None, group: Any = None) -> None:
+                 device: torch.device | None = None, group: Any = None, *,
+                 depth: int = _C.CommEngine.DEFAULT_DEPTH, spin_us: float = 0.0,
+                 recv_pool: int = _C.CommEngine.DEFAULT_RECV_POOL) -> None:
         """`group`: the process group of every rank that carries the point-to-point traffic
         (default: the default group). A transport negotiates each link's tensor shapes on
-        its first message, so traffic of other shapes (evaluation) uses its own group."""
+        its first message, so traffic of other shapes (evaluation) uses its own group.
+        `depth`, `spin_us`, `recv_pool`: the engine's speed knobs (see `Tuning`)."""
         if not dist.is_initialized():
             raise RuntimeError("ProcessTransport needs torch.distributed to be initialised "
                                "(run under torchrun or pipedream_fast.launch)")
         self.rank = dist.get_rank()
         if group is None:
             group = dist.distributed_c10d._get_default_group()
-        self._engine = _C.CommEngine(group, timeout=timeout_s,
-                                     device=device or torch.device("cpu"))
+        self._engine = _C.CommEngine(group, timeout=timeout_s, depth=depth,
+                                     device=device or torch.device("cpu"), spin_us=spin_us,
+                                     recv_pool=recv_pool)
         self._closed = False
         self._groups: dict[tuple[int, ...], Any] = {}
         for ranks in stage_groups:
@@ -140,12 +146,14 @@ class ThreadHub:
 
     `close()` stops the run: every queue and all-reduce, existing or made later (the hub
     remembers it is closed), wakes its waiters with an error at once. Every wait is bounded
-    by `timeout_s`."""
+    by `timeout_s`. `depth` and `spin_us` are the queues' capacity and spin (see `Tuning`)."""
 
-    def __init__(self, world_size: int, timeout_s: float, depth: int = 64) -> None:
+    def __init__(self, world_size: int, timeout_s: float, depth: int = THREAD_QUEUE_DEPTH,
+                 spin_us: float = 0.0) -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self._depth = depth
+        self.depth = depth
+        self.spin_us = spin_us
         self._lock = threading.Lock()
         self._closed = False
         self._queues: dict[tuple[int, int, int, int], _C.ActivationQueue] = {}
@@ -162,8 +170,9 @@ class ThreadHub:
         with self._lock:
             if key not in self._queues:
                 q = _C.ActivationQueue(
-                    self._depth,
-                    f"{channel.name.lower()} from rank {src} to rank {dst} for stage {stage}")
+                    self.depth,
+                    f"{channel.name.lower()} from rank {src} to rank {dst} for stage {stage}",
+                    self.spin_us)
                 if self._closed:
                     q.close()
                 self._queues[key] = q

@@ -274,3 +274,43 @@ TEST(CommEngine, ShutdownStopsIdleLinksAndRefusesNewWork) {
   pair.a.shutdown(1.0);
   EXPECT_THROW(pair.a.send(1, Channel::kActivation, 1, 0, {at::zeros(1)}), QueueClosed);
 }
+
+TEST(CommEngine, KnobsChangeHowMessagesTravelNeverWhatArrives) {
+  // Depth 1, spinning queues and a pool of one buffer set: while the receiver holds every
+  // tensor it got, each receive must come in a fresh buffer, never overwrite a held one.
+  auto box = std::make_shared<Mailbox>();
+  CommEngine a(c10::make_intrusive<LoopbackGroup>(box, 0, 2), 5.0, /*depth=*/1, at::kCPU,
+               /*spin_us=*/20.0, /*recv_pool=*/1);
+  CommEngine b(c10::make_intrusive<LoopbackGroup>(box, 1, 2), 5.0, /*depth=*/1, at::kCPU,
+               /*spin_us=*/20.0, /*recv_pool=*/1);
+  EXPECT_EQ(b.depth(), 1);
+  EXPECT_EQ(b.spin_us(), 20.0);
+  EXPECT_EQ(b.recv_pool(), 1);
+  constexpr int kMicrobatches = 20;
+  std::thread rank0([&] {
+    for (int mb = 0; mb < kMicrobatches; ++mb) {
+      a.send(1, Channel::kActivation, 1, mb, {at::full({4}, static_cast<float>(mb))});
+    }
+    a.flush();
+  });
+  std::vector<at::Tensor> held;
+  for (int mb = 0; mb < kMicrobatches; ++mb) b.post_recv(0, Channel::kActivation, 1, mb);
+  for (int mb = 0; mb < kMicrobatches; ++mb) {
+    held.push_back(b.wait_recv(0, Channel::kActivation, 1, mb).at(0));
+  }
+  rank0.join();
+  for (int mb = 0; mb < kMicrobatches; ++mb) {
+    EXPECT_TRUE(held[mb].equal(at::full({4}, static_cast<float>(mb)))) << "microbatch " << mb;
+  }
+}
+
+TEST(CommEngine, RejectsKnobsOutOfRange) {
+  auto group = c10::make_intrusive<LoopbackGroup>(std::make_shared<Mailbox>(), 0, 2);
+  EXPECT_THROW(CommEngine(group, 5.0, /*depth=*/0), std::invalid_argument);
+  EXPECT_THROW(CommEngine(group, 5.0, 8, at::kCPU, /*spin_us=*/-1.0), std::invalid_argument);
+  EXPECT_THROW(CommEngine(group, 5.0, 8, at::kCPU, 0.0, /*recv_pool=*/0), std::invalid_argument);
+  CommEngine defaults(group, 5.0);
+  EXPECT_EQ(defaults.depth(), CommEngine::kDefaultDepth);
+  EXPECT_EQ(defaults.recv_pool(), CommEngine::kDefaultRecvPool);
+  EXPECT_EQ(defaults.spin_us(), 0.0);
+}

@@ -1,0 +1,125 @@
+"""`Tuning`: the core's speed knobs, in one place, for `Pipeline`, `LocalPipeline` and the CLI.
+
+    pipe = Pipeline(model, loss_fn, optimizer, schedule="pipedream",
+                    tuning=Tuning(queue_depth=2, spin_us=50))
+
+Every knob changes how fast a run goes or how much memory it holds, never what it computes:
+the same seed gives the same losses and weights whatever the knobs (the tests check it). The
+defaults are what the runtime does without a `Tuning`. TUNING.md says when to change each one,
+and bench/knobs.py measures them on model A.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipedream_fast import _C
+from pipedream_fast.runtime.buckets import DEFAULT_BUCKET_BYTES
+from pipedream_fast.runtime.transport import THREAD_QUEUE_DEPTH
+
+MIB = 1024 * 1024
+
+OFFLOAD_NEEDS_CUDA = ("offload_stash moves stashed weight versions to pinned host memory; it "
+                      "needs device='cuda'")
+
+
+class TuningError(ValueError):
+    """A knob with a bad value; `field` names it (the CLI turns it into its flag)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Speed knobs of the C++ core; see the docstring of each field."""
+
+    queue_depth: int | None = None
+    """Messages queued per link and direction before a send blocks. None: 8 between processes
+    (the CommEngine's default), 64 between threads (LocalPipeline). Raise it when a rank's
+    trace shows sends waiting for room; lower it to bound the memory held by messages in
+    flight. Any depth >= 1 is safe: validated schedules never need more than one."""
+
+    spin_us: float = 0.0
+    """Microseconds a waiting queue spins (watching for its message) before it blocks. A spin
+    skips the OS wake-up (tens of microseconds) when the other side is quick. Only for ranks
+    that each own a core (or more): on shared cores spinning steals the peer's time. 0: block
+    at once."""
+
+    bucket_mb: float = DEFAULT_BUCKET_BYTES / MIB
+    """Size in MiB of the gradient buckets a replicated stage all-reduces during backward
+    (as DDP's bucket_cap_mb). Smaller buckets start reducing earlier and overlap more of the
+    backward, at more collectives per step; larger ones amortise each collective's latency.
+    Only replicated stages have buckets."""
+
+    weight_slots: int | None = None
+    """Weight-version slots of each stage's ring (weight stashing). None: as many as the
+    schedule keeps at once. Fewer than that is refused; more only costs memory (one copy of
+    the stage's weights per slot)."""
+
+    recv_pool: int = _C.CommEngine.DEFAULT_RECV_POOL
+    """Receive buffer sets pooled per link. Received tensors come from the pool once nobody
+    holds them any more, so steady state allocates nothing while the pool covers the messages
+    a stage holds at once; lower it to cap the memory of a link with large activations."""
+
+    offload_stash: bool = False
+    """Keep stashed weight versions in pinned host memory instead of GPU memory, copied on a
+    side stream (GPU only: needs device='cuda'). For models whose stashed versions do not fit
+    in GPU memory; costs a host-device copy per version."""
+
+    def __post_init__(self) -> None:
+        if self.queue_depth is not None and not _is_int_at_least(self.queue_depth, 1):
+            raise TuningError("queue_depth", f"queue_depth must be an integer >= 1 (messages "
+                                             f"queued per link and direction), or None for the "
+                                             f"transport's default; got {self.queue_depth!r}")
+        if not _is_finite_at_least(self.spin_us, 0.0):
+            raise TuningError("spin_us", f"spin_us must be a finite number of microseconds >= "
+                                         f"0 (0: block at once); got {self.spin_us!r}")
+        if not _is_finite_at_least(self.bucket_mb, 0.0) or self.bucket_mb == 0:
+            raise TuningError("bucket_mb", f"bucket_mb must be a positive finite size in MiB "
+                                           f"(25 by default, like DDP's bucket_cap_mb); got "
+                                           f"{self.bucket_mb!r}")
+        if self.weight_slots is not None and not _is_int_at_least(self.weight_slots, 1):
+            raise TuningError("weight_slots", f"weight_slots must be an integer >= 1, or None "
+                                              f"for as many as the schedule keeps; got "
+                                              f"{self.weight_slots!r}")
+        if not _is_int_at_least(self.recv_pool, 1):
+            raise TuningError("recv_pool", f"recv_pool must be an integer >= 1 (receive buffer "
+                                           f"sets kept per link); got {self.recv_pool!r}")
+        if not isinstance(self.offload_stash, bool):
+            raise TuningError("offload_stash", f"offload_stash must be True or False; got "
+                                               f"{self.offload_stash!r}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * MIB))
+
+    @property
+    def process_queue_depth(self) -> int:
+        """The queue depth of a CommEngine link (ranks as processes)."""
+        return _C.CommEngine.DEFAULT_DEPTH if self.queue_depth is None else self.queue_depth
+
+    @property
+    def thread_queue_depth(self) -> int:
+        """The queue depth of a ThreadHub link (ranks as threads)."""
+        return THREAD_QUEUE_DEPTH if self.queue_depth is None else self.queue_depth
+
+    def check_device(self, device: torch.device) -> None:
+        """Refuses offload_stash for weights that do not live on a GPU."""
+        if self.offload_stash and device.type != "cuda":
+            raise TuningError("offload_stash", f"{OFFLOAD_NEEDS_CUDA} (the stage's weights are "
+                                               f"on {device})")
+
+
+def _is_int_at_least(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _is_finite_at_least(value: Any, low: float) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= low)
