@@ -178,6 +178,24 @@ def pipelining_rows(data: dict[str, Any]) -> list[str]:
             f"1f1b at least 1.2x Schedule1F1B: {verdict} | `bench/results/vs_pipelining.md` |"]
 
 
+def accuracy_rows(data: dict[str, Any]) -> list[str]:
+    if data.get("skipped") or not data.get("rows"):
+        return []
+    parts = []
+    for rate in data["rates"]:
+        here = {r["contender"]: r for r in data["rows"] if r["rate"] == rate}
+        times = {c: (r["reached_s"], "") if r["reached_s"] is not None else
+                 (r["projected_s"], " projected") for c, r in here.items()}
+        if {"ddp", "pipedream"} <= set(times) and None not in (times["ddp"][0],
+                                                                 times["pipedream"][0]):
+            (ddp, how_d), (pd, how_p) = times["ddp"], times["pipedream"]
+            parts.append(f"{rate}: DDP {ddp:.0f} s{how_d}, `pipedream` {pd:.0f} s{how_p} "
+                         f"({ddp / pd:.1f}x)")
+    return [f"| time to {data['target'] * 100:.0f}% test accuracy on digits (wide MLP), "
+            f"`pipedream` against DDP | {'; '.join(parts) or 'see the file'} | - | "
+            f"`bench/results/time_to_accuracy.md` |"]
+
+
 def generic_row(name: str, claim: str) -> Callable[[Any], list[str]]:
     """A benchmark whose JSON carries its own `summary` line (and `goal` verdict)."""
     def rows(data: Any) -> list[str]:
@@ -190,8 +208,7 @@ def generic_row(name: str, claim: str) -> Callable[[Any], list[str]]:
 
 SECTIONS: tuple[tuple[str, Callable[[Any], list[str]]], ...] = (
     ("vs_ddp", ddp_rows),
-    ("time_to_accuracy", generic_row("time_to_accuracy", "time to the same test accuracy, "
-                                     "`pipedream` against DDP, digits")),
+    ("time_to_accuracy", accuracy_rows),
     ("vs_pipelining", pipelining_rows),
     ("sim_accuracy", sim_rows),
     ("overhead", overhead_rows),

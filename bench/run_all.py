@@ -1,7 +1,7 @@
 """The benchmark suite in one command: every comparison of the project's claims, one after the
 other on the same machine, then the plots and the README's results table from what they wrote.
 
-    python bench/run_all.py                  # about 20 minutes on 2 cores
+    python bench/run_all.py                  # about 25 minutes on 2 cores
     python bench/run_all.py --only vs_ddp,sim_accuracy
     python bench/run_all.py --smoke --results /tmp/smoke   # the smallest settings: does it run?
 
@@ -43,19 +43,20 @@ SUITE = (
     Benchmark("overhead", "overhead.py", ("--steps", "200", "--repeat", "3"),
               ("--steps", "10", "--repeat", "1"), 1.0,
               "executor cost per action against plain isend/irecv"),
-    Benchmark("sim_accuracy", "sim_accuracy.py", ("--steps", "10"),
-              ("--steps", "6", "--only", "pipedream,data-parallel"), 4.0,
+    Benchmark("sim_accuracy", "sim_accuracy.py", ("--steps", "8"),
+              ("--steps", "6", "--only", "pipedream,data-parallel"), 3.0,
               "simulator within 10% of the runtime for every trainable schedule"),
     Benchmark("vs_pipelining", "vs_pipelining.py", ("--quick",),
               ("--quick", "--steps", "4", "--repeats", "1"), 3.5,
               "1f1b at least 1.2x torch.distributed.pipelining's Schedule1F1B"),
     Benchmark("knobs", "knobs.py", ("--quick",), ("--quick", "--steps", "4"), 3.5,
               "each knob of the core, swept on model A"),
-    Benchmark("vs_ddp", "vs_ddp.py", ("--scale", "0.6", "--retries", "0"),
+    Benchmark("vs_ddp", "vs_ddp.py", ("--scale", "0.5", "--retries", "0"),
               ("--models", "convs", "--rates", "1gbit", "--scale", "0.1", "--retries", "0"),
-              7.0, "pipedream against DDP at 10/1/0.1 Gbit/s; the balanced-pipeline limit"),
-    Benchmark("time_to_accuracy", "time_to_accuracy.py", ("--quick",),
-              ("--quick", "--cap-s", "20"), 4.0,
+              6.0, "pipedream against DDP at 10/1/0.1 Gbit/s; the balanced-pipeline limit"),
+    # Full caps: DDP at 100 Mbit/s reaches the target for real instead of being projected.
+    Benchmark("time_to_accuracy", "time_to_accuracy.py", (),
+              ("--quick", "--cap-s", "20"), 7.0,
               "time to the same test accuracy, pipedream against DDP on slow links"),
 )
 
