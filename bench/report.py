@@ -134,14 +134,25 @@ def ddp_rows(data: dict[str, Any]) -> list[str]:
                    f"the planner picks {' / '.join(sorted(picks)) or '-'} | the planner picks "
                    f"data parallelism: {goal(picks == {'data parallel'})} | "
                    f"`bench/results/vs_ddp.md` |")
-    shares = [(r, by[("a", "pipedream", r)]["samples_per_s"] * views[("a", r)]["limit_ms"] / 32e3)
-              for r in rates if "limit_ms" in views.get(("a", r), {})]
-    if shares:
-        out.append(f"| `pipedream` against the balanced-pipeline limit (profile: all the work "
-                   f"split evenly, free links), {' / '.join(r for r, _ in shares)} | "
-                   f"{' / '.join(f'{s:.2f}' for _, s in shares)} of it | at least 0.9 at every "
-                   f"bandwidth: {goal(all(s >= 0.9 for _, s in shares))} | "
-                   f"`bench/results/vs_ddp.md` |")
+    alone = {(a["model"], a["rate"]): a["samples_per_s"] for a in data.get("one_rank_alone", [])}
+
+    def share(contender: str, rate: str) -> float | None:
+        """Of the balanced-pipeline limit: 2 x one rank alone, measured next to the run."""
+        row, single = by.get(("a", contender, rate)), alone.get(("a", rate))
+        if row is None or single is None:
+            return None
+        return float(row["samples_per_s"] / (2 * single))
+
+    for contender, what in (("pipedream", "conv/fc cut"),
+                            ("pipedream-balanced", "the profile's balanced cut")):
+        shares = [(r, v) for r in rates if (v := share(contender, r)) is not None]
+        if shares:
+            out.append(f"| `pipedream` ({what}) against the balanced-pipeline limit (2 x one "
+                       f"rank alone, measured next to it), "
+                       f"{' / '.join(r for r, _ in shares)} | "
+                       f"{' / '.join(f'{v:.2f}' for _, v in shares)} of it | at least 0.9 at "
+                       f"every bandwidth: {goal(all(v >= 0.9 for _, v in shares))} | "
+                       f"`bench/results/vs_ddp.md` |")
     errors = [(r, (views[("a", r)]["ddp_ms"] * by[("a", "ddp", r)]["samples_per_s"] / 32e3 - 1)
                * 100) for r in rates if "ddp_ms" in views.get(("a", r), {})]
     if errors:
@@ -196,14 +207,17 @@ def accuracy_rows(data: dict[str, Any]) -> list[str]:
             f"`bench/results/time_to_accuracy.md` |"]
 
 
-def generic_row(name: str, claim: str) -> Callable[[Any], list[str]]:
-    """A benchmark whose JSON carries its own `summary` line (and `goal` verdict)."""
-    def rows(data: Any) -> list[str]:
-        if not isinstance(data, dict) or "summary" not in data:
-            return [f"| {claim} | see the file | - | `bench/results/{name}.md` |"]
-        return [f"| {claim} | {data['summary']} | {data.get('goal', '-')} | "
-                f"`bench/results/{name}.md` |"]
-    return rows
+def knob_rows(data: dict[str, Any]) -> list[str]:
+    spans = []
+    for knob in dict.fromkeys(r["knob"] for r in data["rows"]):
+        ratios = [r["vs_default"] for r in data["rows"]
+                  if r["knob"] == knob and r.get("vs_default") is not None
+                  and not str(r["label"]).endswith("(default)")]
+        if ratios:
+            spans.append(f"`{knob}` {min(ratios):.2f}-{max(ratios):.2f}x")
+    return [f"| each knob of the core swept on model A (samples/s against its default) | "
+            f"{'; '.join(spans)}; `offload_stash` GPU only | - | `bench/results/knobs.md`, "
+            f"`TUNING.md` |"]
 
 
 SECTIONS: tuple[tuple[str, Callable[[Any], list[str]]], ...] = (
@@ -212,7 +226,7 @@ SECTIONS: tuple[tuple[str, Callable[[Any], list[str]]], ...] = (
     ("vs_pipelining", pipelining_rows),
     ("sim_accuracy", sim_rows),
     ("overhead", overhead_rows),
-    ("knobs", generic_row("knobs", "each knob of the core swept on model A")),
+    ("knobs", knob_rows),
 )
 
 

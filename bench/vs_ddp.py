@@ -70,7 +70,10 @@ WORLD = 2
 LR = 0.01
 DEFAULT_RATES = ("10gbit", "1gbit", "100mbit")
 CONTENDERS = ("ddp", "pipedream", "2bw", "1f1b")
-CHUNKS = {"pipedream": 1, "2bw": 2, "1f1b": 2}
+# `pipedream` on the cut the profile balances best, where that is not the fixed conv | fc cut:
+# how close the runtime gets to the balanced-pipeline limit with the split the planner picks.
+BALANCED = "pipedream-balanced"
+CHUNKS = {"pipedream": 1, "2bw": 2, "1f1b": 2, BALANCED: 1}
 RESULT = "VS_DDP_RESULT "
 
 # (warm-up, measured) steps. DDP moves every gradient (140 MB for model A) per step, so its
@@ -188,6 +191,25 @@ def breakdown(events: list[Any], begin_s: float, end_s: float, batches: int) -> 
     return {part: ms / batches for part, ms in parts.items()}
 
 
+def one_rank_rate(model_name: str, warmup: int = 3, measured: int = 8) -> float:
+    """Samples/s of the whole model trained in this process with one thread, the same batch
+    and SGD step as every contender: twice it is the balanced-pipeline limit of 2 ranks.
+    Measured next to the contenders, since this machine's speed drifts between runs."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = fixed_batch()
+    start = 0.0
+    for step in range(warmup + measured):
+        if step == warmup:
+            start = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return BATCH * measured / (time.perf_counter() - start)
+
+
 def ddp_rank(model_name: str, warmup: int, measured: int) -> Window:
     """DistributedDataParallel, this rank's half of the global batch of 32 per step."""
     from torch.nn.parallel import DistributedDataParallel
@@ -247,7 +269,8 @@ def worker_main(args: argparse.Namespace) -> int:
     if args.worker == "ddp":
         window = ddp_rank(args.model, args.warmup, args.measured)
     else:
-        window = pipeline_rank(args.model, args.worker, args.split, args.warmup, args.measured)
+        schedule = "pipedream" if args.worker == BALANCED else args.worker
+        window = pipeline_rank(args.model, schedule, args.split, args.warmup, args.measured)
     print(RESULT + json.dumps(window.__dict__), flush=True)
     return 0
 
@@ -331,6 +354,8 @@ class Measurement:
 def contender_label(name: str) -> str:
     if name == "ddp":
         return "DDP (gloo), 16 per rank"
+    if name == BALANCED:
+        return "pipedream_fast pipedream, balanced cut"
     chunks = CHUNKS[name]
     return f"pipedream_fast {name}" + (f", chunks={chunks}" if chunks > 1 else "")
 
@@ -399,15 +424,17 @@ def link_check(cluster: netcluster.Cluster) -> float:
 
 def run_all(models: list[str], rates: list[str], scale: float, retries: int, budget_s: float
             ) -> tuple[list[Measurement], dict[tuple[str, str], PlannerView], dict[str, int],
-                       dict[str, float]]:
+                       dict[str, float], dict[tuple[str, str], float]]:
     profiles = {m: profile(m) for m in models}
     per_replica = {m: profile(m, BATCH // WORLD) for m in models}
-    splits = {m: MODEL_A_SPLIT if m == "a" else balanced_split(profiles[m]) for m in models}
+    balanced = {m: balanced_split(profiles[m]) for m in models}
+    splits = {m: MODEL_A_SPLIT if m == "a" else balanced[m] for m in models}
     views = {(m, r): planner_view(profiles[m], per_replica[m], netcluster.parse_rate(r) or 10**12,
                                   splits[m])
              for m in models for r in rates}
     rows: list[Measurement] = []
     links: dict[str, float] = {}
+    alone: dict[tuple[str, str], float] = {}  # one rank's samples/s, measured per rate
     deadline = time.monotonic() + budget_s  # no more retries after it
     for rate in rates:
         with netcluster.Cluster(world=WORLD, rate=rate) as cluster:
@@ -415,23 +442,29 @@ def run_all(models: list[str], rates: list[str], scale: float, retries: int, bud
             print(f"[{rate}] link check: one TCP stream carries {links[rate]:.1f} MB/s",
                   flush=True)
             for model in models:
-                for contender in CONTENDERS:
-                    row = measure(cluster, model, contender, splits[model], rate, scale,
-                                  retries, deadline)
+                alone[(model, rate)] = one_rank_rate(model)
+                print(f"[{rate}] {model:5s} one rank alone, 1 thread: "
+                      f"{alone[(model, rate)]:.1f} samples/s", flush=True)
+                extra = (BALANCED,) if balanced[model] != splits[model] else ()
+                for contender in CONTENDERS + extra:
+                    split = balanced[model] if contender == BALANCED else splits[model]
+                    row = measure(cluster, model, contender, split, rate, scale, retries,
+                                  deadline)
                     rows.append(row)
                     print(f"[{rate}] {model:5s} {contender_label(contender):40s} "
                           f"{row.samples_per_s:7.1f} samples/s "
                           f"{row.bytes_per_sample / 1e6:8.3f} MB/sample "
                           f"({row.warmup}+{row.measured} steps, {row.wall_s:.0f} s, others took "
                           f"{row.other_cores:.2f} cores)", flush=True)
-    return rows, views, splits, links
+    splits.update({f"{m} balanced": balanced[m] for m in models if balanced[m] != splits[m]})
+    return rows, views, splits, links, alone
 
 
 # ---- the report ----------------------------------------------------------------------------
 
 def markdown(rows: list[Measurement], views: dict[tuple[str, str], PlannerView],
-             splits: dict[str, int], links: dict[str, float], command: str,
-             total_s: float) -> str:
+             splits: dict[str, int], links: dict[str, float],
+             alone: dict[tuple[str, str], float], command: str, total_s: float) -> str:
     models = list(dict.fromkeys(r.model for r in rows))
     rates = list(dict.fromkeys(r.rate for r in rows))
     retried = sum(r.tries > 1 for r in rows)
@@ -461,7 +494,7 @@ def markdown(rows: list[Measurement], views: dict[tuple[str, str], PlannerView],
              f"{os.cpu_count()}). A run where others took more than {DISTURBED} cores was run "
              f"again and the less disturbed run kept ({retried} of {len(rows)} runs were).", ""]
     for model in models:
-        lines += model_section(model, rows, views, splits, rates)
+        lines += model_section(model, rows, views, splits, rates, alone)
     return "\n".join(lines) + "\n"
 
 
@@ -472,13 +505,17 @@ def steps_text(rows: list[Measurement], rate: str, contender: str) -> str:
 
 
 def model_section(model: str, rows: list[Measurement], views: dict[tuple[str, str], PlannerView],
-                  splits: dict[str, int], rates: list[str]) -> list[str]:
+                  splits: dict[str, int], rates: list[str],
+                  alone: dict[tuple[str, str], float]) -> list[str]:
     built = MODELS[model]()
-    split_name = list(dict(built.named_children()))[splits[model]]
+    names = list(dict(built.named_children()))
+    balanced = splits.get(f"{model} balanced")
+    also = (f" The balanced cut of this profile starts stage 1 at block {balanced} "
+            f"({names[balanced]}): `pipedream, balanced cut`." if balanced is not None else "")
     return [f"## {MODEL_TITLES[model]}", "",
             f"{sum(p.numel() for p in built.parameters()) / 1e6:.2f} M parameters "
             f"({parameter_bytes(built) / 1e6:.1f} MB); pipelines: 2 stages, stage 1 starts at "
-            f"block {splits[model]} ({split_name}).", "",
+            f"block {splits[model]} ({names[splits[model]]}).{also}", "",
             *measured_table(model, rows, views, rates), "",
             "The planner (PipeDream's dynamic program, schedule pipedream, topology "
             "`2x<rate/8 bytes/s>`, profile of this machine with 1 thread) against the "
@@ -487,29 +524,35 @@ def model_section(model: str, rows: list[Measurement], views: dict[tuple[str, st
             "choice is made at the pipeline's microbatch of 32, where a replica takes whole "
             "microbatches in turn:", "",
             *planner_table(model, rows, views, rates), "",
-            *limit_section(model, rows, views, rates)]
+            *limit_section(model, rows, views, rates, alone)]
 
 
 LIMIT_GOAL = 0.9  # of the balanced-pipeline limit, at every bandwidth
 
 
 def limit_section(model: str, rows: list[Measurement], views: dict[tuple[str, str], PlannerView],
-                  rates: list[str]) -> list[str]:
+                  rates: list[str], alone: dict[tuple[str, str], float]) -> list[str]:
     """`pipedream` against the machine's limit, and where each rank's time went."""
-    view = views[(model, rates[0])]  # the limits do not depend on the link
-    limit, cut = BATCH / view.limit_ms * 1e3, BATCH / view.split_limit_ms * 1e3
-    lines = [f"Against the machine's limit: the profile's work per batch of 32 (compute and "
-             f"updates, {view.limit_ms * WORLD:.0f} ms) split evenly over {WORLD} ranks with "
-             f"links that cost nothing gives **{limit:.1f} samples/s**; the best 2-stage cut "
-             f"of its blocks caps a real pipeline at {cut:.1f}. Goal: `pipedream` at least "
-             f"{LIMIT_GOAL} of the balanced limit at every bandwidth.", "",
-             "| link | `pipedream` samples/s | of the balanced limit | of the best cut's | goal |",
-             "| --- | ---: | ---: | ---: | --- |"]
-    runs = [r for r in rows if r.model == model and r.contender == "pipedream"]
+    view = views[(model, rates[0])]  # the profile's limits do not depend on the link
+    profiled, cut = BATCH / view.limit_ms * 1e3, BATCH / view.split_limit_ms * 1e3
+    lines = [f"Against the machine's limit. Measured: {WORLD} x what one rank does alone with "
+             f"one thread (the whole model, same batch and SGD step), measured at each rate "
+             f"just before its contenders, since this machine's speed drifts between runs: "
+             f"that is the balanced-pipeline limit, every rank busy all the time on free links. "
+             f"From the profile taken at the start: all its work per batch of 32 (compute and "
+             f"updates, {view.limit_ms * WORLD:.0f} ms) split evenly gives {profiled:.1f} "
+             f"samples/s, and its best 2-stage cut caps a real pipeline at {cut:.1f} "
+             f"({cut / profiled:.2f} of it). Goal: `pipedream` at least {LIMIT_GOAL} of the "
+             f"measured limit at every bandwidth.", "",
+             "| link | contender | samples/s | limit (measured) | of it | of the profile's | "
+             "goal |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    runs = [r for r in rows if r.model == model and r.contender in ("pipedream", BALANCED)]
     for row in runs:
+        limit = WORLD * alone[(model, row.rate)]
         share = row.samples_per_s / limit
-        lines.append(f"| {row.rate} | {row.samples_per_s:.1f} | {share:.2f} | "
-                     f"{row.samples_per_s / cut:.2f} | "
+        lines.append(f"| {row.rate} | {contender_label(row.contender)} | "
+                     f"{row.samples_per_s:.1f} | {limit:.1f} | {share:.2f} | "
+                     f"{row.samples_per_s / profiled:.2f} | "
                      f"{'met' if share >= LIMIT_GOAL else 'missed'} |")
     lines += ["", "Where each rank's time goes under `pipedream`, ms per batch, from the "
               "runtime's trace over the measured window: compute (forward and backward, "
@@ -517,11 +560,14 @@ def limit_section(model: str, rows: list[Measurement], views: dict[tuple[str, st
               "receives and sends (posting them), update (optimizer step), copies (weight "
               "versions), other (what no action covers: the data feed, Python between "
               "actions).", "",
-              "| link | rank | compute | waiting | receives | sends | update | copies | other |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| link | contender | rank | compute | waiting | receives | sends | update | "
+              "copies | other |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in runs:
         for rank, parts in enumerate(row.breakdowns):
-            lines.append(f"| {row.rate if rank == 0 else ''} | {rank} | " + " | ".join(
+            lines.append(f"| {row.rate if rank == 0 else ''} | "
+                         f"{contender_label(row.contender) if rank == 0 else ''} | {rank} | "
+                         + " | ".join(
                 f"{parts[p]:.0f}" for p in ("compute", "waiting", "receives", "sends",
                                              "update", "copies", "other")) + " |")
     return lines + [""]
@@ -581,7 +627,7 @@ def main() -> int:
     parser.add_argument("--retry-budget-min", type=float, default=11.0,
                         help="no retries once this many minutes have passed (default 11)")
     parser.add_argument("--out", default=None, help="also write the tables to this markdown file")
-    parser.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=CONTENDERS + (BALANCED,), help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
     parser.add_argument("--split", type=int, default=MODEL_A_SPLIT, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
@@ -609,15 +655,17 @@ def main() -> int:
         print(f"vs_ddp: cannot emulate a cluster here: {why}", file=sys.stderr)
         return 2
     began = time.monotonic()
-    rows, views, splits, links = run_all(models, rates, args.scale, args.retries,
-                                         args.retry_budget_min * 60)
-    text = markdown(rows, views, splits, links, "python " + " ".join(
+    rows, views, splits, links, alone = run_all(models, rates, args.scale, args.retries,
+                                                args.retry_budget_min * 60)
+    text = markdown(rows, views, splits, links, alone, "python " + " ".join(
         [os.path.relpath(__file__)] + sys.argv[1:]), time.monotonic() - began)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
         Path(args.out).with_suffix(".json").write_text(json.dumps({
             "rows": [row.__dict__ for row in rows], "links_mb_s": links, "splits": splits,
+            "one_rank_alone": [{"model": m, "rate": r, "samples_per_s": v}
+                               for (m, r), v in alone.items()],
             "planner": [{"model": m, "rate": r, **view.__dict__}
                         for (m, r), view in views.items()]}, indent=1) + "\n")
     return 0
