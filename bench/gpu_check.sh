@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# bench/gpu_check.sh: the one prepared script a session runs when it is lent a GPU machine
-# (the workplace's device tool: one NVIDIA H200, 16 cores, no network, a bare image whose
-# `python3` holds a CUDA build of torch, plus nvcc, ninja, pytest; see the workplace's device
-# notes). It needs 4-6 minutes there and stops itself within GPU_CHECK_BUDGET_S (default 450 s).
+# bench/gpu_check.sh: the GPU check of the project, one script for a machine with one CUDA GPU
+# (a bare image whose `python3` holds a CUDA build of torch, plus nvcc, ninja and pytest; no
+# network needed). It needs 4-6 minutes on one H200 and stops itself within
+# GPU_CHECK_BUDGET_S (default 450 s).
 #
 #   bash bench/gpu_check.sh          # from anywhere; it works in the repository root
 #
@@ -34,23 +34,19 @@
 # Output: everything printed goes to $OUT/gpu_check.log too; $OUT/gpu_pipeline.md and
 # $OUT/gpu_micro.md are the benchmarks' reports; $OUT/gpu_check.md puts the facts, the step
 # table and both reports together, ready to copy into bench/results/gpu_check.md. Without
-# OUT (not on the device machine), a fresh /tmp/gpu_check.* folder is used and named.
+# OUT (run by hand), a fresh /tmp/gpu_check.* folder is used and named.
 # Exit status: 0 when every step passed, 1 when one failed or timed out, 2 without a CUDA GPU.
 #
 # Knobs (environment):
-#   PYTHON=path              the interpreter (default python3), e.g. a carried venv's python
+#   PYTHON=path              the interpreter (default python3), e.g. a venv's python
 #   GPU_CHECK_WHEELS=dir     wheels to install first (pip --no-index --no-deps --target into
 #                            /tmp/gpu_check_site, put on PYTHONPATH): for a package missing on
-#                            the machine; carry the folder (see the device notes on .whl)
+#                            the machine
 #   GPU_CHECK_BUDGET_S=450   the whole script's time; each step gets at most what is left
 #   MAX_JOBS=16              parallel compile jobs of the build
 #   GPU_CHECK_ALLOW_NO_GPU=1 run every step even without a GPU (to try this script itself)
 #
-# The run call a session makes when a device is lent (device tool `run`):
-#   command:   bash bench/gpu_check.sh
-#   carry:     none (the tree's tracked and untracked files travel; the build happens there)
-#   timeout_s: 500; then copy what came back (files_at) into bench/results/gpu_check.md and
-#              give the machine back unless rerunning at once.
+# Record what it printed: copy $OUT/gpu_check.md into bench/results/gpu_check.md.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -194,7 +190,7 @@ summary() {
   {
     echo "# GPU check ($(date -u +%Y-%m-%d), bench/gpu_check.sh)"
     echo
-    echo "Made by \`bash bench/gpu_check.sh\` on the lent device machine; the full log is"
+    echo "Made by \`bash bench/gpu_check.sh\` on a machine with one CUDA GPU; the full log is"
     echo "gpu_check.log beside this file. $((SECONDS - START)) s in all."
     echo
     echo "| step | result | seconds |"

@@ -1,6 +1,6 @@
 """GPU microbenchmarks of the C++ core: weight-version offload and the queue's stream hand-off.
 
-Step 'micro' of bench/gpu_check.sh on a lent GPU machine (bench/ring.py and bench/handoff.py
+Step 'micro' of bench/gpu_check.sh on a machine with one CUDA GPU (bench/ring.py and bench/handoff.py
 measure the CPU paths only). Needs a CUDA build of pipedream_fast (`_C.cuda_enabled`).
 
 (a) Weight versions of a ~256 MB stage (`--stage-mb`; Linear(1024, 1024) layers, float32):

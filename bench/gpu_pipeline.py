@@ -1,6 +1,6 @@
 """Model A as a 2-stage pipeline on one device, against a single-process reference.
 
-Step 'pipeline' of bench/gpu_check.sh on a lent GPU machine. It runs on the CPU too
+Step 'pipeline' of bench/gpu_check.sh on a machine with one CUDA GPU. It runs on the CPU too
 (`--device cpu`, tiny sizes), so the comparison logic can be tried on any machine first.
 
 Model A is `pipedream_fast.models.build_cnn()` (6 convolutions, 3 linear layers, 35 M
