@@ -4,7 +4,10 @@ A checkpoint is a directory:
 
     stage0.pt, stage1.pt, ...   one file per stage, written by the stage's first rank: its
                                 weights and buffers under the model's original names, its
-                                optimizer's and LR scheduler's state
+                                optimizer's and LR scheduler's state (localsgd: also
+                                "copies", the stage's other model replicas' weights under
+                                the stage module's names, with their optimizer and
+                                scheduler state; export takes copy 0, the model's own)
     manifest.json               written last, by rank 0, once every stage file is on disk:
                                 format, step, epoch, schedule, plan, and each file's size and
                                 SHA-256; it is what makes the set a checkpoint

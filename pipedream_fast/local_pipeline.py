@@ -45,6 +45,7 @@ from pipedream_fast.runtime.transport import ThreadHub, ThreadTransport
 from pipedream_fast.tracing import check_no_shared_parameters
 from pipedream_fast.tracing import trace as trace_model
 from pipedream_fast.training import (EpochBatches, MicrobatchFeed, build_schedule,
+                                     check_localsgd_options,
                                      check_plan_fits, check_runtime_fits, check_trainable,
                                      data_source, feed_uses, named_state, original_names,
                                      resolve_schedule, stage_runtime, steps_for, target_spec)
@@ -253,15 +254,25 @@ class LocalPipeline:
     """Trains `model` with `plan` and `schedule`, one thread per rank of the plan.
 
     `tuning`: the speed knobs that apply to threads (queue depth and spin of the hand-off
-    queues, bucket size, weight slots, offloaded stash; see `Tuning`)."""
+    queues, bucket size, weight slots, offloaded stash; see `Tuning`).
+
+    `schedule="localsgd"` takes `local_steps` (H) and `model_replicas` (R) as `Pipeline` does
+    (one microbatch per loader minibatch, so `chunks` stays 1); `state_dict` is weight copy 0,
+    the averaged model after every complete round."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
                  optimizer: OptimizerFactory, plan: Plan | str, schedule: str = "pipedream",
                  chunks: int = 1, timeout: float = 300.0, trace: bool = False,
-                 seed: int = 0, *, tuning: Tuning | None = None) -> None:
+                 seed: int = 0, *, tuning: Tuning | None = None,
+                 local_steps: int | None = None, model_replicas: int | None = None) -> None:
         check_trainable(schedule)
         self.plan = Plan.load(plan) if isinstance(plan, str) else plan
         self.schedule_name = resolve_schedule(schedule, self.plan)
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        check_localsgd_options(self.schedule_name, chunks, None, local_steps, model_replicas)
+        self.local_steps = local_steps
+        self.model_replicas = model_replicas
         self.chunks = chunks
         self.timeout = timeout
         self.trace = trace
@@ -353,7 +364,8 @@ class LocalPipeline:
         if first is None:
             raise ValueError("the data loader is empty")
         spec = target_spec(first[1])
-        schedule = build_schedule(self.plan, self.schedule_name, steps, self.chunks)
+        schedule = build_schedule(self.plan, self.schedule_name, steps, self.chunks,
+                                  self.local_steps, self.model_replicas)
         ranks = range(schedule.num_ranks)
         runtimes = {rank: self._runtimes_of(rank, schedule) for rank in ranks}
         feed = MicrobatchFeed(itertools.chain([first], batches), self.chunks,

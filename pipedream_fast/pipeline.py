@@ -48,7 +48,8 @@ from pipedream_fast.tracing import shared_parameters
 from pipedream_fast.tracing import trace as trace_model
 from pipedream_fast.training import (EpochBatches, MicrobatchFeed, StepTracker, build_schedule,
                                      check_backend, check_loader, check_plan_fits,
-                                     check_runtime_fits, check_trainable, data_source,
+                                     check_localsgd_options, check_runtime_fits,
+                                     check_trainable, data_source,
                                      feed_uses, manual_plan, model_fingerprint, named_state,
                                      original_names, positional_inputs, resolve_schedule,
                                      batch_size, fingerprint, pad_batch, split_microbatches,
@@ -142,6 +143,18 @@ class Pipeline:
 
     `tuning`: the core's speed knobs (queue depth, spinning, bucket size, weight slots,
     receive pool, offloaded stash; see `Tuning` and TUNING.md); they never change results.
+
+    LocalSGD (`schedule="localsgd"`, `local_steps=H`, `model_replicas=R`, defaults 1 and the
+    number of stages): R model replicas share one straight pipeline; each loader minibatch is
+    one microbatch (`chunks` 1 or unset, no `microbatch_size`), minibatch m trains replica
+    m mod R, and every R*H minibatches the stages average their replicas' weights. Each stage
+    keeps R weight copies, each with its own optimizer and scheduler (stepped at that
+    replica's updates); optimizer state is per replica and never averaged. Rounds count from
+    the start of each `train` call (each run drains the pipeline), and a run's trailing
+    partial round is not averaged. `optimizers`, `schedulers`, `evaluate`, `predict` and
+    `state_dict` use copy 0, the averaged model after every complete round; `save` writes
+    every copy (weights, optimizer and scheduler state), so `load` with the same R continues
+    exactly (and export, like `state_dict`, gives copy 0).
     """
 
     def __init__(self, model: nn.Module | Callable[[], nn.Module],
@@ -157,8 +170,10 @@ class Pipeline:
                  example_inputs: Any = None,
                  timeout: float = 300.0, trace: bool = False,
                  leaf_modules: Sequence[Any] = (), device: str | torch.device | None = None,
-                 tuning: Tuning | None = None) -> None:
+                 tuning: Tuning | None = None, local_steps: int | None = None,
+                 model_replicas: int | None = None) -> None:
         check_trainable(schedule)
+        check_localsgd_options(schedule, chunks, microbatch_size, local_steps, model_replicas)
         if chunks is not None and chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
         if precision not in AUTOCAST_DTYPES:
@@ -192,6 +207,8 @@ class Pipeline:
         self.schedule_name = schedule
         self.microbatch_size = microbatch_size
         self.chunks = chunks
+        self.local_steps = local_steps
+        self.model_replicas = model_replicas
         self.loss_fn = loss_fn
         self.timeout = timeout
         self.trace = trace
@@ -215,6 +232,7 @@ class Pipeline:
         self._optimizers: dict[int, torch.optim.Optimizer] = {}
         self._schedulers: dict[int, Any] = {}
         self._runtimes: dict[int, StageRuntime] = {}
+        self._saved_copies: dict[int, list[dict[str, Any]]] = {}  # localsgd copies from `load`
         self._resources = _Resources()
         weakref.finalize(self, self._resources.release)
         self._transport: ProcessTransport | None = None
@@ -312,6 +330,8 @@ class Pipeline:
                               f"{self.world_size} ranks; start {plan.workers} processes or make "
                               f"a plan for {self.world_size}")
         self.schedule_name = resolve_schedule(self.schedule_name, plan)
+        check_localsgd_options(self.schedule_name, self.chunks, self.microbatch_size,
+                               self.local_steps, self.model_replicas)
         check_plan_fits(plan, self._chain)
         self._check_same_model_everywhere(self._chain)
         self.plan = plan
@@ -426,7 +446,10 @@ class Pipeline:
             if index not in self._runtimes:
                 self._runtimes[index] = stage_runtime(
                     self.plan, index, self.rank, module, self._optimizers.get(index), schedule,
-                    self.loss_fn, self._schedulers.get(index), self.precision, self.tuning)
+                    self.loss_fn, self._schedulers.get(index), self.precision, self.tuning,
+                    optimizer_factory=self._optimizer_factory,
+                    scheduler_factory=self._scheduler_factory)
+                self._restore_copies(self._runtimes[index])
             check_runtime_fits(self._runtimes[index], schedule, self.rank)
         return self._runtimes
 
@@ -589,7 +612,8 @@ class Pipeline:
         assert self.plan is not None
         if self._transport is None:  # the last run was abandoned: new links (collective)
             self._transport = self._new_transport(self._new_group(list(range(self.world_size))))
-        schedule = build_schedule(self.plan, self.schedule_name, steps, chunks)
+        schedule = build_schedule(self.plan, self.schedule_name, steps, chunks,
+                                  self.local_steps, self.model_replicas)
         check_backend(schedule, str(dist.get_backend()))
         runtimes = self._runtimes_for(schedule)
         inputs = None
@@ -820,6 +844,9 @@ class Pipeline:
             payload = {"model": named_state([module], self._names),
                        "optimizer": optimizer.state_dict() if optimizer else None,
                        "scheduler": scheduler.state_dict() if scheduler is not None else None}
+            copies = self._copies_state(index)
+            if copies is not None:
+                payload["copies"] = copies
             entries.append((index, ckpt.write_stage(folder, index, payload)))
         gathered: list[Any] = [None] * self.world_size
         self._agree(lambda: dist.all_gather_object(gathered, entries, group=self._control),
@@ -831,6 +858,36 @@ class Pipeline:
             if folder != final:
                 ckpt.swap_in(final)
         self._agree(lambda: dist.barrier(group=self._control), "saving a checkpoint")
+
+    def _copies_state(self, index: int) -> list[dict[str, Any]] | None:
+        """localsgd: the weight copies of stage `index` beyond the module's own (copy 0), by
+        the stage module's parameter names, with their optimizer and scheduler state."""
+        runtime = self._runtimes.get(index)
+        if runtime is None or len(runtime.copies) < 2:
+            return self._saved_copies.get(index)  # loaded, not trained since: kept as read
+        return [{"params": {n: p.detach().clone() for n, p in zip(runtime.param_names, c.params)},
+                 "optimizer": c.optimizer.state_dict() if c.optimizer is not None else None,
+                 "scheduler": c.scheduler.state_dict() if c.scheduler is not None else None}
+                for c in runtime.copies[1:]]
+
+    def _restore_copies(self, runtime: StageRuntime) -> None:
+        """Puts the weight copies a checkpoint saved (`load`) into a new stage runtime."""
+        saved = self._saved_copies.pop(runtime.stage, None)
+        if saved is None:
+            return
+        if len(saved) != len(runtime.copies) - 1:
+            raise ckpt.CheckpointError(f"the checkpoint holds {len(saved) + 1} weight copies of "
+                                       f"stage {runtime.stage} (localsgd model_replicas) but this "
+                                       f"run keeps {len(runtime.copies)}; use the same "
+                                       f"model_replicas")
+        for weights, state in zip(runtime.copies[1:], saved):
+            with torch.no_grad():
+                for name, p in zip(runtime.param_names, weights.params):
+                    p.copy_(state["params"][name])
+            if state["optimizer"] is not None and weights.optimizer is not None:
+                weights.optimizer.load_state_dict(state["optimizer"])
+            if state.get("scheduler") is not None and weights.scheduler is not None:
+                weights.scheduler.load_state_dict(state["scheduler"])
 
     def _save_periodic(self) -> None:
         assert self.checkpoint_dir is not None
@@ -868,6 +925,8 @@ class Pipeline:
                 pipe._optimizers[index].load_state_dict(saved["optimizer"])
             if saved.get("scheduler") is not None and index in pipe._schedulers:
                 pipe._schedulers[index].load_state_dict(saved["scheduler"])
+            if saved.get("copies") is not None:  # localsgd: restored into the first run's stage
+                pipe._saved_copies[index] = saved["copies"]
         pipe._step = int(manifest["step"])
         pipe._epoch = int(manifest["epoch"])
         return pipe

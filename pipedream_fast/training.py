@@ -376,12 +376,51 @@ class EpochBatches:
 _END = object()
 
 
-def build_schedule(plan: Plan, name: str, steps: int, chunks: int) -> Schedule:
+def check_localsgd_options(name: str, chunks: int | None, microbatch_size: int | None,
+                           local_steps: int | None, model_replicas: int | None) -> None:
+    """localsgd trains one microbatch per step (a whole loader minibatch: chunks 1 or unset, no
+    microbatch_size) and takes H and R; the other schedules take neither. `name` "auto" is
+    checked once the plan names one."""
+    if name == "auto":
+        return
+    if name != "localsgd":
+        given = [n for n, v in (("local_steps", local_steps), ("model_replicas", model_replicas))
+                 if v is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} apply only to schedule='localsgd', not "
+                             f"{name!r}")
+        return
+    for what, value in (("local_steps", local_steps), ("model_replicas", model_replicas)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise ValueError(f"localsgd: {what} must be an integer >= 1, got {value!r}")
+    given = [f"{n}={v}" for n, v, ok in (("chunks", chunks, (None, 1)),
+                                          ("microbatch_size", microbatch_size, (None,)))
+             if v not in ok]
+    if given:
+        raise ValueError(f"localsgd trains each minibatch of the loader as one microbatch (one "
+                         f"local step of one model replica); it takes local_steps and "
+                         f"model_replicas, not {' and '.join(given)}")
+
+
+def weight_copies(schedule: Schedule) -> int:
+    """The weight copies each stage keeps: localsgd's model replicas, else 1."""
+    return int(schedule.params.get("model_replicas", 1)) if schedule.name == "localsgd" else 1
+
+
+def build_schedule(plan: Plan, name: str, steps: int, chunks: int,
+                   local_steps: int | None = None,
+                   model_replicas: int | None = None) -> Schedule:
     """The IR for `steps` minibatches of `chunks` microbatches on the plan's stages and ranks,
-    as a stream (nothing is generated before the run walks it)."""
+    as a stream (nothing is generated before the run walks it). localsgd: one microbatch per
+    step, H and R as given (defaults: 1 and the number of stages)."""
     kwargs: dict[str, Any] = {"stage_ranks": [list(s.ranks) for s in plan.stages]}
     if kind(name).chunked_steps:
         kwargs["chunks"] = chunks  # one update per minibatch
+    if local_steps is not None:
+        kwargs["local_steps"] = local_steps
+    if model_replicas is not None:
+        kwargs["model_replicas"] = model_replicas
     schedule = make_schedule(name, len(plan.stages), steps * chunks, **kwargs)
     validate(schedule)  # proven on its window before any rank runs it
     return schedule
@@ -406,13 +445,28 @@ def ring_slots(schedule: Schedule, rank: int, tuning: Tuning) -> int:
 def stage_runtime(plan: Plan, stage: int, rank: int, module: nn.Module,
                   optimizer: torch.optim.Optimizer | OptimizerFactory | None, schedule: Schedule,
                   loss_fn: Callable[[Any, Any], torch.Tensor], scheduler: Any = None,
-                  precision: str = "fp32", tuning: Tuning | None = None) -> StageRuntime:
+                  precision: str = "fp32", tuning: Tuning | None = None,
+                  optimizer_factory: OptimizerFactory | None = None,
+                  scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None
+                  ) -> StageRuntime:
+    """A rank's stage; with localsgd, one weight copy per model replica, the copies beyond
+    the module's own each with an optimizer from `optimizer_factory` (default: `optimizer`
+    when it is a factory) and a scheduler from `scheduler_factory`."""
     tuning = tuning or Tuning()
-    return StageRuntime(stage, module, optimizer, slots=ring_slots(schedule, rank, tuning),
-                        is_first=stage == 0, is_last=stage == len(plan.stages) - 1,
-                        loss_fn=loss_fn, split_backward=splits_backward(schedule.name),
-                        scheduler=scheduler, precision=precision,
-                        offload_stash=tuning.offload_stash, bucket_bytes=tuning.bucket_bytes)
+    runtime = StageRuntime(stage, module, optimizer, slots=ring_slots(schedule, rank, tuning),
+                           is_first=stage == 0, is_last=stage == len(plan.stages) - 1,
+                           loss_fn=loss_fn, split_backward=splits_backward(schedule.name),
+                           scheduler=scheduler, precision=precision,
+                           offload_stash=tuning.offload_stash, bucket_bytes=tuning.bucket_bytes)
+    copies = weight_copies(schedule)
+    if copies > 1:
+        if optimizer_factory is None and not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer_factory = optimizer
+        if optimizer_factory is None and runtime.params:
+            raise ValueError("localsgd's weight copies need an optimizer factory")
+        runtime.add_copies(copies, optimizer_factory or (lambda ps: torch.optim.SGD(ps, 0.0)),
+                           scheduler_factory)
+    return runtime
 
 
 def check_backend(schedule: Schedule, backend: str) -> None:
@@ -479,6 +533,10 @@ class StepTracker:
 
 
 def check_runtime_fits(runtime: StageRuntime, schedule: Schedule, rank: int) -> None:
+    if len(runtime.copies) != weight_copies(schedule):
+        raise ValueError(f"this run keeps {weight_copies(schedule)} weight copies of stage "
+                         f"{runtime.stage} but it was set up with {len(runtime.copies)}; use the "
+                         f"same model_replicas in every run")
     if runtime.ring is not None and runtime.ring.capacity < schedule.max_versions[rank]:
         raise ValueError(f"this run keeps {schedule.max_versions[rank]} weight versions on rank "
                          f"{rank} but stage {runtime.stage} was set up for "

@@ -10,7 +10,7 @@ import pytest
 
 from pipedream_fast import cli
 from pipedream_fast.formats import Plan, Profile
-from pipedream_fast.schedules import TRAINABLE
+from pipedream_fast.schedules import AUTOMATIC, TRAINABLE
 
 
 @pytest.fixture(autouse=True)
@@ -86,7 +86,7 @@ def test_plan_chooses_the_schedule(mlp_profile: Path, tmp_path: Path,
     assert "schedules compared" in text and "chosen" in text
     plan = Plan.load(out)
     assert plan.schedule in TRAINABLE
-    assert {r["schedule"] for r in plan.extra["schedule_choice"]} == set(TRAINABLE)
+    assert {r["schedule"] for r in plan.extra["schedule_choice"]} == set(AUTOMATIC)
     assert run("plan", "--profile", mlp_profile, "--topology", "2x1e8", "--stages-per-rank",
                "2", "--schedule", "1f1b", "--quiet", "--out", out) == 0
     looped = Plan.load(out)

@@ -24,6 +24,7 @@ from pipedream_fast.schedules import SCHEDULE_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "torchrun_train.py"
+# localsgd trains one microbatch per step (no --chunks 4): its own tests below.
 TRAINABLE = [s for s in SCHEDULE_NAMES if s not in ("localsgd", "data-parallel")]
 # Interleaved 1F1B needs a looped placement without replicas: not the 2+1 layout.
 REPLICABLE = [s for s in TRAINABLE if s != "interleaved-1f1b"]
@@ -189,6 +190,34 @@ def test_every_schedule_trains_synthetic_data_with_threads(tmp_path, capsys, lay
     assert "synthetic data" in out  # mlp has no built-in dataset
     losses = [float(x) for x in re.findall(r"step \d/2  loss (\d+\.\d+)", out)]
     assert len(losses) == 2 and all(0 < x < 10 for x in losses), out
+
+
+@pytest.mark.parametrize("workers", ["--threads", "--nproc"])
+def test_localsgd_trains_with_local_steps_and_model_replicas(tmp_path, capsys, workers):
+    plan = write_plan(tmp_path / "plan.json", "2-stage")
+    out_dir = tmp_path / "run"
+    assert main(["train", "--model", "mlp", "--plan", str(plan), workers, "2",
+                 "--schedule", "localsgd", "--local-steps", "2", "--model-replicas", "3",
+                 "--steps", "7", "--batch-size", "8", "--trace-steps", "0",
+                 "--out", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    losses = [float(x) for x in re.findall(r"step \d/7  loss (\d+\.\d+)", out)]
+    assert len(losses) == 7 and all(0 < x < 10 for x in losses), out
+    run = summary(out_dir)["runs"][0]
+    assert (run["schedule"], run["chunks"], run["local_steps"], run["model_replicas"]) == \
+        ("localsgd", 1, 2, 3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--schedule", "1f1b", "--local-steps", "2"], "--local-steps apply only to --schedule "
+                                                   "localsgd"),
+    (["--schedule", "localsgd", "--chunks", "4"], "drop --chunks 4"),
+    (["--schedule", "localsgd", "--model-replicas", "0"], "--model-replicas must be a positive"),
+])
+def test_localsgd_options_fail_with_a_clear_message(tmp_path, capsys, args, message):
+    assert main(["train", "--threads", "2", "--out", str(tmp_path / "run"), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_interleaved_plans_stages_looped_over_the_ranks(tmp_path):

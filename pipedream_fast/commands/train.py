@@ -103,6 +103,10 @@ def register(subparsers: Any) -> None:
     sched.add_argument("--chunks", type=int, default=None,
                        help="microbatches per minibatch (default: 1 for pipedream and the "
                             "other asynchronous schedules, the worker count for the rest)")
+    sched.add_argument("--local-steps", type=int, default=None,
+                       help="localsgd: local steps H between averages")
+    sched.add_argument("--model-replicas", type=int, default=None,
+                       help="localsgd: model replicas R sharing the pipeline (default: stages)")
     opt = parser.add_argument_group("training")
     opt.add_argument("--epochs", type=int, default=None,
                      help="epochs to train (default: the data's, 10 for digits and text)")
@@ -176,6 +180,8 @@ class Settings:
     plan_file: Plan | None
     notes: list[str]
     tuning: Tuning
+    local_steps: int | None = None  # localsgd: H (None: its default)
+    model_replicas: int | None = None  # localsgd: R (None: its default)
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
@@ -188,7 +194,7 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 def settings(args: argparse.Namespace) -> Settings:
     """Resolves the model, the data and the defaults that depend on them; checks the options."""
     _positive(args, "batch_size", "steps", "epochs", "chunks", "nproc", "threads",
-              "torch_threads", "log_every", "stages_per_rank")
+              "torch_threads", "log_every", "stages_per_rank", "local_steps", "model_replicas")
     if args.trace_steps < 0:
         raise UsageError(f"--trace-steps must be >= 0, got {args.trace_steps}")
     if not 0 < args.timeout < float("inf"):
@@ -238,6 +244,13 @@ def settings(args: argparse.Namespace) -> Settings:
         epochs = 0  # only --steps: as many epochs as the steps need
     schedule = args.schedule
     chunks = args.chunks
+    localsgd = [f"--{n.replace('_', '-')}" for n in ("local_steps", "model_replicas")
+                if getattr(args, n) is not None]
+    if localsgd and schedule != "localsgd":
+        raise UsageError(f"{' and '.join(localsgd)} apply only to --schedule localsgd")
+    if schedule == "localsgd" and chunks not in (None, 1):
+        raise UsageError(f"--schedule localsgd trains each minibatch as one microbatch (one "
+                         f"local step of one model replica); drop --chunks {chunks}")
     if chunks is None and schedule != "auto":
         chunks = workers if kind(schedule).chunked_steps else 1
     tuning = _tuning(args, on_gpus=args.threads is None and torch.cuda.is_available()
@@ -251,7 +264,8 @@ def settings(args: argparse.Namespace) -> Settings:
                     lr=args.lr if args.lr is not None else defaults["lr"],
                     workers=workers, threads=args.threads is not None, schedule=schedule,
                     chunks=chunks, target=target, plan_file=plan_file, notes=notes,
-                    tuning=tuning)
+                    tuning=tuning, local_steps=args.local_steps,
+                    model_replicas=args.model_replicas)
 
 
 def _tuning(args: argparse.Namespace, on_gpus: bool) -> Tuning:
@@ -329,12 +343,21 @@ def _check_plan_fits_model(plan: Plan, s: Settings, micro: int) -> None:
         raise UsageError(f"--plan does not fit model {s.model!r}: {err}") from err
 
 
+def _localsgd_options(s: Settings, schedule: str) -> dict[str, Any]:
+    """H and R as given, for a localsgd run (empty for every other schedule)."""
+    if schedule != "localsgd":
+        return {}
+    return {k: v for k, v in (("local_steps", s.local_steps),
+                              ("model_replicas", s.model_replicas)) if v is not None}
+
+
 def _simulate(profile: Profile, plan: Plan, schedule: str, chunks: int, steps: int,
-              bandwidth: float) -> Any:
+              bandwidth: float, extra: dict[str, Any] | None = None) -> Any:
     from pipedream_fast.schedules import make_schedule
     from pipedream_fast.sim import ProfileCosts, simulate
 
     options: dict[str, Any] = {"chunks": chunks} if kind(schedule).chunked_steps else {}
+    options.update(extra or {})
     generated = make_schedule(schedule, plan.num_stages, steps * chunks,
                               stage_ranks=[list(st.ranks) for st in plan.stages], **options)
     return simulate(generated, ProfileCosts.from_plan(profile, plan, bandwidth))
@@ -407,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
                         print_steps=args.log_every, csv_path=run_dir / "metrics.csv") as recorder:
         for setup in setups:
             cfg = dict(config, run=setup.name, schedule=setup.schedule, chunks=setup.chunks,
-                       plan=setup.plan.to_dict(),
+                       plan=setup.plan.to_dict(), **_localsgd_options(s, setup.schedule),
                        reporter=setup.plan.stages[-1].ranks[0],
                        trace_steps=args.trace_steps if setup is setups[0] else 0,
                        checkpoint=str((run_dir / "checkpoint").resolve())
@@ -496,11 +519,12 @@ def _prepare(s: Settings, args: argparse.Namespace, schedule: str, chunks: int |
     try:
         per_epoch = max(1, len(train_data) // s.batch_size)
         steps = min(per_epoch, SIM_MAX_STEPS, s.steps or SIM_MAX_STEPS)
-        result = _simulate(profile, plan, schedule, chunks, steps, args.bandwidth)
+        result = _simulate(profile, plan, schedule, chunks, steps, args.bandwidth,
+                           _localsgd_options(s, schedule))
         simulated = steps * s.batch_size / result.makespan * 1e3 if result.makespan else None
         if main and args.trace_steps:
             window = _simulate(profile, plan, schedule, chunks, min(args.trace_steps, steps),
-                               args.bandwidth)
+                               args.bandwidth, _localsgd_options(s, schedule))
         if simulated:
             say(f"simulated: {simulated:,.0f} samples/s for {schedule} ({steps} steps)")
     except ValueError as err:  # FormatError included: a --plan made for another profile
@@ -636,7 +660,7 @@ def _summary_json(s: Settings, setups: list[RunSetup], histories: list[Any],
         final = h.final or {}
         runs.append({
             "name": st.name, "schedule": st.schedule, "chunks": st.chunks,
-            "plan": st.plan.to_dict(), "steps": final.get("step", 0),
+            **_localsgd_options(s, st.schedule), "plan": st.plan.to_dict(), "steps": final.get("step", 0),
             "epochs": final.get("epoch", -1) + 1, "samples": h.samples,
             "train_s": h.train_s, "elapsed_s": h.elapsed_s, "first_step_s": h.first_step_s,
             "samples_per_s": h.samples_per_s,

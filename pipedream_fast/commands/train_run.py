@@ -192,7 +192,9 @@ def _rank_job(rank: int, world: int, config: dict[str, Any], queue: Any) -> dict
     pipe = Pipeline(build(config), loss_fn, optimizer_factory(config["optimizer"], config["lr"]),
                     plan=Plan.from_dict(config["plan"]), schedule=config["schedule"],
                     chunks=config["chunks"], seed=config["seed"], timeout=config["timeout"],
-                    on_nan=config.get("on_nan", "stop"), tuning=tuning(config))
+                    on_nan=config.get("on_nan", "stop"), tuning=tuning(config),
+                    local_steps=config.get("local_steps"),
+                    model_replicas=config.get("model_replicas"))
     emit = queue.put if rank == config["reporter"] else (lambda event: None)
     try:
         outcome = train_loop(pipe, train, config, emit,
@@ -283,7 +285,9 @@ def train_threads(config: dict[str, Any], handle: Callable[[dict[str, Any]], Non
     pipe = LocalPipeline(build(config), loss_fn,
                          optimizer_factory(config["optimizer"], config["lr"]), plan,
                          schedule=config["schedule"], chunks=config["chunks"],
-                         timeout=config["timeout"], seed=config["seed"], tuning=tuning(config))
+                         timeout=config["timeout"], seed=config["seed"], tuning=tuning(config),
+                         local_steps=config.get("local_steps"),
+                         model_replicas=config.get("model_replicas"))
     evaluator = build(config)
 
     def evaluate() -> dict[str, float]:

@@ -1,5 +1,6 @@
-"""Choosing the schedule: plan every trainable schedule, predict each plan with the simulator
-running that very schedule, keep the fastest one that fits in memory.
+"""Choosing the schedule: plan every trainable schedule (but localsgd, another algorithm),
+predict each plan with the simulator running that very schedule, keep the fastest one that
+fits in memory.
 
 The prediction is samples per second over the same number of microbatches of the profiled
 size for every schedule, so fill and drain count as they will in a run. Every candidate and
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipedream_fast.formats import Plan, Profile
-from pipedream_fast.schedules import TRAINABLE, kind, make_schedule
+from pipedream_fast.schedules import AUTOMATIC, kind, make_schedule
 from pipedream_fast.topology import Topology
 
 STEPS = 8  # steps simulated per candidate: enough for the steady state to dominate
@@ -48,7 +49,7 @@ def _memory(plan: Plan) -> int:
 
 
 def choose_schedule(profile: Profile, topology: Topology, straight: bool = False,
-                    candidates: tuple[str, ...] = TRAINABLE) -> Plan:
+                    candidates: tuple[str, ...] = AUTOMATIC) -> Plan:
     """The plan of the candidate schedule with the highest predicted throughput among those
     that fit the memory limit. Candidates within 1% of the best count as a tie, broken in
     favour of synchronous schedules (exact minibatch SGD), then of less memory per worker.

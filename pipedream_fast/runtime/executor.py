@@ -57,7 +57,7 @@ class RuntimeFailure(RuntimeError):
 class ExecutorStats:
     """Where a rank's time went, in seconds, plus the transport's byte counts: computing
     (forwards and backwards, without their waits for a message), waiting for messages,
-    updating (optimizer steps, with their gradient all-reduce waits)."""
+    updating (optimizer steps, with their gradient all-reduce waits, and averages)."""
 
     compute_s: float = 0.0
     wait_s: float = 0.0
@@ -157,7 +157,7 @@ class Executor:
                 self._outputs[(a.stage, a.mb)] = out if isinstance(out, tuple) else (out,)
                 self._carried[(a.stage, a.mb)] = target
             return None
-        outputs = stage.forward(a.mb, a.ver, args, target)
+        outputs = stage.forward(a.mb, a.ver, args, target, a.copy)
         if stage.is_last:
             loss = outputs[0].detach()
             if not stage.is_first:
@@ -218,7 +218,7 @@ class Executor:
         skip = False
         if self.update_sync is not None:
             skip = self.update_sync.before_update(a.ver, a.microbatches, self.stages)
-        self.stages[a.stage].step(a.ver, a.microbatches, skip)
+        self.stages[a.stage].step(a.ver, a.microbatches, skip, a.copy)
 
     def _backward(self, a: Action) -> torch.Tensor | None:
         self._arm_if_complete(a)
@@ -243,12 +243,15 @@ class Executor:
                 K.RECV_ACT: lambda a: self._post(ACTIVATION, a),
                 K.RECV_GRAD: lambda a: self._post(GRADIENT, a),
                 K.ALLREDUCE: self._allreduce, K.OPTIMIZER_STEP: self._step,
-                K.SNAPSHOT: lambda a: self.stages[a.stage].snapshot(a.ver),
-                K.RELEASE: lambda a: self.stages[a.stage].release(a.ver),
-                K.AVERAGE: self._unsupported}
+                K.SNAPSHOT: lambda a: self.stages[a.stage].snapshot(a.ver, a.copy),
+                K.RELEASE: lambda a: self.stages[a.stage].release(a.ver, a.copy),
+                K.AVERAGE: self._average}
 
-    def _unsupported(self, a: Action) -> None:
-        raise NotImplementedError(f"the executor cannot run {a.kind.value} actions yet")
+    def _average(self, a: Action) -> None:
+        """localsgd: the stage's weight copies on this rank (one per model replica) become
+        their mean. Local: the IR gives every copy of a stage to one rank (localsgd refuses
+        replicated stages), so no rank waits for another here."""
+        self.stages[a.stage].average(a.ver)
 
     def drain(self, limit: int, apply_below: int | None = None) -> None:
         """After the caller stopped at a step boundary: every compute of the microbatches below
@@ -303,7 +306,7 @@ class Executor:
             waited = self.stats.wait_s - waited  # for a message, inside a forward or backward
             if action.kind.is_compute:
                 self.stats.compute_s += t1 - t0 - waited
-            elif action.kind is K.OPTIMIZER_STEP:
+            elif action.kind in (K.OPTIMIZER_STEP, K.AVERAGE):
                 self.stats.update_s += t1 - t0
             if self.events is not None:
                 self.events.append(TraceEvent(

@@ -7,6 +7,15 @@
                      (or in two parts, input then weight gradient: `split_backward`)
     every version's `.grad` is a view of the ring's flat gradient buffers, so all backward
     passes accumulate into one resident buffer that the optimizer reads and the all-reduce sends.
+
+Weight copies (localsgd): a stage may hold R independent copies of its weights, one per model
+replica (`copy` of the IR actions). Copy 0 is the module's own parameters; copies 1..R-1
+(`add_copies`) are separate tensors, each with its own weight ring, gradient buffers,
+optimizer (and optimizer state) and scheduler. A forward of copy c > 0 runs the module with
+copy c's tensors (torch.func.functional_call), so its backward fills copy c's gradients and
+its update steps copy c's optimizer. `average(v)` sets every copy to the mean of all copies;
+the optimizer states stay per copy (not averaged). Buffers (batch-norm running statistics)
+are the module's, shared by the copies.
 """
 
 from __future__ import annotations
@@ -48,6 +57,28 @@ def _floats(values: Sequence[Any]) -> list[torch.Tensor]:
     return [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
 
 
+class WeightCopy:
+    """One independent set of a stage's weights: parameters, a ring of their versions, flat
+    gradient buffers, an optimizer and scheduler of its own, and its newest version."""
+
+    def __init__(self, params: list[nn.Parameter], slots: int, offload_stash: bool,
+                 optimizer: torch.optim.Optimizer | OptimizerFactory | None,
+                 scheduler: Any = None) -> None:
+        self.params = params
+        self.newest = 0
+        self.scheduler = scheduler  # an LR scheduler, stepped once per update of this copy
+        self.ring: _C.WeightRing | None = None
+        self.grads: list[torch.Tensor] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        if params:
+            self.ring = _C.WeightRing(params, max(1, slots), offload_stash)
+            self.grads = self.ring.attach_grad_buffers()
+            if optimizer is None:
+                raise ValueError("an optimizer factory is needed for a stage with parameters")
+            self.optimizer = (optimizer if isinstance(optimizer, torch.optim.Optimizer)
+                              else optimizer(params))
+
+
 class StageRuntime:
     """Executes FORWARD/BACKWARD/SNAPSHOT/RELEASE/OPTIMIZER_STEP for one stage on one rank."""
 
@@ -71,27 +102,91 @@ class StageRuntime:
                              f"{precision!r}")
         self.autocast_dtype = AUTOCAST_DTYPES[precision]
         self.loss_scale = 1.0  # fp16: the backward starts from loss * loss_scale
-        self.scheduler = scheduler  # an LR scheduler, stepped once per update
         self.prepared = False  # gradients already averaged and unscaled for this update
         named = list(module.named_parameters())
         self.param_names = [name for name, _ in named]
-        self.params = [p for _, p in named]
-        self.newest = 0
+        self.offload_stash = offload_stash
         self.inflight: dict[int, InFlight] = {}
         self.input_grads: dict[int, list[torch.Tensor]] = {}  # made, not yet taken
         self.recorder = CallRecorder(module) if split_backward else None
-        self.ring: _C.WeightRing | None = None
-        self.grads: list[torch.Tensor] = []
-        self.optimizer: torch.optim.Optimizer | None = None
         self.buckets: GradientBuckets | None = None  # set up when the stage is replicated
         self.bucket_bytes = bucket_bytes
-        if self.params:
-            self.ring = _C.WeightRing(self.params, max(1, slots), offload_stash)
-            self.grads = self.ring.attach_grad_buffers()
-            if optimizer is None:
-                raise ValueError("an optimizer factory is needed for a stage with parameters")
-            self.optimizer = (optimizer if isinstance(optimizer, torch.optim.Optimizer)
-                              else optimizer(self.params))
+        # copies[0] is the module's own parameters; localsgd adds one copy per model replica.
+        self.copies = [WeightCopy([p for _, p in named], slots, offload_stash, optimizer,
+                                  scheduler)]
+        self.slots = slots
+
+    # Copy 0, as every schedule but localsgd knows the stage.
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self.copies[0].params
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        return self.copies[0].grads
+
+    @property
+    def ring(self) -> _C.WeightRing | None:
+        return self.copies[0].ring
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.copies[0].optimizer
+
+    @property
+    def scheduler(self) -> Any:
+        return self.copies[0].scheduler
+
+    @property
+    def newest(self) -> int:
+        return self.copies[0].newest
+
+    @newest.setter
+    def newest(self, version: int) -> None:
+        self.copies[0].newest = version
+
+    def add_copies(self, total: int, optimizer: OptimizerFactory,
+                   scheduler: SchedulerFactory | None = None) -> None:
+        """Holds `total` weight copies (localsgd's model replicas): the new ones start from
+        copy 0's current weights, each with an optimizer (and scheduler) of its own. A stage
+        that holds `total` already keeps its copies (they carry on from the last run)."""
+        if total < 1:
+            raise ValueError(f"a stage holds at least one weight copy, got {total}")
+        if len(self.copies) > total:
+            raise ValueError(f"stage {self.stage} holds {len(self.copies)} weight copies; a run "
+                             f"with {total} model replicas cannot use them")
+        while len(self.copies) < total:
+            params = [nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                      for p in self.params]
+            # One slot: no schedule retains an older version of a copy > 0 (localsgd updates
+            # a replica only after its backward); `snapshot` would say so if one did.
+            weights = WeightCopy(params, 1, self.offload_stash, optimizer if params else None)
+            if scheduler is not None and weights.optimizer is not None:
+                weights.scheduler = scheduler(weights.optimizer)
+            self.copies.append(weights)
+
+    def _copy(self, copy: int) -> WeightCopy:
+        if copy >= len(self.copies):
+            raise RuntimeError(f"stage {self.stage}: the schedule uses weight copy {copy} but the "
+                               f"stage holds {len(self.copies)} (model_replicas)")
+        return self.copies[copy]
+
+    def average(self, version: int) -> None:
+        """AVERAGE: every copy becomes the mean of all copies' newest weights, as `version`
+        (1 + the newest of any copy). Optimizer states stay per copy, not averaged."""
+        want = max(c.newest for c in self.copies) + 1
+        if version != want:
+            raise RuntimeError(f"stage {self.stage}: average to version {version} but the newest "
+                               f"copy is at {want - 1}")
+        rings = [c.ring for c in self.copies if c.ring is not None]
+        if len(rings) > 1:
+            with torch.no_grad():  # one flat buffer per dtype and device, in every copy alike
+                for buffers in zip(*(ring.live_buffers() for ring in rings)):
+                    mean = torch.stack(buffers).mean(dim=0)
+                    for b in buffers:
+                        b.copy_(mean)
+        for c in self.copies:
+            c.newest = version
 
     @classmethod
     def for_inference(cls, stage: int, module: nn.Module, is_first: bool, is_last: bool,
@@ -105,13 +200,16 @@ class StageRuntime:
     # --- versions -----------------------------------------------------------------------
     def begin_run(self) -> None:
         """Each schedule numbers versions from 0: the current weights become version 0."""
-        if self.ring is not None and self.ring.held_versions():
-            raise RuntimeError(f"stage {self.stage}: versions {self.ring.held_versions()} are still "
-                               f"retained from the previous run; its schedule did not release them")
+        for c in self.copies:
+            if c.ring is not None and c.ring.held_versions():
+                raise RuntimeError(f"stage {self.stage}: versions {c.ring.held_versions()} are "
+                                   f"still retained from the previous run; its schedule did not "
+                                   f"release them")
         if self.inflight:
             raise RuntimeError(f"stage {self.stage}: microbatches {sorted(self.inflight)} of the "
                                f"previous run never finished their backward")
-        self.newest = 0
+        for c in self.copies:
+            c.newest = 0
 
     def abandon_run(self) -> None:
         """Discards what a run that was stopped early left behind, so the next `begin_run`
@@ -122,29 +220,34 @@ class StageRuntime:
         self.input_grads.clear()
         if self.recorder is not None:
             self.recorder.recording = None
-        if self.ring is not None:
-            for version in self.ring.held_versions():
-                self.ring.release(version)
-        for g in self.grads:
-            g.zero_()
+        for c in self.copies:
+            if c.ring is not None:
+                for version in c.ring.held_versions():
+                    c.ring.release(version)
+            for g in c.grads:
+                g.zero_()
         self.prepared = False
         if self.buckets is not None:
             self.buckets.forget()  # reductions begun for the update that never came
 
-    def snapshot(self, version: int) -> None:
-        if self.ring is None or self.ring.holds(version):
+    def snapshot(self, version: int, copy: int = 0) -> None:
+        weights = self._copy(copy)
+        if weights.ring is None or weights.ring.holds(version):
             return  # already retained (snapshots are taken at the first forward that needs one)
-        self._check_newest(version, "snapshot")
-        self.ring.snapshot(version)
+        self._check_newest(version, "snapshot", copy)
+        weights.ring.snapshot(version)
 
-    def release(self, version: int) -> None:
-        if self.ring is not None:
-            self.ring.release(version)
+    def release(self, version: int, copy: int = 0) -> None:
+        ring = self._copy(copy).ring
+        if ring is not None:
+            ring.release(version)
 
-    def _check_newest(self, version: int, what: str) -> None:
-        if version != self.newest:
-            raise RuntimeError(f"stage {self.stage}: {what} of version {version}, but the newest "
-                               f"is {self.newest} and {version} is not retained; the schedule "
+    def _check_newest(self, version: int, what: str, copy: int = 0) -> None:
+        newest = self._copy(copy).newest
+        if version != newest:
+            of = f" (copy {copy})" if copy else ""
+            raise RuntimeError(f"stage {self.stage}: {what} of version {version}{of}, but the "
+                               f"newest is {newest} and {version} is not retained; the schedule "
                                f"must SNAPSHOT a version before an update if it is used later")
 
     def _autocast(self) -> Any:
@@ -156,21 +259,26 @@ class StageRuntime:
         device = first.device.type if first is not None else "cpu"
         return torch.autocast(device, dtype=self.autocast_dtype, cache_enabled=False)
 
-    def _call(self, version: int, inputs: tuple[Any, ...]) -> Any:
-        if self.ring is not None and self.ring.holds(version):
-            tensors = self.ring.tensors(version)
+    def _call(self, version: int, inputs: tuple[Any, ...], copy: int = 0) -> Any:
+        ring = self._copy(copy).ring
+        if ring is not None and ring.holds(version):
+            tensors = ring.tensors(version)
             if self.buckets is not None:
                 self.buckets.watch(tensors)
             weights = dict(zip(self.param_names, tensors))
             return torch.func.functional_call(self.module, weights, inputs)
-        if self.ring is not None:
-            self._check_newest(version, "forward")
+        if ring is not None:
+            self._check_newest(version, "forward", copy)
+        if copy:  # another model replica's weights (their gradients go to that copy)
+            live: dict[str, torch.Tensor] = dict(zip(self.param_names, self.copies[copy].params))
+            return torch.func.functional_call(self.module, live, inputs)
         return self.module(*inputs)
 
     # --- compute ------------------------------------------------------------------------
     def forward(self, microbatch: int, version: int, inputs: tuple[Any, ...],
-                target: Any = None) -> tuple[Any, ...]:
-        """Runs the stage; returns what crosses the next cut (the loss on the last stage)."""
+                target: Any = None, copy: int = 0) -> tuple[Any, ...]:
+        """Runs the stage on weight copy `copy`; returns what crosses the next cut (the loss
+        on the last stage)."""
         if not self.is_first:
             for t in _floats(inputs):
                 t.requires_grad_(True)
@@ -179,7 +287,7 @@ class StageRuntime:
             self.recorder.recording = calls
         try:
             with self._autocast():
-                out = self._call(version, inputs)
+                out = self._call(version, inputs, copy)
                 loss = self.loss_fn(out, target) if self.is_last and self.loss_fn else None
         finally:
             if self.recorder is not None:
@@ -253,28 +361,33 @@ class StageRuntime:
     def take_input_grads(self, microbatch: int) -> list[torch.Tensor]:
         return self.input_grads.pop(microbatch)
 
-    def prepare_update(self, microbatches: Sequence[int]) -> None:
-        """Turns the accumulated gradients into the update's: averaged over `microbatches`
-        and, under fp16 loss scaling, unscaled."""
+    def prepare_update(self, microbatches: Sequence[int], copy: int = 0) -> None:
+        """Turns the accumulated gradients (of weight copy `copy`) into the update's:
+        averaged over `microbatches` and, under fp16 loss scaling, unscaled."""
         if not self.prepared:
+            grads = self._copy(copy).grads
             scale = 1.0 / (len(microbatches) * self.loss_scale)
-            if scale != 1.0 and self.grads:  # one microbatch, unscaled: a pass saved
-                torch._foreach_mul_(self.grads, scale)
+            if scale != 1.0 and grads:  # one microbatch, unscaled: a pass saved
+                torch._foreach_mul_(grads, scale)
             self.prepared = True
 
-    def step(self, version: int, microbatches: Sequence[int], skip: bool = False) -> None:
+    def step(self, version: int, microbatches: Sequence[int], skip: bool = False,
+             copy: int = 0) -> None:
         """Averages the accumulated gradients over `microbatches` (unless `prepare_update`
-        did), updates (unless `skip`: an fp16 overflow), clears them, steps the scheduler."""
-        if version != self.newest + 1:
-            raise RuntimeError(f"stage {self.stage}: update to version {version} but the newest is "
-                               f"{self.newest}")
-        if self.optimizer is not None:
-            self.prepare_update(microbatches)
+        did), updates weight copy `copy` with its optimizer (unless `skip`: an fp16
+        overflow), clears them, steps the copy's scheduler."""
+        weights = self._copy(copy)
+        if version != weights.newest + 1:
+            of = f" (copy {copy})" if copy else ""
+            raise RuntimeError(f"stage {self.stage}: update to version {version}{of} but the "
+                               f"newest is {weights.newest}")
+        if weights.optimizer is not None:
+            self.prepare_update(microbatches, copy)
             if not skip:
-                self.optimizer.step()
-            if self.grads:
-                torch._foreach_zero_(self.grads)
-            if self.scheduler is not None:
-                self.scheduler.step()
+                weights.optimizer.step()
+            if weights.grads:
+                torch._foreach_zero_(weights.grads)
+            if weights.scheduler is not None:
+                weights.scheduler.step()
         self.prepared = False
-        self.newest = version
+        weights.newest = version

@@ -29,6 +29,7 @@ for _module in pkgutil.iter_modules(__path__):
 
 SCHEDULE_NAMES: tuple[str, ...] = names()
 TRAINABLE: tuple[str, ...] = names(trainable=True)
+AUTOMATIC: tuple[str, ...] = tuple(n for n in TRAINABLE if kind(n).automatic)  # auto's choices
 SYNCHRONOUS: tuple[str, ...] = tuple(n for n in SCHEDULE_NAMES if kind(n).synchronous)
 
 
@@ -111,5 +112,5 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
     return schedule
 
 
-__all__ = ["SCHEDULE_NAMES", "SYNCHRONOUS", "TRAINABLE", "kind", "looped_ranks", "make_schedule",
+__all__ = ["AUTOMATIC", "SCHEDULE_NAMES", "SYNCHRONOUS", "TRAINABLE", "kind", "looped_ranks", "make_schedule",
            "names"]

@@ -6,6 +6,17 @@ sequential SGD: its forward on stage j comes after its previous microbatch's bac
 (1F1B with at most min(S - j, R) microbatches in flight). Every R*H microbatches the pipeline
 drains and each stage averages its R copies: the next round's first forward on stage 0
 follows the round's last backward on stage 0. A trailing partial round is not averaged.
+
+The runtime trains it (`Pipeline(..., schedule="localsgd", local_steps=H, model_replicas=R)`,
+one loader minibatch per microbatch): each stage holds R weight copies on its rank, copy 0
+being the module's own parameters, each copy with an optimizer of its own. AVERAGE sets every
+copy's weights to their mean; the optimizer states (momentum, Adam moments) stay per copy and
+are not averaged, the usual LocalSGD choice (each replica keeps its own optimizer, only the
+models are synchronised). Evaluation, `predict`, `state_dict` and export use copy 0, which is
+the averaged model after every complete round. Averaging is local to a rank: a stage with
+replicas on several ranks would need an all-reduce of the copies across them, which the IR's
+AVERAGE (every copy of the stage *on this rank*) cannot name, so `_options` refuses replicated
+stages; R model replicas already are localsgd's data parallelism.
 """
 
 from __future__ import annotations
@@ -59,8 +70,8 @@ def _options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
 
 
 register(ScheduleKind(
-    name="localsgd", order=5, generate=generate, options=_options, trainable=False,
-    chunked_steps=False, plans_as="pipedream",
+    name="localsgd", order=5, generate=generate, options=_options,
+    automatic=False, chunked_steps=False, plans_as="pipedream", planning={"straight": True},
     summary="LocalSGD: R model replicas on one pipeline, averaged every H local steps",
     weight_versions=lambda noam: noam, stashed=lambda noam, microbatches: noam,
     period=lambda c: c.model_replicas * c.local_steps))

@@ -38,6 +38,8 @@ class ScheduleKind:
     synchronous: flushes every step, so training equals gradient accumulation over the step's
       microbatches; `Pipeline.step` works. Otherwise microbatches stream across steps.
     trainable: the runtime can train it (else simulate only).
+    automatic: `--schedule auto` may choose it by predicted throughput (False for localsgd,
+      which trains another algorithm: R models averaged, with H and R chosen by the user).
     chunked_steps: a step is one minibatch split into microbatches; the train command then
       defaults to one microbatch per worker (otherwise one microbatch per step).
     plans_as: the schedule whose memory rules the planner uses for it (default: itself).
@@ -58,6 +60,7 @@ class ScheduleKind:
     stashed: Callable[[int, int], int]
     synchronous: bool = False
     trainable: bool = True
+    automatic: bool = True
     chunked_steps: bool = True
     plans_as: str | None = None
     split_backward: bool = False
