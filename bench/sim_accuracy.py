@@ -125,27 +125,6 @@ def corun_factor() -> float:
     return statistics.fmean(together) / alone
 
 
-_PROBE: list[Any] = []  # the probe's model and batch, built once
-
-
-def probe_ms() -> float:
-    """ms of one forward+backward of model A on 16 samples in this process, 1 thread: how
-    fast the machine computes right now. The ratio of a probe before a configuration's runs
-    to the probe taken with its profile corrects the prediction for the machine's drift
-    (this host's speed moves by up to a fifth within minutes)."""
-    torch.set_num_threads(1)
-    if not _PROBE:
-        torch.manual_seed(0)
-        _PROBE.extend([build_cnn(), batch(16)])
-    model, (x, y) = _PROBE
-    times = []
-    for _ in range(7):
-        began = time.perf_counter()
-        nn.functional.cross_entropy(model(x), y).backward()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times[2:]) * 1e3
-
-
 def scaled(profile: Profile, factor: float) -> Profile:
     """The profile with every forward and backward time multiplied by `factor`."""
     blocks = [replace(b, forward_ms=b.forward_ms * factor, backward_ms=b.backward_ms * factor,
@@ -254,24 +233,20 @@ def run(configs: list[Config], steps: int, repeats: int = 2
     factor = corun_factor()
     print(f"  {factor:.2f}x", flush=True)
     profiles: dict[int, Profile] = {}
-    probes: dict[int, float] = {}  # the probe taken with each profile
     rows = []
     for config in configs:
         began = time.perf_counter()
         if config.microbatch not in profiles:
             print(f"profiling model A at microbatch {config.microbatch} ...", flush=True)
             profiles[config.microbatch] = profile_at(config.microbatch)
-            probes[config.microbatch] = probe_ms()
         profile = profiles[config.microbatch]
-        drift = probe_ms() / probes[config.microbatch]
         row: dict[str, Any] = {"config": config.name, "schedule": config.schedule,
                                "chunks": config.chunks, "microbatch": config.microbatch}
         try:
             row["predicted_alone"] = predict(config, profile, steps,
                                              bandwidth)["samples_per_s"]
-            row["predicted"] = predict(config, scaled(profile, factor * drift), steps,
+            row["predicted"] = predict(config, scaled(profile, factor), steps,
                                        bandwidth)["samples_per_s"]
-            row["drift"] = drift
             # This machine's neighbours slow some runs by up to a third: keep the fastest of
             # `repeats` runs, the least disturbed, which is what the simulator predicts.
             runs = [launch(measure_rank, 2, config, steps, timeout=600) for _ in range(repeats)]
@@ -289,7 +264,7 @@ def run(configs: list[Config], steps: int, repeats: int = 2
         measured_kinds: dict[tuple[str, int], float] = {}
         for r in ranks:
             measured_kinds.update(kind_means(r["events"], skip=2))
-        profiled = profiled_means(scaled(profile, factor * drift), plan, bandwidth)
+        profiled = profiled_means(scaled(profile, factor), plan, bandwidth)
         row["kinds"] = [{"kind": k, "stage": s, "measured_ms": measured_kinds.get((k, s)),
                          "profiled_ms": profiled.get((k, s))}
                         for (k, s) in sorted(set(measured_kinds) | set(profiled),
@@ -299,7 +274,7 @@ def run(configs: list[Config], steps: int, repeats: int = 2
         print(f"{config.name:32s} predicted {row['predicted']:7.1f}  measured "
               f"{row['measured']:7.1f} samples/s (runs: "
               f"{', '.join(f'{v:.1f}' for v in row['measured_runs'])})  "
-              f"error {row['error_pct']:+6.1f}% (drift {drift:.2f}) "
+              f"error {row['error_pct']:+6.1f}% "
               f"(profile alone: {row['error_alone_pct']:+6.1f}%)  "
               f"({time.perf_counter() - began:.0f} s)", flush=True)
         rows.append(row)
@@ -321,25 +296,22 @@ def markdown(rows: list[dict[str, Any]], command: str, bandwidth: float, factor:
              f"{bandwidth / 1e9:.2f} GB/s. The profile times each block alone; two ranks "
              f"computing at once on this machine each run {factor:.2f}x slower (measured "
              f"separately: model A's forward and backward, alone and on both ranks at once), "
-             f"so the prediction scales compute by that factor, and by the machine's drift "
-             f"since the profile (a probe, one forward and backward of model A in the parent "
-             f"process, taken with the profile and again before each configuration's runs); "
-             f"the error column after it compares the profile as measured, uncorrected. "
+             f"so the prediction scales compute by that factor; the last error column is the "
+             f"prediction from the profile as measured alone. "
              f"Each configuration runs "
              f"{max(len(r.get('measured_runs', [])) for r in rows)} times and the fastest run "
              f"counts (the least disturbed: neighbours on this machine's host slow some runs "
              f"by up to a third); the runs column shows them all.", "",
              "| schedule, microbatches x size | predicted samples/s | measured samples/s | "
-             "error | drift | error, profile uncorrected | runs |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "error | error, profile alone | runs |",
+             "| --- | ---: | ---: | ---: | ---: | --- |"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['config']} | - | - | {row['error']} | - | - | - |")
+            lines.append(f"| {row['config']} | - | - | {row['error']} | - | - |")
             continue
         flag = "" if abs(row["error_pct"]) <= 10 else " (over 10%)"
         lines.append(f"| {row['config']} | {row['predicted']:.1f} | {row['measured']:.1f} | "
-                     f"{row['error_pct']:+.1f}%{flag} | {row['drift']:.2f} | "
-                     f"{row['error_alone_pct']:+.1f}% | "
+                     f"{row['error_pct']:+.1f}%{flag} | {row['error_alone_pct']:+.1f}% | "
                      f"{', '.join(f'{v:.1f}' for v in row['measured_runs'])} |")
     lines += ["", "## Per action: the runtime's mean duration against the profile", "",
               "Profiled forward and backward times include the co-run factor; a forward or "
