@@ -67,11 +67,15 @@ setup(
     # The typing of the package (PEP 561): its py.typed marker and the stub of the C++ core.
     package_data={"pipedream_fast": ["py.typed", "_C.pyi"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "rich>=13", "numpy", "scikit-learn"],
+    install_requires=["torch>=2.4", "rich>=13", "numpy", "scikit-learn", "safetensors>=0.4"],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "pytest-benchmark>=4", "numpy",
                  "mypy", "ruff"],
         "plot": ["matplotlib>=3.7"],
+        # The model zoo of the tests (public model code built from configs). torchvision is
+        # left to the user: it pins torch exactly (CPU: pip install torchvision==0.28.0 with
+        # torch==2.13.0), and an unpinned one would replace torch with another build.
+        "zoo": ["transformers>=4.46", "timm>=1.0"],
     },
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

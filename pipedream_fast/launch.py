@@ -6,11 +6,19 @@ default process group (gloo on CPU, NCCL when every rank has a GPU) before calli
 world_size, *args)` and returns every rank's return value. If one rank fails, the others are
 stopped and the failure is raised with that rank's traceback: nothing is left hanging.
 
-Stopping is one path for both launchers. SIGINT or SIGTERM sent to the launcher is forwarded to
-every rank; a rank still running `grace` seconds later (a stuck or SIGSTOPped one) is killed
-with SIGKILL. When a rank fails, the others get SIGTERM and the same grace period. No wait on a
-child is unbounded: everything is polled against a deadline. On Linux the ranks also die with
-SIGKILL when the launcher itself dies without a chance to stop them (SIGKILL, out of memory).
+Stopping is one path for both launchers. SIGINT, SIGTERM or SIGHUP sent to the launcher is
+forwarded to every rank; a rank still running `grace` seconds later (a stuck or SIGSTOPped one)
+is killed with SIGKILL. When a rank fails, the others get SIGTERM and the same grace period. No
+wait on a child is unbounded: everything is polled against a deadline. On Linux the ranks also
+die with SIGKILL when the launcher itself dies without a chance to stop them (SIGKILL, out of
+memory).
+
+Clusters signal a job as a whole: `kill -- -PGID` and `timeout` signal the launcher's process
+group, SLURM (scancel, the time limit) every process of the job. Each rank therefore runs in a
+session of its own (as torchrun's do), so a signal to the launcher's group reaches the ranks once,
+forwarded; and a SIGTERM or SIGHUP within `STOP_WINDOW_S` of the first one a process got is the
+same request, not a second one (`stop_request`), in the launcher and in the ranks alike. Only
+a later repeat, or SIGINT, acts at once.
 """
 
 from __future__ import annotations
@@ -49,7 +57,15 @@ SETTLE_S = 0.5
 """After the first failure, how long the launcher keeps collecting others before it decides
 which rank to blame (a killed rank's peers fail a moment later, on the closed connection)."""
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+TERM_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""The signals that ask a job to stop (scancel, a time limit, `timeout`, a closed terminal):
+`Pipeline.train` and `LocalPipeline.train` stop at a step every rank agrees on (`stopping`)."""
+
+STOP_SIGNALS = (signal.SIGINT, *TERM_SIGNALS)
+
+STOP_WINDOW_S = GRACE_S
+"""A SIGTERM or SIGHUP within this many seconds of the first one a process got is the same
+request: a job-wide signal reaches a rank directly and again through its launcher."""
 
 # What a rank sees when a peer dies or hangs: a closed or reset connection, a timeout.
 _PEER_SYMPTOM = re.compile(
@@ -96,6 +112,29 @@ class Stopped(SystemExit):
 
     def __str__(self) -> str:
         return f"stopped by {signal_name(self.signum)}{self.detail}"
+
+
+class _StopRequest:
+    """When this process got the stop request under way (its first SIGTERM or SIGHUP), shared
+    by every handler that sees one, so that a repeat is recognised wherever it lands."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    def start(self) -> None:
+        self.at = time.monotonic()
+
+    def age(self) -> float | None:
+        """Seconds since the request began; None if there is none."""
+        return None if self.at is None else time.monotonic() - self.at
+
+    def repeated_by(self, signum: int) -> bool:
+        """Whether `signum` repeats the request (same kind, within `STOP_WINDOW_S`)."""
+        age = self.age()
+        return signum in TERM_SIGNALS and age is not None and age <= STOP_WINDOW_S
+
+
+stop_request = _StopRequest()
 
 
 def signal_name(signum: int) -> str:
@@ -148,36 +187,69 @@ def _die_with_parent() -> None:
 # --- the launcher's own signals ------------------------------------------------------------
 
 class _StopRequests:
-    """SIGINT/SIGTERM received by the launcher (recorded, not raised), or a `stop` event."""
+    """SIGINT/SIGTERM/SIGHUP received by the launcher (recorded, not raised), with when they
+    came, or a `stop` event."""
 
     def __init__(self, stop: threading.Event | None = None) -> None:
-        self.received: list[int] = []
+        self.received: list[tuple[int, float]] = []
         self.stop = stop
 
     def handler(self, signum: int, frame: FrameType | None) -> None:
-        self.received.append(signum)
+        self.received.append((signum, time.monotonic()))
 
     @property
     def signum(self) -> int | None:
         """The first signal received; SIGTERM for a set `stop` event; None if neither."""
         if self.received:
-            return self.received[0]
+            return self.received[0][0]
         return signal.SIGTERM if self.stop is not None and self.stop.is_set() else None
 
-    def impatient(self, stopping_for_signal: bool) -> bool:
-        """Whether to skip the rest of the grace period: a signal during a stop that a failure
-        started, or a second one (Ctrl-C twice) during a stop that a signal started."""
-        return len(self.received) > int(stopping_for_signal)
+    def urgent(self, by_signal: bool) -> tuple[int, float] | None:
+        """The signal that cuts a stop's grace period short, and when it came. During a stop
+        that a failure or `stop` started, any signal. During one that a signal started
+        (`by_signal`), SIGINT (Ctrl-C again, or after SIGTERM) or a SIGTERM/SIGHUP more than
+        `STOP_WINDOW_S` after the first: a repeat within the window is the same request
+        (`timeout` signals its child and then its whole process group, SLURM every process
+        of the job)."""
+        if not by_signal:
+            return self.received[0] if self.received else None
+        first_at = self.received[0][1]
+        for signum, at in self.received[1:]:
+            if signum == signal.SIGINT or at - first_at > STOP_WINDOW_S:
+                return signum, at
+        return None
+
+    def stopped(self) -> tuple[int, float] | None:
+        """SIGTERM and now, once the `stop` event is set."""
+        if self.stop is not None and self.stop.is_set():
+            return signal.SIGTERM, time.monotonic()
+        return None
+
+    def repeats(self) -> str:
+        """'; SIGTERM came again 0.05 s later: the same request' when it did, for messages."""
+        if len(self.received) < 2 or self.urgent(True) is not None:
+            return ""
+        (first, first_at), (again, at) = self.received[0], self.received[1]
+        how = "again " if again == first else ""
+        times = "" if len(self.received) == 2 else f" ({len(self.received) - 1} times)"
+        return (f"; {signal_name(again)} came {how}{at - first_at:.2f} s later{times}: the "
+                f"same request")
+
+
+def _catchable(signum: int) -> bool:
+    """Whether a stop handler may take `signum` over: not a SIGHUP the caller ignores (nohup)."""
+    return signum != signal.SIGHUP or signal.getsignal(signum) is not signal.SIG_IGN
 
 
 @contextmanager
 def _catch_stop_signals(stop: threading.Event | None) -> Iterator[_StopRequests]:
-    """Records SIGINT and SIGTERM while inside; the previous handlers come back on the way
-    out. Handlers can only be installed from the main thread: elsewhere only `stop` counts."""
+    """Records SIGINT, SIGTERM and SIGHUP while inside; the previous handlers come back on the
+    way out. Handlers can only be installed from the main thread: elsewhere only `stop`
+    counts."""
     requests = _StopRequests(stop)
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
-        for signum in STOP_SIGNALS:
+        for signum in filter(_catchable, STOP_SIGNALS):
             previous[signum] = signal.signal(signum, requests.handler)
     try:
         yield requests
@@ -193,11 +265,42 @@ def _ignore_stop_signals() -> None:
         signal.signal(number, signal.SIG_IGN)
 
 
-def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
+def on_stop_signal(signum: int, frame: FrameType | None) -> None:
+    """A rank's handler outside the deferred stop: SIGTERM/SIGHUP raise `Stopped`, SIGINT
+    KeyboardInterrupt, at once, so that `finally` blocks run; a repeat of the request under
+    way (`stop_request`) is ignored, so it cannot cut that request's clean-up short."""
+    if stop_request.repeated_by(signum):
+        return
     _ignore_stop_signals()  # one stop per rank: a second signal must not cut its clean-up
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise Stopped(signum)
+
+
+@contextmanager
+def raising_stop_signals() -> Iterator[None]:
+    """While inside (in the main thread), SIGTERM and SIGHUP raise `Stopped`, as in a rank of
+    `launch`: a command says how it stopped instead of dying silently. `Pipeline.train` and
+    `LocalPipeline.train` defer them to an agreed step (`stopping.DeferredStop`)."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in filter(_catchable, TERM_SIGNALS):
+            previous[signum] = signal.signal(signum, on_stop_signal)
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+
+
+def _own_session() -> None:
+    """Puts this rank in a session (and process group) of its own, as torchrun does: a signal
+    to the launcher's process group (`kill -- -PGID`, `timeout`, Ctrl-C) then reaches the rank
+    once, forwarded by the launcher, not twice."""
+    try:
+        os.setsid()
+    except (AttributeError, OSError):  # not POSIX, or already a group leader
+        pass
 
 
 def _is_peer_symptom(err: BaseException) -> bool:
@@ -216,9 +319,10 @@ def _is_peer_symptom(err: BaseException) -> bool:
 
 def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int,
                args: Sequence[Any], timeout_s: float, report: Any, threads: int | None) -> None:
+    _own_session()
     _die_with_parent()
-    for number in STOP_SIGNALS:
-        signal.signal(number, _on_stop_signal)
+    for number in filter(_catchable, STOP_SIGNALS):
+        signal.signal(number, on_stop_signal)
     os.environ.update(rank_environment(rank, world_size, port))
     if threads:
         torch.set_num_threads(threads)
@@ -367,21 +471,45 @@ def _failure_message(ranks: dict[int, _Rank], blamed: int) -> str:
     return f"{head}\n{text}" if text else head
 
 
+@dataclass
+class _Killed:
+    """The ranks a stop had to kill, and why: the grace period ran out, or a signal that
+    cuts it short (`_StopRequests.urgent`) came `after_s` seconds into the stop."""
+    ranks: list[int]
+    grace: float
+    cut_by: int | None = None
+    after_s: float = 0.0
+
+    def __str__(self) -> str:
+        were = "was" if len(self.ranks) == 1 else "were"
+        if self.cut_by is None:
+            return (f"{_ranks_text(self.ranks)} did not stop within {self.grace:g} s and {were} "
+                    f"killed (SIGKILL)")
+        return (f"{_ranks_text(self.ranks)} {were} still running when "
+                f"{signal_name(self.cut_by)} came {self.after_s:.2f} s later, and {were} "
+                f"killed (SIGKILL)")
+
+
 def _stop_processes(alive: Callable[[], list[int]], send: Callable[[int, int], None],
-                    signum: int | None, grace: float, cut_short: Callable[[], bool],
-                    poll: Callable[[], None]) -> list[int]:
+                    signum: int | None, grace: float,
+                    cut_short: Callable[[], tuple[int, float] | None],
+                    poll: Callable[[], None], began_at: float | None = None) -> _Killed:
     """Sends `signum` (if any) to the ranks `alive()` lists, waits up to `grace` seconds for
-    them to exit (less once `cut_short()`: the launcher was signalled again), then SIGKILLs
-    the rest. Returns the ranks that had to be killed."""
+    them to exit (less once `cut_short()` names a signal: the launcher was told to hurry),
+    then SIGKILLs the rest. `began_at`: when the stop was asked for (default now)."""
+    began_at = time.monotonic() if began_at is None else began_at
     if signum is not None:
         for r in alive():
             send(r, signum)
     deadline = time.monotonic() + grace
-    while alive() and time.monotonic() < deadline and not cut_short():
+    cut = None
+    while alive() and time.monotonic() < deadline and (cut := cut_short()) is None:
         poll()
         time.sleep(0.02)
-    killed = alive()
-    for r in killed:
+    killed = _Killed(alive(), grace)
+    if killed.ranks and cut is not None:
+        killed.cut_by, killed.after_s = cut[0], cut[1] - began_at
+    for r in killed.ranks:
         send(r, signal.SIGKILL)
     return killed
 
@@ -401,11 +529,13 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300
     then one whose error looks like a peer's death (closed connection, timeout); ties go to
     the earliest. The others are then sent SIGTERM, and SIGKILL after `grace` seconds.
 
-    SIGINT or SIGTERM to this process (when called from the main thread; the previous
-    handlers are restored on return), or setting `stop`, forwards that signal (SIGTERM for
-    `stop`) to every rank, waits up to `grace` seconds, kills the rest, and raises
-    KeyboardInterrupt for SIGINT, a `LaunchError` with `stopped_by` set otherwise. In a rank,
-    SIGTERM raises `Stopped` and SIGINT KeyboardInterrupt, so its `finally` blocks run.
+    SIGINT, SIGTERM or SIGHUP to this process (when called from the main thread; the
+    previous handlers are restored on return), or setting `stop`, forwards that signal
+    (SIGTERM for `stop`) to every rank, waits up to `grace` seconds, kills the rest, and
+    raises KeyboardInterrupt for SIGINT, a `LaunchError` with `stopped_by` set otherwise; a
+    repeat of SIGTERM/SIGHUP within `STOP_WINDOW_S` is the same request, SIGINT cuts the wait
+    short. In a rank, SIGTERM and SIGHUP raise `Stopped` and SIGINT KeyboardInterrupt, so its
+    `finally` blocks run (`Pipeline.train` first stops at an agreed step).
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
@@ -461,6 +591,8 @@ def _supervise(ranks: dict[int, _Rank], nprocs: int, grace: float,
         time.sleep(0.02)
 
     signum = requests.signum
+    by_signal = bool(requests.received)  # else a failure or `stop` started this stop
+    began_at = requests.received[0][1] if by_signal else None
     blamed = _blame(ranks) if signum is None else None
 
     def alive() -> list[int]:
@@ -476,16 +608,16 @@ def _supervise(ranks: dict[int, _Rank], nprocs: int, grace: float,
 
     if signum is not None or blamed is not None:
         killed = _stop_processes(alive, send, signum or signal.SIGTERM, grace,
-                                 lambda: requests.impatient(signum is not None), poll) \
-            if alive() else []
+                                 lambda: requests.urgent(by_signal), poll, began_at) \
+            if alive() else _Killed([], grace)
     else:  # every rank reported success and is only left to exit: no signal, a deadline
         killed = _stop_processes(alive, send, None, max(grace, EXIT_S),
-                                 lambda: requests.signum is not None, poll)
+                                 lambda: requests.urgent(False) or requests.stopped(), poll)
         signum = requests.signum  # a signal now still stops the launcher
     if signum is not None:
-        after = f"; {_ranks_text(killed)} did not stop within {grace:g} s and " \
-                f"{'was' if len(killed) == 1 else 'were'} killed (SIGKILL)" if killed else ""
-        message = f"stopped by {signal_name(signum)}: sent it to the {len(ranks)} ranks{after}"
+        after = f"; {killed}" if killed.ranks else ""
+        message = (f"stopped by {signal_name(signum)}: sent it to the {len(ranks)} ranks"
+                   f"{requests.repeats()}{after}")
         if signum == signal.SIGINT:
             raise KeyboardInterrupt(message)
         raise LaunchError(message, stopped_by=signum)
@@ -531,9 +663,12 @@ def run_script(script: str, script_args: Sequence[str], nprocs: int,
     after `grace` seconds) and its status is returned, 128 + the signal number for a rank
     killed by a signal, as shells report it; the first failure is blamed, preferring, among
     those seen within `SETTLE_S` of it, a rank killed by a signal to one that exited with an
-    error (which is how a rank reacts to its peer's death). SIGINT or SIGTERM to the launcher
-    is forwarded to every rank, with the same grace period, and returns 128 + its number.
-    Every line it prints goes to stderr and starts with "pipedream-fast run:".
+    error (which is how a rank reacts to its peer's death). SIGINT, SIGTERM or SIGHUP to the
+    launcher is forwarded to every rank, with the same grace period, and returns 128 + its
+    number; a repeat of SIGTERM/SIGHUP within `STOP_WINDOW_S` is the same request, SIGINT
+    cuts the grace period short. Each rank runs in a session of its own, so a signal to the
+    launcher's process group reaches it once. Every line it prints goes to stderr and starts
+    with "pipedream-fast run:".
     """
     def say(text: str) -> None:
         print(f"pipedream-fast run: {text}", file=sys.stderr, flush=True)
@@ -546,7 +681,7 @@ def run_script(script: str, script_args: Sequence[str], nprocs: int,
                 procs[rank] = subprocess.Popen(
                     [sys.executable, script, *script_args],
                     env={**os.environ, **rank_environment(rank, nprocs, port)},
-                    preexec_fn=_die_with_parent)
+                    start_new_session=True, preexec_fn=_die_with_parent)
                 if requests.signum is not None:
                     break
             failures: dict[int, float] = {}
@@ -561,6 +696,8 @@ def run_script(script: str, script_args: Sequence[str], nprocs: int,
                     return 0
                 time.sleep(0.05)
             signum = requests.signum
+            by_signal = bool(requests.received)  # else a failed rank started this stop
+            began_at = requests.received[0][1] if by_signal else None
             code = 0
             if signum is None:
                 blamed = min(failures, key=lambda r: ((procs[r].returncode or 0) >= 0,
@@ -587,16 +724,14 @@ def run_script(script: str, script_args: Sequence[str], nprocs: int,
                     pass
 
             killed = _stop_processes(alive, send, signum or signal.SIGTERM, grace,
-                                     lambda: requests.impatient(signum is not None),
-                                     lambda: None) if alive() else []
-            late = (f"{_ranks_text(killed)} did not stop within {grace:g} s and "
-                    f"{'was' if len(killed) == 1 else 'were'} killed (SIGKILL)")
+                                     lambda: requests.urgent(by_signal), lambda: None,
+                                     began_at) if alive() else _Killed([], grace)
             if signum is None:
-                if killed:
-                    say(late)
+                if killed.ranks:
+                    say(str(killed))
                 return code
             say(f"stopped by {signal_name(signum)}: sent it to the {len(procs)} ranks"
-                + (f"; {late}" if killed else ""))
+                + requests.repeats() + (f"; {killed}" if killed.ranks else ""))
             return 128 + signum
         finally:
             for proc in procs.values():

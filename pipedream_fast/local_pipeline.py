@@ -20,6 +20,14 @@ before `train()` is left, and discards the microbatches in flight. The stages ke
 updates they applied: a synchronous schedule's stages may be one update apart (the last
 stage updates first), an asynchronous one's up to the pipeline's depth, and the next
 `train()` goes on from there.
+
+SIGTERM (or SIGHUP) during `train()` stops every rank after the same step instead, as the
+multi-process `Pipeline` does (`pipedream_fast.stopping`): the signal is only recorded
+(`DeferredStop`); the driving thread then picks the step (`_StopPoint`: one that no rank has
+finished yet), each rank stops right after finishing it and performs what that step still
+owes its peers (its sends and updates, `Executor.drain`), so every stage holds exactly the
+updates of the steps trained; `train()` then raises `Stopped` (exit code 143) with that step,
+and the caller can save the model there.
 """
 
 from __future__ import annotations
@@ -39,16 +47,19 @@ from torch import nn
 
 from pipedream_fast.formats import Plan
 from pipedream_fast.ir import Action, Schedule
+from pipedream_fast.launch import Stopped
 from pipedream_fast.runtime.executor import Executor
 from pipedream_fast.runtime.stage import OptimizerFactory, StageRuntime
 from pipedream_fast.runtime.transport import ThreadHub, ThreadTransport
+from pipedream_fast.stopping import DeferredStop
 from pipedream_fast.tracing import check_no_shared_parameters
 from pipedream_fast.tracing import trace as trace_model
 from pipedream_fast.training import (EpochBatches, MicrobatchFeed, build_schedule,
                                      check_localsgd_options,
                                      check_plan_fits, check_runtime_fits, check_trainable,
                                      data_source, feed_uses, named_state, original_names,
-                                     resolve_schedule, stage_runtime, steps_for, target_spec)
+                                     resolve_schedule, stage_runtime, steps_for, target_spec,
+                                     StepTracker)
 from pipedream_fast.tuning import Tuning
 
 
@@ -104,6 +115,31 @@ class _TrackedExecutor(Executor):
         return f"rank {self.rank} {where}, {doing} for {self.phase_age(now):.1f} s"
 
 
+class _StopPoint:
+    """The step after which every rank of a run stops when asked to (SIGTERM): ranks report
+    each step they finish and stop once they have finished `steps`; the driving thread sets
+    `steps` to one that no rank has finished yet, so every rank can still stop right there."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._finished = 0  # the most steps any rank has finished
+        self.steps: int | None = None
+
+    def finished(self, steps: int) -> bool:
+        """A rank has finished its first `steps` steps: whether it stops here."""
+        with self._lock:
+            self._finished = max(self._finished, steps)
+            return self.steps is not None and steps >= self.steps
+
+    def choose(self, at_least: int) -> int:
+        """Sets the stop after the next step any rank finishes, and at least `at_least`
+        steps (those the caller was given already); returns it."""
+        with self._lock:
+            if self.steps is None:
+                self.steps = max(self._finished + 1, at_least)
+            return self.steps
+
+
 _LIVE: set[_Run] = set()  # runs that have threads: stopped at interpreter exit at the latest
 
 
@@ -122,10 +158,12 @@ class _Run:
     """One `train()` call's threads, one per rank, and what they report."""
 
     def __init__(self, executors: list[_TrackedExecutor], hub: ThreadHub,
-                 stop: threading.Event, timeout: float) -> None:
+                 stop: threading.Event, timeout: float, steps: int, chunks: int) -> None:
         self.executors = executors
         self.hub = hub
         self.timeout = timeout
+        self.steps, self.chunks = steps, chunks
+        self.point = _StopPoint()
         self._stop = stop
         self._results: queue.Queue[tuple[str, int, Any]] = queue.Queue()
         self._poll = min(_POLL_S, max(0.01, timeout / 10))
@@ -139,10 +177,17 @@ class _Run:
         self.stuck: list[tuple[_TrackedExecutor, threading.Thread]] = []
 
     def _work(self, executor: _TrackedExecutor) -> None:
+        tracker = StepTracker(executor.schedule, executor.rank, self.chunks)
         try:
             for _, action, loss in executor.run():
                 if loss is not None:
                     self._results.put(("loss", executor.rank, (action.microbatch, loss)))
+                if any(self.point.finished(step + 1) for step in tracker.done(action,
+                                                                             self.steps)):
+                    # The agreed step: what it owes the peers, then nothing more (as a
+                    # Pipeline rank after its vote).
+                    executor.drain(self.chunks * (self.point.steps or 0))
+                    break
             self._results.put(("done", executor.rank, None))
         except BaseException as err:  # noqa: BLE001 - reported to the caller by the driver
             self._results.put(("error", executor.rank, err))  # first: the cause comes first
@@ -158,8 +203,9 @@ class _Run:
         return len(self.reported) < len(self.executors)
 
     def next_event(self) -> tuple[str, int, Any]:
-        """The next report of a rank ("loss" or "done"); a failure (a rank's error, or a rank
-        over its time) stops the run and is raised."""
+        """The next report of a rank ("loss" or "done"), or ("", -1, None) after a poll
+        interval without one; a failure (a rank's error, or a rank over its time) stops the
+        run and is raised."""
         while True:
             if self.stopped:  # by a later train() call, while this one's caller waited
                 raise RuntimeError("this train() was stopped: train() was called again "
@@ -172,7 +218,7 @@ class _Run:
                 late = self._overdue()
                 if late is not None:
                     raise self._failure(None, late)
-                continue
+                return kind, rank, value
             if kind == "error":
                 self.reported.add(rank)
                 raise self._failure(value, None)
@@ -281,10 +327,11 @@ class LocalPipeline:
         for param in model.parameters():  # where each stage's weight ring will live
             self.tuning.check_device(param.device)
         self._epoch = 0
+        self._step = 0  # steps trained, counted as checkpoints and `Stopped.step` count them
         self._names = original_names(model)
         chain = trace_model(model)
         check_no_shared_parameters(chain)  # one process: a tensor cannot live in two stages
-        self._input_names = chain.input_names
+        self._flatten_inputs = chain.flatten_inputs  # a loader's inputs as stage 0's arguments
         check_plan_fits(self.plan, chain)
         self._loss_fn = loss_fn
         self._optimizer = optimizer
@@ -356,7 +403,9 @@ class LocalPipeline:
         call begins a new epoch); yields each minibatch's mean microbatch loss.
 
         Leaving the loop early stops every rank and discards the microbatches in flight
-        (the stages keep the updates they applied; see the module's docstring)."""
+        (the stages keep the updates they applied; see the module's docstring). SIGTERM or
+        SIGHUP stops every rank after the same step, then raises `Stopped` (code 143 or 129)
+        whose `step` counts the steps this LocalPipeline trained, as a checkpoint does."""
         self._check_usable()
         steps = steps_for(loader, steps, epochs)
         batches = EpochBatches(loader, self.seed, self._epoch)
@@ -377,34 +426,44 @@ class LocalPipeline:
         for rank in ranks:
             for runtime in runtimes[rank].values():
                 runtime.begin_run()
-            inputs = data_source(feed, schedule, rank, self._input_names)
+            inputs = data_source(feed, schedule, rank, self._flatten_inputs)
             executors.append(_TrackedExecutor(schedule, rank, runtimes[rank],
                                               ThreadTransport(hub, rank), inputs,
                                               target_spec=spec, trace=self.trace, stop=stop))
-        run = _Run(executors, hub, stop, self.timeout)
+        run = _Run(executors, hub, stop, self.timeout, steps, self.chunks)
         run.batches = batches
         self._run = run
         finished = False
+        next_step = 0  # the steps yielded (counted before the yield: a break there had it)
         try:
-            run.start()
-            losses: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> mb -> loss
-            next_step = 0
-            while run.running:
-                kind, _, value = run.next_event()
-                if kind == "loss":
-                    mb, loss = value  # every rank reports the losses it learns: keep one per mb
-                    if mb // self.chunks >= next_step:  # not a step yielded already
-                        losses[mb // self.chunks][mb] = loss
-                    while len(losses.get(next_step, ())) == self.chunks:
-                        yield torch.stack(list(losses.pop(next_step).values())).mean()
+            with DeferredStop() as request:
+                run.start()
+                losses: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> mb -> loss
+                while run.running:
+                    if request.signum is not None:
+                        run.point.choose(next_step)
+                    kind, _, value = run.next_event()
+                    if kind == "loss":
+                        mb, loss = value  # every rank reports the losses it learns: keep one per mb
+                        if mb // self.chunks >= next_step:  # not a step yielded already
+                            losses[mb // self.chunks][mb] = loss
+                    while next_step < (run.point.steps or steps) and \
+                            len(losses.get(next_step, ())) == self.chunks:
+                        got = losses.pop(next_step)
                         next_step += 1
-            finished = True
+                        yield torch.stack(list(got.values())).mean()
+                # else every rank stopped after the same step, with steps left in flight
+                finished = run.point.steps is None or run.point.steps >= steps
+                signum = request.signum
         finally:
             # Also on a break, an exception or Ctrl-C in the caller's loop, close(): no thread
             # may outlive train() inside a wait (it would abort the process at exit).
+            self._step += next_step
             self._end(run, early=not finished)
         self.last_stats = {e.rank: e.stats.to_dict() for e in executors}
         self.last_events = [ev for e in executors for ev in (e.events or [])]
+        if signum is not None:
+            raise Stopped(signum, f" after step {self._step}", step=self._step)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters and buffers under their original names."""

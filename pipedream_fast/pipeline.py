@@ -18,9 +18,9 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
-import shutil
 import weakref
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,19 +44,44 @@ from pipedream_fast.runtime.update_sync import GlobalUpdateSync, LossScaler, Tie
 from pipedream_fast.schedules import SYNCHRONOUS, kind
 from pipedream_fast.schedules.forward_only import forward_only
 from pipedream_fast.stopping import DeferredStop, StopVote
-from pipedream_fast.tracing import shared_parameters
+from pipedream_fast.tracing import LayerChain, NeedsExampleInputs, shared_parameters
 from pipedream_fast.tracing import trace as trace_model
 from pipedream_fast.training import (EpochBatches, MicrobatchFeed, StepTracker, build_schedule,
                                      check_backend, check_loader, check_plan_fits,
                                      check_localsgd_options, check_runtime_fits,
                                      check_trainable, data_source,
                                      feed_uses, manual_plan, model_fingerprint, named_state,
-                                     original_names, positional_inputs, resolve_schedule,
+                                     original_names, resolve_schedule, InputsOnly, model_loss,
                                      batch_size, fingerprint, pad_batch, split_microbatches,
                                      stage_runtime,
                                      steps_for, target_spec, to_device)
 from pipedream_fast.tuning import Tuning
 
+
+
+@dataclass(frozen=True)
+class _TensorShape:
+    """A tensor of the first minibatch as every rank needs it to capture the model (a pytree
+    leaf, unlike a NamedTuple)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _ties_cross_stages(chain: LayerChain, plan: Plan) -> bool:
+    stage_of_block = {b: i for i, s in enumerate(plan.stages) for b in range(s.start, s.stop)}
+    return any(len({stage_of_block[b] for b in blocks}) > 1
+               for blocks in shared_parameters(chain).values())
+
+
+def _join_microbatches(*parts: Any) -> Any:
+    """One output leaf of a whole minibatch from its microbatches' (equal-sized) parts: a
+    batch-major tensor concatenated, a 0-d tensor (a microbatch's mean loss) averaged."""
+    if not isinstance(parts[0], torch.Tensor):
+        return parts[0]
+    if parts[0].dim() == 0:
+        return torch.stack(parts).float().mean().to(parts[0].dtype)
+    return torch.cat(parts)
 
 
 class _StopAgreed(Exception):
@@ -155,10 +180,19 @@ class Pipeline:
     `state_dict` use copy 0, the averaged model after every complete round; `save` writes
     every copy (weights, optimizer and scheduler state), so `load` with the same R continues
     exactly (and export, like `state_dict`, gives copy 0).
+
+    Models from libraries (nanoGPT, Hugging Face, torchvision, timm) are split unedited: a
+    model torch.fx cannot trace is captured with torch.export from the first minibatch (or
+    `example_inputs`), and is then cut at that point. Inputs may be a tensor, a tuple of
+    positional arguments or a dict of keyword arguments (`input_ids`, `attention_mask`,
+    `labels`). `loss_fn=None` means the model computes its loss: each loader item is then the
+    model's inputs alone, targets included (`(idx, targets)` for nanoGPT, `{"input_ids": ...,
+    "labels": ...}` for Hugging Face), and the loss is taken from the output (see
+    `training.model_loss`).
     """
 
     def __init__(self, model: nn.Module | Callable[[], nn.Module],
-                 loss_fn: Callable[[Any, Any], torch.Tensor],
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                  optimizer: OptimizerFactory, plan: None | str | os.PathLike[str] | Plan = None,
                  schedule: str = "pipedream", microbatch_size: int | None = None,
                  chunks: int | None = None, *, stages: int | None = None,
@@ -190,6 +224,7 @@ class Pipeline:
             raise ValueError(f"checkpoint_every must be >= 1 steps, got {checkpoint_every}")
         if checkpoint_keep < 1:
             raise ValueError(f"checkpoint_keep must be >= 1, got {checkpoint_keep}")
+        self._run_id = ckpt.claim_run(checkpoint_dir)  # refuses another run's checkpoint_dir
         given = [n for n, v in (("plan", plan), ("stages", stages), ("balance", balance),
                                 ("split_points", split_points)) if v is not None]
         if len(given) > 1:
@@ -209,7 +244,8 @@ class Pipeline:
         self.chunks = chunks
         self.local_steps = local_steps
         self.model_replicas = model_replicas
-        self.loss_fn = loss_fn
+        self.loss_fn: Callable[[Any, Any], torch.Tensor] = loss_fn or model_loss
+        self._inputs_only = loss_fn is None  # loader items are the model's inputs alone
         self.timeout = timeout
         self.trace = trace
         self.seed = seed
@@ -224,8 +260,12 @@ class Pipeline:
         self._stages_wanted = stages
         self._model: nn.Module | None = model  # until the stages are cut
         self._names = original_names(model)
-        self._chain = trace_model(model, leaf_modules=leaf_modules)
-        self._input_names = self._chain.input_names
+        self._leaf_modules = tuple(leaf_modules)
+        self._chain: LayerChain | None = None  # None: captured at the first minibatch
+        try:
+            self._chain = trace_model(model, example_inputs, leaf_modules, check=False)
+        except NeedsExampleInputs:
+            pass  # torch.export needs inputs: the model is cut at its first minibatch
         self.plan: Plan | None = None
         self.stage_indices: tuple[int, ...] = ()
         self._modules: dict[int, nn.Module] = {}  # the stages this rank holds
@@ -252,16 +292,67 @@ class Pipeline:
             plan = Plan.load(plan)
         if plan is not None and not isinstance(plan, Plan):
             raise TypeError(f"plan must be None, a path or a Plan, got {type(plan).__name__}")
+        self._split = (plan, balance, split_points)  # how to cut, once the chain is known
+        if self._chain is not None:
+            self._check_ties_allowed(self._chain)
+            plan = self._fixed_plan()
+            if plan is None and example_inputs is not None:
+                plan = self._plan_from(example_inputs if self.rank == 0 else None)
+            if plan is not None:
+                self._setup(plan)
+
+    def _fixed_plan(self) -> Plan | None:
+        """The plan given, or made from a manual split; None when the planner must decide."""
+        assert self._chain is not None and self._model is not None
+        plan, balance, split_points = self._split
+        name = type(self._model).__name__
         if balance is not None or split_points is not None:
-            plan = manual_plan(self._chain, self.world_size, schedule, balance, split_points,
-                               model_name=type(model).__name__)
-        elif plan is None and self.world_size == 1:
-            plan = manual_plan(self._chain, 1, schedule, balance=[len(self._chain)],
-                               model_name=type(model).__name__)
-        elif plan is None and example_inputs is not None:
-            plan = self._plan_from(example_inputs if self.rank == 0 else None)
-        if plan is not None:
-            self._setup(plan)
+            return manual_plan(self._chain, self.world_size, self.schedule_name, balance,
+                               split_points, model_name=name)
+        if plan is None and self.world_size == 1:
+            return manual_plan(self._chain, 1, self.schedule_name, balance=[len(self._chain)],
+                               model_name=name)
+        return plan
+
+    def _check_ties_allowed(self, chain: LayerChain) -> None:
+        """Weights tied across blocks (an embedding and the output head) have their gradients
+        summed across stages before each update, which asynchronous schedules cannot do:
+        refused here, before any work, naming the weights."""
+        if self.schedule_name == "auto" or kind(self.schedule_name).synchronous:
+            return
+        tied = sorted(" = ".join(self._names.get(pid, ("?",))) for pid in shared_parameters(chain))
+        plan = self._split[0]
+        if tied and (plan is None or _ties_cross_stages(chain, plan)):
+            raise ValueError(f"the model ties weights across blocks ({'; '.join(tied)}); on "
+                             f"different stages a tied weight's gradients are summed before "
+                             f"each update, which {self.schedule_name!r} cannot do (an "
+                             f"asynchronous schedule updates its stages at different times). "
+                             f"Use a synchronous schedule ({', '.join(SYNCHRONOUS)})")
+
+    def _automatic_candidates(self) -> tuple[str, ...]:
+        """schedule='auto' chooses among these: only synchronous ones for a model with tied
+        weights, whose stages must agree before each update."""
+        from pipedream_fast.planner.choose import AUTOMATIC
+        assert self._chain is not None
+        if shared_parameters(self._chain):
+            return tuple(n for n in AUTOMATIC if kind(n).synchronous)
+        return AUTOMATIC
+
+    def _capture(self, example_inputs: Any) -> None:
+        """Captures the model with torch.export on every rank from the structure of rank 0's
+        first minibatch (zeros of its shapes and dtypes: values do not matter). Collective."""
+        assert self._model is not None
+        payload: list[Any] = [None]
+        if self.rank == 0:
+            payload[0] = pytree.tree_map(
+                lambda t: _TensorShape(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor)
+                else t, example_inputs)
+        dist.broadcast_object_list(payload, src=0)
+        device = next(iter(self._model.parameters()), torch.empty(0)).device
+        inputs = pytree.tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
+                                 if isinstance(t, _TensorShape) else t, payload[0])
+        self._chain = trace_model(self._model, inputs, self._leaf_modules, check=False)
+        self._check_ties_allowed(self._chain)
 
     # --- set-up ------------------------------------------------------------------------------
     @property
@@ -287,6 +378,11 @@ class Pipeline:
                                f"plans on its first minibatch (pass plan=, balance=, "
                                f"split_points= or example_inputs= to cut it at construction)")
 
+    def _flatten(self, inputs: Any) -> tuple[Any, ...]:
+        """A minibatch's (or microbatch's) inputs as the first stage's arguments."""
+        assert self._chain is not None
+        return self._chain.flatten_inputs(inputs)
+
     def _plan_from(self, example_inputs: Any) -> Plan:
         """Rank 0 profiles `example_inputs` and plans; every rank gets the plan (or the error)."""
         payload: list[Any] = [None]
@@ -302,14 +398,14 @@ class Pipeline:
 
     def _make_plan(self, example_inputs: Any) -> Plan:
         from pipedream_fast.planner import make_plan
-        from pipedream_fast.planner.choose import choose_schedule, plan_for
+        from pipedream_fast.planner.choose import plan_for
         from pipedream_fast.profiler import profile_model  # planning is rank 0's job
         from pipedream_fast.topology import Topology
 
-        assert self._model is not None
-        args = positional_inputs(example_inputs, self._input_names)
-        profile = profile_model(self._model, args[0] if len(args) == 1 else args,
-                                batch_size=int(args[0].shape[0]), progress=False)
+        assert self._model is not None and self._chain is not None
+        args = self._chain.flatten_inputs(example_inputs)
+        profile = profile_model(self._model, args, batch_size=batch_size(example_inputs),
+                                progress=False, chain=self._chain)
         topology = Topology.parse(f"{self.world_size}x1e9")
         if self._stages_wanted is not None:
             if self._stages_wanted != self.world_size:
@@ -319,8 +415,25 @@ class Pipeline:
             return make_plan(profile, topology, schedule=kind(name).plans_as or name,
                              strategy="time", straight=True)
         if self.schedule_name == "auto":
-            return choose_schedule(profile, topology)
+            return self._choose_runnable(profile, topology, self._chunks_for(example_inputs))
         return plan_for(self.schedule_name, profile, topology)
+
+    def _choose_runnable(self, profile: Any, topology: Any, chunks: int) -> Plan:
+        """schedule='auto': the fastest candidate whose options this Pipeline meets (2bw, for
+        one, needs at least as many chunks as ranks); a candidate that cannot run with them
+        is dropped and the choice made again."""
+        from pipedream_fast.planner.choose import choose_schedule
+        candidates = list(self._automatic_candidates())
+        while True:
+            plan = choose_schedule(profile, topology, candidates=tuple(candidates))
+            try:
+                build_schedule(plan, plan.schedule, self.world_size, chunks, self.local_steps,
+                               self.model_replicas)
+                return plan
+            except ValueError:
+                candidates.remove(plan.schedule)
+                if not candidates:
+                    raise
 
     def _setup(self, plan: Plan) -> None:
         """Cuts this rank's stages out of the model and makes their optimizers, transport and
@@ -332,6 +445,7 @@ class Pipeline:
         self.schedule_name = resolve_schedule(self.schedule_name, plan)
         check_localsgd_options(self.schedule_name, self.chunks, self.microbatch_size,
                                self.local_steps, self.model_replicas)
+        assert self._chain is not None  # captured before any plan is set up
         check_plan_fits(plan, self._chain)
         self._check_same_model_everywhere(self._chain)
         self.plan = plan
@@ -393,6 +507,7 @@ class Pipeline:
         of the ranks holding it and starts from the first holder's values. Collective."""
         stage_of_block = {b: i for i, s in enumerate(plan.stages) for b in range(s.start, s.stop)}
         tied: list[TiedWeight] = []
+        assert self._chain is not None
         blocks_by_param = shared_parameters(self._chain)
         params = {id(p): p for b in self._chain.blocks for p in b.module.parameters()}
         for pid, blocks in sorted(blocks_by_param.items(), key=lambda kv: kv[1]):
@@ -400,7 +515,7 @@ class Pipeline:
             if len(holders) < 2:
                 continue  # used twice within one stage: autograd sums it already
             ranks = sorted({r for s in holders for r in plan.stages[s].ranks})
-            name = self._names.get(pid, "a weight")
+            name = " = ".join(self._names.get(pid, ("a weight",)))
             mine = [s for s in holders if s in self.stage_indices]
             if len(mine) > 1:
                 raise ValueError(f"{name} is used by stages {holders}, of which this rank holds "
@@ -475,11 +590,18 @@ class Pipeline:
         and, on first-stage ranks, the batches. Collective.
 
         `evaluation`: a short last batch is padded to the full size and each target gets a
-        mask of the real samples, so that nothing is dropped and nothing counted twice."""
-        if self.plan is None:  # plan on the first minibatch
+        mask of the real samples, so that nothing is dropped and nothing counted twice (not
+        for a model that computes its own loss: padding would enter its mean, so a short last
+        batch is refused)."""
+        if self._inputs_only and loader is not None:
+            loader = InputsOnly(loader)
+        if self.plan is None:  # cut and plan on the first minibatch
             if self.rank == 0:
                 self._peeked = self._peek(loader)
-            self._setup(self._plan_from(self._peeked[1][0] if self._peeked else None))
+            first = self._peeked[1][0] if self._peeked else None
+            if self._chain is None:
+                self._capture(first)
+            self._setup(self._fixed_plan() or self._plan_from(first))
         assert self.plan is not None
         lead = self.plan.stages[0].ranks[0]
         payload: list[Any] = [None]
@@ -489,7 +611,7 @@ class Pipeline:
                 peeked, self._peeked = self._peeked, None
                 self._source, first = peeked if peeked is not None else self._peek(loader)
                 chunks = self._chunks_for(first[0])
-                check_loader(loader, chunks, allow_short_last=evaluation)
+                check_loader(loader, chunks, allow_short_last=evaluation and not self._inputs_only)
                 size = batch_size(first[0])
                 target = (first[1], torch.ones(size, dtype=torch.bool)) if evaluation else first[1]
                 payload[0] = {"steps": steps_for(loader, steps, epochs), "chunks": chunks,
@@ -566,12 +688,13 @@ class Pipeline:
         """Trains `steps` minibatches, or `epochs` passes over the loader (default: one pass),
         from `loader` (pairs of inputs, targets; a re-iterable loader is read again for each
         epoch and left usable). Only first-stage ranks read it (others may pass None). Yields
-        each step's mean microbatch loss on every rank (a replicated stage's rank: the mean of
-        the microbatches that passed through it). With `checkpoint_dir`, the pipeline drains
-        and saves every `checkpoint_every` steps. SIGTERM stops every rank after the same
-        step, a few steps later (see `pipedream_fast.stopping`): the pipeline is left as by a
-        `break`, a checkpoint is saved if there is a `checkpoint_dir`, and `Stopped` (a
-        `SystemExit` with code 143) is raised. Collective: every rank must iterate it."""
+        each step's mean microbatch loss, the same on every rank (a replicated stage's ranks
+        see only their share: one small all-reduce per step combines them). With
+        `checkpoint_dir`, the pipeline drains and saves every `checkpoint_every` steps.
+        SIGTERM stops every rank after the same step, a few steps later (see
+        `pipedream_fast.stopping`): the pipeline is left as by a `break`, a checkpoint is
+        saved if there is a `checkpoint_dir`, and `Stopped` (a `SystemExit` with code 143) is
+        raised. Collective: every rank must iterate it."""
         steps, chunks, spec, batches = self._open_data(loader, steps, epochs)
         assert self.plan is not None
         done = 0
@@ -619,7 +742,7 @@ class Pipeline:
         inputs = None
         if batches is not None:
             feed = MicrobatchFeed(batches, chunks, feed_uses(schedule, [self.rank]))
-            inputs = data_source(feed, schedule, self.rank, self._input_names, self.device)
+            inputs = data_source(feed, schedule, self.rank, self._flatten, self.device)
         executor = Executor(schedule, self.rank, runtimes, self._transport, inputs,
                             target_spec=spec, trace=self.trace, update_sync=self._sync)
         tracker = StepTracker(schedule, self.rank, chunks)
@@ -647,29 +770,79 @@ class Pipeline:
         'stop') ends the run at the end of its step, where every rank learns of it (the loss
         travels back with the gradients), so all stop at the same step; its update is not
         applied (see `_abandon`). After each step the rank votes on stopping (`vote`), and
-        leaves the run once the votes of an earlier step say so (`_StopAgreed`)."""
+        leaves the run once the votes of an earlier step say so (`_StopAgreed`).
+
+        With a replicated stage a rank sees only its share of a step's losses: the ranks sum
+        those their last stage computed in one small all-reduce on the control group. A rank
+        joins it once it has done all of the step, before its next compute of a later step or
+        update with the step's gradients (any earlier could hold back a message or update a
+        peer needs to finish the step; any later, and it would leave the run having started
+        the next step), so every rank stops at the same step, before its update."""
+        assert self.plan is not None
+        shared = any(len(s.ranks) > 1 for s in self.plan.stages)
+        last = len(self.plan.stages) - 1
         losses: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> mb -> loss
         bad: dict[int, str] = {}  # step -> what was non-finite
+        finished: list[int] = []  # shared: steps done on this rank, their loss not yet agreed
+
+        def due(step: int) -> bool:
+            """Whether the rank's next action must wait for `step`'s loss (see above)."""
+            upcoming = next(executor._program.ahead(), None)  # noqa: SLF001 - peek, not pop
+            if upcoming is None:
+                return True
+            if upcoming.kind.is_compute:
+                assert upcoming.microbatch is not None
+                return upcoming.microbatch // chunks > step
+            return any(mb // chunks >= step for mb in upcoming.microbatches)
+
+        def agreed(step: int) -> torch.Tensor | None:
+            """The step's mean loss over every rank's share (the sum, and how many)."""
+            got = losses.pop(step, {})
+            total = torch.tensor([sum(float(x) for x in got.values()), len(got)],
+                                 dtype=torch.float64)
+            self._agree(lambda: dist.all_reduce(total, group=self._control),
+                        f"agreeing on the loss of step {self._step + step + 1}")
+            mean = (total[0] / total[1]).float() if total[1] else None
+            if self.on_nan == "stop" and mean is not None and not mean.isfinite():
+                bad.setdefault(step, f"the loss of step {self._step + step + 1} is "
+                                     f"{float(mean)} (seen on another replica)")
+            return mean
+
+        def finish(step: int, mean: torch.Tensor | None) -> Iterator[torch.Tensor | None]:
+            """Yields the step's loss, or ends the run there (non-finite loss, agreed stop)."""
+            if step in bad:
+                for runtime in executor.stages.values():  # replicas all stop here: let the
+                    if runtime.buckets is not None:  # reductions begun in the backward land
+                        runtime.buckets.wait()  # before the run's gradients are cleared
+                raise NonFiniteLoss(f"{bad[step]}; training stopped after step "
+                                    f"{self._step + step} (on_nan='stop'). Lower the "
+                                    f"learning rate, or pass on_nan='skip'")
+            if vote is not None:
+                vote.cast(step, request.signum if request is not None else None)
+            yield mean
+            if vote is not None and step + 1 < steps and vote.outcome(step):
+                raise _StopAgreed
+
         for _, action, loss in executor.run():
             if loss is not None:
                 assert action.microbatch is not None
                 step = action.microbatch // chunks
                 if self.on_nan == "stop" and not torch.isfinite(loss) and step not in bad:
                     bad[step] = (f"the loss of microbatch {action.microbatch % chunks} of step "
-                                 f"{self._step + step} is {float(loss)} (seen on rank "
+                                 f"{self._step + step + 1} is {float(loss)} (seen on rank "
                                  f"{self.rank} at {action.to_text()})")
-                losses[step][action.microbatch] = loss
+                if not shared or action.stage == last:  # shared: each loss counted once
+                    losses[step][action.microbatch] = loss
             for step in tracker.done(action, steps):
-                if step in bad:
-                    raise NonFiniteLoss(f"{bad[step]}; training stopped after step "
-                                        f"{self._step + step - 1} (on_nan='stop'). Lower the "
-                                        f"learning rate, or pass on_nan='skip'")
-                got = losses.pop(step, {})
-                if vote is not None:
-                    vote.cast(step, request.signum if request is not None else None)
-                yield torch.stack(list(got.values())).mean() if got else None
-                if vote is not None and step + 1 < steps and vote.outcome(step):
-                    raise _StopAgreed
+                if shared:
+                    finished.append(step)
+                else:
+                    got = losses.pop(step, {})
+                    yield from finish(step, torch.stack(list(got.values())).mean()
+                                      if got else None)
+            while finished and due(finished[0]):
+                step = finished.pop(0)
+                yield from finish(step, agreed(step))
         if vote is not None:
             vote.settle()  # a stop agreed on in the last steps ends the run here, drained
         self._step += steps
@@ -751,7 +924,7 @@ class Pipeline:
         inputs = None
         if batches is not None:
             feed = MicrobatchFeed(batches, chunks, feed_uses(schedule, [self.rank]))
-            inputs = data_source(feed, schedule, self.rank, self._input_names, self.device)
+            inputs = data_source(feed, schedule, self.rank, self._flatten, self.device)
         sums: dict[str, float] = dict.fromkeys(["loss", *metrics], 0.0)
         count = [0]
 
@@ -787,7 +960,7 @@ class Pipeline:
         spec = pytree.tree_flatten(())[1]  # no target: nothing travels with the inputs
 
         def source(mb: int) -> tuple[tuple[Any, ...], Any]:
-            return positional_inputs(to_device(parts[mb], self.device), self._input_names), ()
+            return self._flatten(to_device(parts[mb], self.device)), ()
 
         outputs: dict[int, Any] = {}
         self._forward_only(schedule, source if 0 in self.stage_indices else None, spec,
@@ -804,12 +977,13 @@ class Pipeline:
         if not everywhere and last not in self.stage_indices:
             return None
         ordered = [outputs[mb] for mb in range(chunks)]
-        return pytree.tree_map(lambda *ts: torch.cat(ts), *ordered) if chunks > 1 else ordered[0]
+        return pytree.tree_map(_join_microbatches, *ordered) if chunks > 1 else ordered[0]
 
     # --- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's parameters and buffers, original keys, on rank 0 (None elsewhere).
-        Collective: every rank must call it."""
+        """The whole model's state under its `state_dict()` keys, on rank 0 (None elsewhere):
+        a tied weight under each of its keys as one tensor, no non-persistent buffers, so a
+        fresh model loads it with `strict=True`. Collective: every rank must call it."""
         self._require_setup("state_dict()")
         assert self.plan is not None
         mine = named_state([m for i, m in self._modules.items()
@@ -822,19 +996,32 @@ class Pipeline:
         full: dict[str, torch.Tensor] = {}
         for part in gathered:
             full.update(part)
-        return full
+        return ckpt.share_aliases(full, self._aliases())
+
+    def _aliases(self) -> list[tuple[str, ...]]:
+        """The groups of keys that name one tensor of the model (tied weights)."""
+        return [keys for keys in self._names.values() if len(keys) > 1]
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes a checkpoint directory (see `pipedream_fast.checkpoint`): each stage's first
         rank writes its stage durably, then rank 0 commits the set with the manifest. Saving
-        over an existing checkpoint stages the new one and swaps it in. Collective."""
+        over an existing checkpoint stages the new one and swaps it in; a file, or a folder
+        holding anything but a checkpoint, is refused on every rank (a save never deletes
+        other files). Collective."""
         self._require_setup("save()")
         assert self.plan is not None
         final = Path(path)
-        folder = ckpt.staging(final) if final.exists() else final
-        if self.rank == 0 and folder.exists():
-            shutil.rmtree(folder)  # an earlier save that never finished
-        self._agree(lambda: dist.barrier(group=self._control), "saving a checkpoint")
+        decided: list[Any] = [None]  # rank 0's: the folder to write, or why not
+        if self.rank == 0:
+            try:
+                decided[0] = ckpt.prepare_save(final)
+            except ckpt.CheckpointError as err:  # every rank must hear of it, not wait
+                decided[0] = str(err)
+        self._agree(lambda: dist.broadcast_object_list(decided, src=0, group=self._control),
+                    "saving a checkpoint")
+        if isinstance(decided[0], str):
+            raise ckpt.CheckpointError(decided[0])
+        folder: Path = decided[0]
         folder.mkdir(parents=True, exist_ok=True)
         entries = []
         for index, module in self._modules.items():
@@ -854,7 +1041,7 @@ class Pipeline:
         if self.rank == 0:
             ckpt.write_manifest(folder, ckpt.manifest_for(
                 self._step, self._epoch, self.schedule_name, self.plan.to_dict(),
-                [e for part in gathered for e in part]))
+                [e for part in gathered for e in part], self._run_id, self._aliases()))
             if folder != final:
                 ckpt.swap_in(final)
         self._agree(lambda: dist.barrier(group=self._control), "saving a checkpoint")
@@ -894,7 +1081,7 @@ class Pipeline:
         root = Path(self.checkpoint_dir)
         self.save(root / f"step-{self._step}")
         if self.rank == 0:
-            ckpt.prune(root, self.checkpoint_keep)
+            ckpt.prune(root, self.checkpoint_keep, self._run_id)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: nn.Module | Callable[[], nn.Module],
@@ -906,21 +1093,18 @@ class Pipeline:
         code. A synchronous schedule then continues exactly as an uninterrupted run."""
         folder, notes = ckpt.resolve(Path(path))
         manifest = ckpt.read_manifest(folder)
-        pipe = cls(model, loss_fn, optimizer, plan=Plan.from_dict(manifest["plan"]), **kwargs)
+        with ckpt.resuming(manifest):  # the run goes on under its id, in its checkpoint_dir
+            pipe = cls(model, loss_fn, optimizer, plan=Plan.from_dict(manifest["plan"]),
+                       **kwargs)
         if pipe.rank == 0:
             for note in notes:
                 print(f"pipedream_fast: {note}", flush=True)
         assert pipe.plan is not None
         for index in pipe.stage_indices:
             saved = ckpt.load_stage(folder, manifest, index)
-            module = pipe._modules[index]
-            for t in list(module.parameters()) + list(module.buffers()):
-                name = pipe._names.get(id(t))
-                if name is None or name not in saved["model"]:
-                    raise ckpt.CheckpointError(f"{folder / ckpt.stage_file(index)} lacks "
-                                               f"{name!r} of stage {index}")
-                with torch.no_grad():
-                    t.copy_(saved["model"][name])
+            ckpt.restore(pipe._modules[index], pipe._names, saved["model"],
+                         str(folder / manifest["files"][str(index)]["file"]),
+                         exact=manifest["format"] != ckpt.LEGACY)
             if saved["optimizer"] is not None and index in pipe._optimizers:
                 pipe._optimizers[index].load_state_dict(saved["optimizer"])
             if saved.get("scheduler") is not None and index in pipe._schedulers:

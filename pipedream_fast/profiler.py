@@ -124,7 +124,9 @@ def _optimizer_state_bytes(chain: LayerChain, inputs: tuple[Any, ...],
                            make: Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer]
                            ) -> list[int]:
     """Per block, bytes of the optimizer state after one step over all parameters."""
-    params = [p for b in chain.blocks for p in b.module.parameters() if p.requires_grad]
+    # Each parameter once: a tied weight is held by two blocks.
+    params = list(dict.fromkeys(p for b in chain.blocks for p in b.module.parameters()
+                                if p.requires_grad))
     if not params:
         return [0] * len(chain)
     for p in params:
@@ -209,7 +211,7 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
                   optimizer: str | Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer] = "sgd",
                   warmup: int = 2, repeat: int = 5, device: str | torch.device = "cpu",
                   progress: bool = True, model_name: str | None = None,
-                  leaf_modules: Sequence[Any] = ()) -> Profile:
+                  leaf_modules: Sequence[Any] = (), chain: LayerChain | None = None) -> Profile:
     """Trace `model`, run each block alone, and return its per-block `Profile`.
 
     `example_input` is one minibatch of `batch_size` samples (a tensor or a tuple of them).
@@ -233,7 +235,8 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
     inputs = tuple(t.to(dev) if isinstance(t, torch.Tensor) else t
                    for t in (example_input if isinstance(example_input, (tuple, list))
                              else (example_input,)))
-    chain = trace(model, leaf_modules=leaf_modules)
+    if chain is None:  # a Pipeline passes the chain it cuts, captured as it captures it
+        chain = trace(model, inputs, leaf_modules=leaf_modules, check=False)
     timer = _Timer(dev)
 
     # Reference inputs of every block, from one forward of the whole chain.

@@ -10,14 +10,20 @@ so in the steady state no rank waits for it, and every rank reads the same outco
 same step. The Pipeline then leaves the run there, as a
 `break` would, saves a checkpoint when it has a `checkpoint_dir`, and raises `Stopped`.
 
-A second SIGTERM acts at once, as does SIGTERM outside `train`. SIGINT (Ctrl-C) is not
-deferred: someone at a keyboard wants the run to stop now.
+SIGHUP (a closed terminal, some schedulers) is treated as SIGTERM. Clusters deliver the same
+request more than once: SLURM (scancel, the time limit) signals every process of the job, so a
+rank gets it directly and again forwarded by its launcher. A SIGTERM or SIGHUP within
+`STOP_WINDOW_S` of the first is therefore the same request, here and after `train` returns
+(`launch.stop_request`), so a copy cannot cut the stop or its clean-up short. A later repeat
+acts at once, as does SIGTERM outside `train`. SIGINT (Ctrl-C) is not deferred: someone at a
+keyboard wants the run to stop now.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -28,52 +34,69 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from pipedream_fast.launch import Stopped
+from pipedream_fast.launch import (STOP_WINDOW_S, TERM_SIGNALS, Stopped, on_stop_signal,
+                                   signal_name, stop_request)
 
 
 class DeferredStop:
-    """While inside (in the main thread), SIGTERM is recorded in `signum` instead of acting.
+    """While inside (in the main thread), SIGTERM or SIGHUP is recorded in `signum` instead
+    of acting; a repeat within `STOP_WINDOW_S` is the same request and changes nothing, a
+    later one acts at once (`Stopped`, or the launcher's handler).
 
     Installed only over Python's default action or a handler of this package's launchers: a
-    handler the user installed, or an ignored SIGTERM, is left alone. Leaving restores the
-    previous handler; should a signal arrive after leaving but before that (a generator closed
-    outside the main thread cannot restore it), the previous action is taken then."""
+    handler the user installed, or an ignored signal (nohup), is left alone. Leaving restores
+    the previous handlers, except that Python's default action, once a request was recorded,
+    comes back as the launchers' handler (`launch.on_stop_signal`), which ignores repeats of
+    that request: a copy arriving during the clean-up does not kill the process. Should a
+    signal arrive after leaving but before the restore (a generator closed outside the main
+    thread cannot restore it), the previous action is taken then."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._previous: Any = None
-        self._installed = False
+        self._previous: dict[int, Any] = {}  # signal -> the handler this one replaced
         self._active = False
 
     def __enter__(self) -> DeferredStop:
         if threading.current_thread() is not threading.main_thread():
             return self
-        previous = signal.getsignal(signal.SIGTERM)
-        if previous is signal.SIG_DFL or getattr(previous, "__module__", None) == \
-                "pipedream_fast.launch":
-            self._previous = previous
-            signal.signal(signal.SIGTERM, self._record)
-            self._installed = True
-            self._active = True
+        for signum in TERM_SIGNALS:
+            previous = signal.getsignal(signum)
+            if previous is signal.SIG_DFL or getattr(previous, "__module__", None) == \
+                    "pipedream_fast.launch":
+                self._previous[signum] = previous
+                signal.signal(signum, self._record)
+        self._active = bool(self._previous)
         return self
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if self._active and self.signum is None:
             self.signum = signum
+            stop_request.start()
             return
-        self._restore()  # a second signal, or one after leaving: act as before
-        if callable(self._previous):
-            self._previous(signum, frame)
-        elif self._active:
-            raise Stopped(signum)
+        if stop_request.repeated_by(signum):
+            return  # the same request again (directly and through the launcher)
+        active, previous = self._active, self._previous.get(signum, signal.SIG_DFL)
+        self._restore()  # a later repeat, or a signal after leaving: act as before
+        if active:
+            print(f"pipedream_fast: {signal_name(signum)} again {stop_request.age() or 0:.1f} s "
+                  f"after the stop request, past its {STOP_WINDOW_S:g} s window: stopping at "
+                  f"once, with no agreed step and no checkpoint", file=sys.stderr, flush=True)
+        if callable(previous):
+            previous(signum, frame)
+        elif active:
+            raise Stopped(signum, " at once (asked again)")
         else:
             os.kill(os.getpid(), signum)  # the default action, now that it is back
 
     def _restore(self) -> None:
         self._active = False
-        if self._installed and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous)
-            self._installed = False
+        if not self._previous or threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in self._previous.items():
+            if previous is signal.SIG_DFL and self.signum is not None:
+                previous = on_stop_signal  # ignores copies of the request under way
+            signal.signal(signum, previous)
+        self._previous = {}
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  tb: TracebackType | None) -> None:

@@ -12,7 +12,7 @@ import random
 import threading
 from collections import defaultdict
 from typing import Any
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -84,11 +84,7 @@ def manual_plan(chain: LayerChain, world_size: int, schedule: str,
     if (balance is None) == (split_points is None):
         raise ValueError("give balance or split_points, not both")
     if split_points is not None:
-        unknown = [p for p in split_points if p not in names]
-        if unknown:
-            raise ValueError(f"split point {unknown[0]!r} is not a block of the model; its "
-                             f"blocks are {block_list(chain)}")
-        starts = [0] + [names.index(p) for p in split_points]
+        starts = [0] + [_first_block(names, p, chain) for p in split_points]
         if starts != sorted(set(starts)):
             raise ValueError(f"split points {list(split_points)} must name blocks after the "
                              f"first, in model order, each once; the blocks are "
@@ -112,13 +108,28 @@ def manual_plan(chain: LayerChain, world_size: int, schedule: str,
                 bottleneck_ms=0.0, data_parallel_ms=0.0, extra={"split": "manual"})
 
 
+def _first_block(names: Sequence[str], point: str, chain: LayerChain) -> int:
+    """The block a split point names: a block, or a module holding several blocks (`layer3`
+    of a ResNet: its first block, `layer3.0`)."""
+    if point in names:
+        return names.index(point)
+    inside = [i for i, n in enumerate(names) if n.startswith(point + ".")]
+    if not inside:
+        raise ValueError(f"split point {point!r} is neither a block of the model nor a module "
+                         f"holding blocks; its blocks are {block_list(chain)}")
+    return inside[0]
+
+
 def model_fingerprint(chain: LayerChain) -> list[tuple[str, list[tuple[int, ...]]]]:
     """Block names and parameter shapes: what every rank of one job must agree on."""
     return [(b.name, [tuple(p.shape) for p in b.module.parameters()]) for b in chain.blocks]
 
 
 def split_microbatches(value: Any, chunks: int) -> list[Any]:
-    """Splits a tensor, or a tuple/list/dict of tensors, into `chunks` along dimension 0."""
+    """Splits a tensor, or a tuple/list/dict of tensors, into `chunks` along dimension 0
+    (non-tensor values, such as a flag or None, are the same in every microbatch)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return [value] * chunks
     if isinstance(value, torch.Tensor):
         if value.shape[0] % chunks:
             raise ValueError(f"a minibatch of {value.shape[0]} samples does not split into "
@@ -135,14 +146,54 @@ def split_microbatches(value: Any, chunks: int) -> list[Any]:
                     f"targets must be tensors, or tuples, lists or dicts of tensors")
 
 
-def positional_inputs(inputs: Any, input_names: Sequence[str]) -> tuple[Any, ...]:
-    """The first stage's arguments: a tensor, a tuple/list of them, or a dict whose keys are the
-    model's input names (anything else is passed as one argument)."""
-    if isinstance(inputs, dict) and set(inputs) == set(input_names):
-        return tuple(inputs[name] for name in input_names)
-    if isinstance(inputs, (tuple, list)):
-        return tuple(inputs)
-    return (inputs,)
+def model_loss(output: Any, _target: Any = None) -> torch.Tensor:
+    """`loss_fn=None`: the model computes its own loss. It is the output itself when that is
+    a 0-d tensor, the `"loss"` entry of a dict or Hugging Face `ModelOutput`, or the one 0-d
+    floating tensor of a tuple such as nanoGPT's `(logits, loss)`."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    if isinstance(output, Mapping) and output.get("loss") is not None:
+        return output["loss"]
+    if isinstance(output, (tuple, list)):
+        scalars = [v for v in output if isinstance(v, torch.Tensor) and v.dim() == 0
+                   and v.is_floating_point()]
+        if len(scalars) == 1:
+            return scalars[0]
+    raise ValueError(f"loss_fn=None takes the loss from the model's output (a 0-d tensor, a "
+                     f"dict or ModelOutput with 'loss', or a tuple holding one 0-d tensor), but "
+                     f"the model returned {_describe_output(output)}: pass the targets among the "
+                     f"inputs (labels=..., or (idx, targets)) so that the model computes its "
+                     f"loss, or give a loss_fn")
+
+
+def _describe_output(output: Any) -> str:
+    if isinstance(output, torch.Tensor):
+        return f"a tensor of shape {tuple(output.shape)}"
+    if isinstance(output, Mapping):
+        return f"a {type(output).__name__} with keys {list(output)}"
+    if isinstance(output, (tuple, list)):
+        return f"a {type(output).__name__} of {[_describe_output(v) for v in output]}"
+    return repr(output)
+
+
+class InputsOnly:
+    """A loader whose items are the model's inputs alone (`loss_fn=None`: the targets are
+    among the inputs), seen as (inputs, ()) pairs: no target travels. Everything else is the
+    loader's."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[tuple[Any, tuple[()]]]:
+        return ((item, ()) for item in self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
 
 
 class MicrobatchFeed:
@@ -214,7 +265,7 @@ CPU = torch.device("cpu")
 
 
 def data_source(feed: MicrobatchFeed, schedule: Schedule, rank: int,
-                input_names: Sequence[str], device: torch.device = CPU
+                flatten: Callable[[Any], tuple[Any, ...]], device: torch.device = CPU
                 ) -> Callable[[int], tuple[tuple[Any, ...], Any]] | None:
     """The executor's input source for a rank that holds the first stage (None elsewhere):
     a microbatch's positional inputs and its target, on the rank's device."""
@@ -223,7 +274,7 @@ def data_source(feed: MicrobatchFeed, schedule: Schedule, rank: int,
 
     def inputs(mb: int) -> tuple[tuple[Any, ...], Any]:
         x, y = feed.take(mb)
-        return positional_inputs(to_device(x, device), input_names), to_device(y, device)
+        return flatten(to_device(x, device)), to_device(y, device)
 
     return inputs
 
@@ -271,6 +322,7 @@ def check_loader(loader: Any, chunks: int, allow_short_last: bool = False) -> No
     """Refuses loaders that would train on the wrong data rather than fail: a
     DistributedSampler (this runtime shards data itself, and only the first stage reads) and
     a short last batch (its microbatches would not fit the negotiated shapes)."""
+    loader = loader.loader if isinstance(loader, InputsOnly) else loader
     sampler = getattr(loader, "sampler", None)
     if isinstance(sampler, DistributedSampler):
         raise ValueError("the loader uses a DistributedSampler: a Pipeline shards the data "
@@ -543,18 +595,36 @@ def check_runtime_fits(runtime: StageRuntime, schedule: Schedule, rank: int) -> 
                          f"{runtime.ring.capacity}; use the same chunks in every call")
 
 
-def original_names(model: nn.Module) -> dict[int, str]:
-    """Tensor identity -> its name in the original model (stages share the tensors)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    names.update({id(b): n for n, b in model.named_buffers()})
+def original_names(model: nn.Module) -> dict[int, tuple[str, ...]]:
+    """Tensor identity -> every key it has in `model.state_dict()`, in that order (stages
+    share the tensors). A tied weight has several keys, and a strict `load_state_dict` wants
+    each; a non-persistent buffer has none (it is not saved), nor has a tensor that only a
+    stage's traced code holds."""
+    names: dict[int, tuple[str, ...]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):  # not a module's get_extra_state()
+            names[id(value)] = names.get(id(value), ()) + (key,)
     return names
 
 
-def named_state(modules: Sequence[nn.Module], names: dict[int, str]) -> dict[str, torch.Tensor]:
-    """Copies of the parameters and buffers of `modules` under their original names."""
+def named_state(modules: Sequence[nn.Module], names: dict[int, tuple[str, ...]]
+                ) -> dict[str, torch.Tensor]:
+    """Copies of the tensors of `modules` under all their keys in the original model's
+    `state_dict()`; the keys of one tensor share one copy, as in `state_dict()`."""
     state: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
     for module in modules:
-        for t in list(module.parameters()) + list(module.buffers()):
-            if id(t) in names:
-                state[names[id(t)]] = t.detach().clone()
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            keys = names.get(id(t), ())
+            if not keys and isinstance(t, nn.Parameter):  # it would be lost without a word
+                raise ValueError(f"parameter {name} of a stage has no key in the model's "
+                                 f"state_dict(), so it cannot be saved: it is not a tensor of "
+                                 f"the model given (a model built on the meta device gets new "
+                                 f"tensors when its stage is materialised; pass a built model)")
+            if keys:
+                copy = t.detach().clone()
+                state.update(dict.fromkeys(keys, copy))
     return state

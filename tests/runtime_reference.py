@@ -145,18 +145,21 @@ def train_reference_with(model: nn.Module, batches: Any, chunks: int, loss_fn: C
                          make_optimizer: Callable, *, autocast_dtype: torch.dtype | None = None,
                          clip_grad_norm: float | None = None,
                          make_scheduler: Callable | None = None,
-                         norms: list[float] | None = None) -> dict[str, torch.Tensor]:
+                         norms: list[float] | None = None,
+                         losses: list[float] | None = None) -> dict[str, torch.Tensor]:
     """`train_reference` with the Pipeline's training options, as one process does them: the
     forward and the loss under `torch.autocast("cpu", autocast_dtype)`, the accumulated
     gradients clipped to `clip_grad_norm` over all parameters before the update, and the LR
     scheduler stepped once after each update. `batches` may be any iterable (a DataLoader);
-    `norms`, if given, receives each update's gradient norm before clipping."""
+    `norms`, if given, receives each update's gradient norm before clipping; `losses` each
+    step's mean microbatch loss (what `Pipeline.train` yields)."""
     model = copy.deepcopy(model)
     params = list(model.parameters())
     optimizer = make_optimizer(params)
     scheduler = make_scheduler(optimizer) if make_scheduler is not None else None
     for x, y in batches:
         optimizer.zero_grad()
+        step_losses = []
         for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
             if autocast_dtype is None:
                 loss = loss_fn(model(xs), ys)
@@ -164,6 +167,9 @@ def train_reference_with(model: nn.Module, batches: Any, chunks: int, loss_fn: C
                 with torch.autocast("cpu", dtype=autocast_dtype):
                     loss = loss_fn(model(xs), ys)
             (loss / chunks).backward()
+            step_losses.append(loss.detach())
+        if losses is not None:
+            losses.append(float(torch.stack(step_losses).mean()))
         if clip_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
         else:

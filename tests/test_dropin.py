@@ -135,6 +135,62 @@ def clip_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 CLIP, LR_STEPS, TIED_STEPS, BF16_STEPS, PLAN_STEPS = 0.5, 4, 4, 6, 3
 
 
+GPT_VOCAB, GPT_DIM, GPT_SEQ, GPT_STEPS = 64, 32, 8, 4
+GPT_BALANCE = [3, 3]  # wte, wpe, h.0 | h.1, ln_f, lm_head: the tied weight on both stages
+# The global gradient norms here are 0.85-0.95; "idle" lies between them and the norm
+# that counted the tied weight twice (1.1-1.2), which clipped where one process does not.
+GPT_CLIPS = {"engaged": 0.3, "idle": 1.05}
+
+
+class GPTBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(GPT_DIM)
+        self.fc = nn.Linear(GPT_DIM, 4 * GPT_DIM)
+        self.proj = nn.Linear(4 * GPT_DIM, GPT_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(nn.functional.gelu(self.fc(self.ln(x))))
+
+
+class TinyGPT(nn.Module):
+    """nanoGPT's layout: token and position embeddings, blocks, a final LayerNorm and a head
+    whose weight *is* the token embedding's (`transformer.wte.weight = lm_head.weight`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(GPT_VOCAB, GPT_DIM), wpe=nn.Embedding(GPT_SEQ, GPT_DIM),
+            h=nn.ModuleList([GPTBlock(), GPTBlock()]), ln_f=nn.LayerNorm(GPT_DIM)))
+        self.lm_head = nn.Linear(GPT_DIM, GPT_VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(0, idx.shape[1], dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def gpt_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, GPT_VOCAB, (BATCH, GPT_SEQ), generator=g)
+        out.append((x, (x * 7 + 1) % GPT_VOCAB))
+    return out
+
+
+def gpt_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, GPT_VOCAB), y.reshape(-1))
+
+
+DP_STEPS = 4
+DP_CLIPS = {"engaged": 0.3, "idle": 1.5}  # the global gradient norms here are 0.6-1.0
+
+
 def step_lr(optimizer: torch.optim.Optimizer) -> Any:
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
 
@@ -268,6 +324,30 @@ def scenario_clip_and_scheduler(rank: int, world: int, out: dict[str, Any]) -> N
         pipe.close()
 
 
+def scenario_tied_clip(rank: int, world: int, out: dict[str, Any]) -> None:
+    """nanoGPT's tied embedding and head on two stages, clipped by the global norm."""
+    for name, clip in GPT_CLIPS.items():
+        pipe = two_stage(TinyGPT(), gpt_loss, sgd(0.5, 0.0), GPT_BALANCE, clip_grad_norm=clip)
+        try:
+            out[f"{name}_losses"] = floats(pipe.train(gpt_batches(GPT_STEPS), steps=GPT_STEPS))
+            out[name] = pipe.state_dict()
+        finally:
+            pipe.close()
+
+
+def scenario_data_parallel(rank: int, world: int, out: dict[str, Any]) -> None:
+    """Both ranks replicate the whole model: global clipping and the losses yielded."""
+    for name, clip, chunks in [(n, c, CHUNKS) for n, c in DP_CLIPS.items()] + [("one", None, 1)]:
+        pipe = Pipeline(mlp5(), cross_entropy, sgd(0.1), schedule="data-parallel", chunks=chunks,
+                        clip_grad_norm=clip, timeout=TIMEOUT)
+        try:
+            out[f"{name}_losses"] = floats(pipe.train(mlp_batches(DP_STEPS), steps=DP_STEPS))
+            out[name] = pipe.state_dict()
+            out[f"{name}_stages"] = [s.ranks for s in pipe.plan.stages]
+        finally:
+            pipe.close()
+
+
 def scenario_plan_none(rank: int, world: int, out: dict[str, Any]) -> None:
     pipe = Pipeline(mlp5(), cross_entropy, sgd(), plan=None, schedule="1f1b", chunks=CHUNKS,
                     timeout=TIMEOUT)
@@ -315,6 +395,8 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "loader": scenario_loader,
     "tied": scenario_tied,
     "clip_and_scheduler": scenario_clip_and_scheduler,
+    "tied_clip": scenario_tied_clip,
+    "data_parallel": scenario_data_parallel,
     "bf16": scenario_bf16,
     "manual_splits": scenario_manual_splits,
     "wrong_balance": scenario_wrong_balance,
@@ -575,6 +657,41 @@ def test_per_stage_clipping_would_differ():
     assert max_difference(want, model.state_dict()) > 1e-3
 
 
+@pytest.mark.parametrize("name", GPT_CLIPS)
+def test_global_clipping_with_a_weight_tied_across_stages_equals_one_process(job, name):
+    """The tied weight's gradient counts once in the global norm, as in one process (the
+    stages' norms once summed the whole of a stage's flat gradient buffer under its first
+    parameter, so the tied weight counted twice or not at all)."""
+    clip = GPT_CLIPS[name]
+    norms: list[float] = []
+    want = train_reference_with(TinyGPT(), gpt_batches(GPT_STEPS), CHUNKS, gpt_loss,
+                                sgd(0.5, 0.0), clip_grad_norm=clip, norms=norms)
+    if name == "engaged":
+        assert min(norms) > 2 * clip, norms
+        unclipped = train_reference_with(TinyGPT(), gpt_batches(GPT_STEPS), CHUNKS, gpt_loss,
+                                         sgd(0.5, 0.0))
+        assert max_difference(want, unclipped) > 1e-3  # teeth: clipping changes the result
+    else:
+        assert max(norms) < clip, norms
+    got = result(job, "tied_clip", 0, name)[name]
+    assert_same_state(got, want, atol=1e-6, rtol=1e-5)
+    assert "lm_head.weight" in got or "transformer.wte.weight" in got
+
+
+@pytest.mark.parametrize("name", DP_CLIPS)
+def test_global_clipping_of_a_replicated_stage_equals_one_process(job, name):
+    """The norm is that of the averaged gradient, whether or not clipping engages (the
+    replicas' gradients were once reduced twice, so the update and its norm doubled)."""
+    clip = DP_CLIPS[name]
+    norms: list[float] = []
+    want = train_reference_with(mlp5(), mlp_batches(DP_STEPS), CHUNKS, cross_entropy,
+                                sgd(0.1), clip_grad_norm=clip, norms=norms)
+    assert (min(norms) > 2 * clip) if name == "engaged" else (max(norms) < clip), norms
+    got = result(job, "data_parallel", 0, name, f"{name}_stages")
+    assert got[f"{name}_stages"] == [(0, 1)]  # one stage, on both ranks
+    assert_same_state(got[name], want, atol=1e-6, rtol=1e-5)
+
+
 # --- 5. evaluate and predict ----------------------------------------------------------------
 
 def test_evaluate_equals_one_process_evaluation_on_every_rank(job):
@@ -676,3 +793,70 @@ def test_the_loss_is_yielded_on_every_rank_and_equal(job):
         losses = [result(job, name, r, "losses")["losses"] for r in range(WORLD)]
         assert all(x is not None for x in losses[0]), name
         assert losses[0] == losses[1], name
+
+
+@pytest.mark.parametrize("chunks", [CHUNKS, 1])
+def test_every_replica_yields_the_loss_of_the_whole_step(job, chunks):
+    """Each replica computes half the microbatches of a step (none of some steps with
+    chunks=1), yet every rank yields the step's mean over all of them, as one process does."""
+    name = "idle" if chunks == CHUNKS else "one"
+    losses: list[float] = []
+    clip = DP_CLIPS["idle"] if chunks == CHUNKS else None
+    train_reference_with(mlp5(), mlp_batches(DP_STEPS), chunks, cross_entropy, sgd(0.1),
+                         clip_grad_norm=clip, losses=losses)
+    got = [result(job, "data_parallel", r, f"{name}_losses")[f"{name}_losses"]
+           for r in range(WORLD)]
+    assert got[0] == got[1]
+    assert got[0] == pytest.approx(losses, rel=1e-6)
+
+
+# --- 8. the loss of a step with a replicated stage inside a pipeline (3 processes) -------------
+
+SHARED_PLANS = {"last_replicated": ("1f1b", [[0], [1, 2]]),
+                "first_replicated": ("gpipe", [[0, 1], [2]])}
+SHARED_STEPS, SHARED_BREAK, SHARED_AGAIN = 5, 3, 2
+
+
+def shared_loss_job(rank: int, world: int) -> dict[str, Any]:
+    """Each plan trains SHARED_BREAK steps and leaves `train` (a break), then trains on: a
+    rank that joined the loss's all-reduce too early (before the sends its peers wait for) or
+    too late (after starting the next step) would hang here."""
+    from pipedream_fast.formats import Plan, StagePlan
+    out: dict[str, Any] = {}
+    batches = mlp_batches(SHARED_STEPS + SHARED_AGAIN)
+    for name, (schedule, ranks) in SHARED_PLANS.items():
+        stages = [StagePlan(0, 2, len(ranks[0]), tuple(ranks[0]), 1.0),
+                  StagePlan(2, 5, len(ranks[1]), tuple(ranks[1]), 1.0)]
+        plan = Plan("mlp5", BATCH, world, schedule, stages, 1.0, 1.0)
+        pipe = Pipeline(mlp5(), cross_entropy, sgd(0.1), plan=plan, schedule=schedule,
+                        chunks=CHUNKS, timeout=TIMEOUT)
+        try:
+            losses = []
+            for loss in pipe.train(batches[:SHARED_STEPS], steps=SHARED_STEPS):
+                losses.append(float(loss))
+                if len(losses) == SHARED_BREAK:
+                    break
+            losses += floats(pipe.train(batches[SHARED_STEPS:], steps=SHARED_AGAIN))
+            out[name] = losses
+            out[f"{name}_state"] = pipe.state_dict()
+        finally:
+            pipe.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def shared_job() -> list[dict[str, Any]]:
+    return launch(shared_loss_job, 3, timeout=60, threads_per_rank=1)
+
+
+@pytest.mark.parametrize("name", SHARED_PLANS)
+def test_a_pipeline_with_a_replicated_stage_yields_the_whole_steps_loss(shared_job, name):
+    batches = mlp_batches(SHARED_STEPS + SHARED_AGAIN)
+    trained = batches[:SHARED_BREAK] + batches[SHARED_STEPS:]
+    losses: list[float] = []
+    want = train_reference_with(mlp5(), trained, CHUNKS, cross_entropy, sgd(0.1),
+                                losses=losses)
+    got = [r[name] for r in shared_job]
+    assert got[0] == got[1] == got[2], got
+    assert got[0] == pytest.approx(losses, rel=1e-6)
+    assert_same_state(shared_job[0][f"{name}_state"], want)

@@ -73,7 +73,7 @@ def run_fake(schedule: Schedule, ranges: list[tuple[int, int]], steps: int,
     errors: list[BaseException] = []
 
     def work(rank: int) -> None:
-        inputs = data_source(feed, schedule, rank, ["input"])
+        inputs = data_source(feed, schedule, rank, lambda x: (x,))
         executor = Executor(schedule, rank, runtimes[rank], FakeTransport(hub, rank),
                             inputs, target_spec=target_spec(torch.zeros(1)))
         try:

@@ -1,26 +1,37 @@
-"""SIGTERM stops every rank after the same step and saves a checkpoint (issue 10).
+"""SIGTERM stops every rank after the same step and saves a checkpoint (issues 10 and 22).
 
-Two ranks train an endless stream under `pipedream-fast run`; SIGTERM goes either to the
-launcher (which forwards it to every rank, as torchrun does) or to rank 1 alone (as when a
-scheduler signals one process). Every rank must leave `Pipeline.train` after the same step,
-the checkpoint of that step must be complete, and under 1f1b it must hold exactly the weights
-of uninterrupted single-process training on those steps.
+Two ranks train an endless stream under `pipedream-fast run`; the signal goes as clusters send
+it: to the launcher (which forwards it to every rank, as torchrun does), to rank 1 alone (as
+when a scheduler signals one process), to the launcher's whole process group (`kill --
+-PGID`, `timeout`), to every process of the job at once (SLURM's scancel and time limit: each
+rank gets it directly and again forwarded), or SIGHUP (a closed terminal). Every rank must
+leave `Pipeline.train` after the same step, the checkpoint of that step must be complete, and
+under 1f1b it must hold exactly the weights of uninterrupted single-process training on those
+steps. The same for `pipedream-fast train --threads 2` (its run's checkpoint), and a NaN stop
+counts its steps as checkpoints do, from 1.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from pipedream_fast import checkpoint as ckpt
+from pipedream_fast.commands import train_run
+from pipedream_fast.launch import launch
+from pipedream_fast.models import build_model, loss_fn
+from pipedream_fast.pipeline import NonFiniteLoss, Pipeline
 from runtime_reference import train_reference
 from test_signals import START, gone, wait_for_pids
 
@@ -73,9 +84,26 @@ def stream(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(steps)]
 
 
-@pytest.mark.parametrize("schedule, target", [("1f1b", "rank 1"), ("pipedream", "launcher")])
+def send(signum: int, target: str, launcher: subprocess.Popen[str], ranks: list[int]) -> None:
+    """`signum` as a cluster or an operator sends it to a job (see the module's docstring)."""
+    if target == "launcher":
+        launcher.send_signal(signum)
+    elif target == "rank 1":
+        os.kill(ranks[1], signum)
+    elif target == "group":
+        os.killpg(launcher.pid, signum)
+    else:  # every process at once, as SLURM does
+        for pid in (launcher.pid, *ranks):
+            os.kill(pid, signum)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, target, signum", [
+    ("1f1b", "rank 1", signal.SIGTERM), ("pipedream", "launcher", signal.SIGTERM),
+    ("1f1b", "group", signal.SIGTERM), ("1f1b", "every process", signal.SIGTERM),
+    ("1f1b", "launcher", signal.SIGHUP)], ids=lambda v: getattr(v, "name", v))
 def test_sigterm_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path, schedule,
-                                                                        target):
+                                                                        target, signum):
     job = tmp_path / "job.py"
     job.write_text(JOB)
     launcher = subprocess.Popen(
@@ -86,23 +114,20 @@ def test_sigterm_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path
         pids = wait_for_pids(tmp_path, [0, 1], timeout=START,
                              alive=lambda: launcher.poll() is None)
         sent = time.monotonic()
-        if target == "launcher":
-            launcher.send_signal(signal.SIGTERM)
-        else:
-            import os
-            os.kill(pids[1], signal.SIGTERM)
+        send(signum, target, launcher, pids)
         stdout, stderr = launcher.communicate(timeout=30)
         took = time.monotonic() - sent
     finally:
         launcher.kill()
-    assert launcher.returncode == 143, stderr
+    assert launcher.returncode == 128 + signum, stderr
     assert took < GRACE, "the ranks were killed, not stopped"  # they stopped by themselves
     assert all(gone(p) for p in pids)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     stopped_after = reports[0]["stopped_after"]
     assert all(r["stopped_after"] == stopped_after == r["seen"] for r in reports), reports
     saved = tmp_path / "ckpt" / f"step-{stopped_after}"
-    assert f"every rank stopped after step {stopped_after}; checkpoint saved to" in stdout
+    name = signal.Signals(signum).name
+    assert f"{name}: every rank stopped after step {stopped_after}; checkpoint saved to" in stdout
     folder, notes = ckpt.resolve(tmp_path / "ckpt")
     assert folder == saved and notes == []
     assert ckpt.read_manifest(folder)["step"] == stopped_after
@@ -116,3 +141,86 @@ def test_sigterm_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path
             torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)
     else:
         assert all(torch.isfinite(v).all() for v in state.values())
+
+
+# --- pipedream-fast train --threads 2 -------------------------------------------------------
+
+TRAIN = ["--model", "mlp", "--data", "synthetic", "--schedule", "1f1b", "--chunks", "2",
+         "--batch-size", "8", "--optimizer", "sgd", "--lr", "0.05", "--seed", "0",
+         "--steps", "100000", "--log-every", "5", "--trace-steps", "0"]
+
+
+def threads_reference(steps: int) -> dict[str, torch.Tensor]:
+    """What single-process training of `TRAIN` on its first `steps` minibatches gives, built
+    by the command's own functions (same initial weights, same synthetic samples)."""
+    module, example = build_model("mlp", 1)
+    with torch.no_grad():
+        classes = int(module(example).shape[-1])
+    config: dict[str, Any] = {"model": "mlp", "data": "synthetic", "batch_size": 8,
+                              "eval_batch_size": 8, "seed": 0, "steps": steps,
+                              "synthetic": (tuple(example.shape[1:]), classes)}
+    batches = list(train_run.loaders(config)[0])[:steps]
+    assert len(batches) == steps
+    return train_reference(train_run.build(config), batches, 2, loss_fn,
+                           train_run.optimizer_factory("sgd", 0.05))
+
+
+@pytest.mark.slow
+def test_sigterm_to_train_with_threads_saves_the_runs_checkpoint_at_an_agreed_step(tmp_path):
+    """The threads of one process stop after the same step (`LocalPipeline`), the command
+    saves its run's checkpoint there, says so, and exits with 143; the checkpoint equals
+    single-process training on those steps (1f1b is synchronous)."""
+    out = tmp_path / "run"
+    command = subprocess.Popen(
+        [sys.executable, "-m", "pipedream_fast.cli", "train", "--threads", "2", *TRAIN,
+         "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + START
+        while not (out / "metrics.csv").exists() or \
+                len((out / "metrics.csv").read_text().splitlines()) < 3:  # steps 5 and 10
+            assert command.poll() is None, command.communicate()
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.05)
+        os.killpg(command.pid, signal.SIGTERM)
+        stdout, stderr = command.communicate(timeout=30)
+    finally:
+        command.kill()
+    assert command.returncode == 143, stderr
+    found = re.search(r"pipedream-fast train: stopped by SIGTERM after step (\d+); the run's "
+                      r"checkpoint \(step (\d+)\) saved to (.*)", stderr)
+    assert found and found[1] == found[2] and Path(found[3]) == out / "checkpoint", stderr
+    steps = int(found[1])
+    assert steps >= 10 and f"the run's checkpoint (step {steps}) saved to" in stdout
+    state = torch.load(out / "checkpoint" / "model.pt", weights_only=True)
+    expected = threads_reference(steps)
+    assert state.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# --- a NaN stop counts steps from 1 ----------------------------------------------------------
+
+def nan_job(rank: int, world: int) -> dict[str, Any]:
+    """Three steps train, the fourth has a NaN loss."""
+    data = stream(4)
+    data[3][0][0, 0] = float("nan")
+    pipe = Pipeline(model(), nn.functional.cross_entropy,
+                    lambda ps: torch.optim.SGD(ps, lr=0.1), schedule="1f1b", chunks=2,
+                    balance=[2, 3], timeout=30)
+    try:
+        for _ in pipe.train(data, steps=4):
+            pass
+    except NonFiniteLoss as err:
+        return {"text": str(err), "trained": pipe._step}
+    finally:
+        pipe.close()
+    return {"text": "", "trained": pipe._step}
+
+
+@pytest.mark.slow
+def test_a_nan_stop_counts_steps_from_1_as_checkpoints_and_sigterm_do():
+    for report in launch(nan_job, 2, timeout=60):
+        assert report["trained"] == 3, report
+        assert "of step 4 is nan" in report["text"], report
+        assert "training stopped after step 3 (on_nan='stop')" in report["text"], report

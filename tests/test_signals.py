@@ -1,10 +1,12 @@
-"""Issue 10, item 1 and 7 (launchers): stopping is a first-class path.
+"""Issue 10, item 1 and 7 (launchers): stopping is a first-class path; issue 22: signals as
+clusters send them.
 
 Faults injected into both launchers, `launch(fn, n)` and `pipedream-fast run` (and through
 `launch`, `pipedream-fast train --nproc`): kill -9 of either rank, SIGTERM and SIGINT to the
-launcher, a SIGSTOPped rank. Each test asserts the outcome: every process is gone within the
-grace period plus a few seconds, the right rank is named, and the exit codes are those of a
-shell (128 + the signal number).
+launcher, a SIGSTOPped rank; SIGTERM to the launcher's whole process group, SIGHUP, SIGTERM
+twice, SIGINT after SIGTERM. Each test asserts the outcome: every process is gone within the
+grace period plus a few seconds, the right rank is named, each rank gets a signal once, and
+the exit codes are those of a shell (128 + the signal number).
 
 Process start-up (torch's import) dominates on 2 busy cores, so the ranks that are not the
 point (the signal is) are plain scripts that do not import torch, and `pipedream-fast run` is
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from pipedream_fast.cli import main
-from pipedream_fast.launch import LaunchError, launch
+from pipedream_fast.launch import LaunchError, Stopped, launch
+from pipedream_fast.stopping import DeferredStop
 
 launch_module = sys.modules["pipedream_fast.launch"]  # the package exports the function too
 
@@ -117,6 +121,35 @@ for step, _ in enumerate(pipe.train(data, steps=10**6)):
             f.write(str(os.getpid()))
         os.replace(path + ".tmp", path)
 """
+
+
+# A rank that notes every SIGTERM/SIGHUP it gets (rankN.signals, one name a line) and exits
+# with 128 + the first one's number half a second after it ("slow": a clean-up, as a
+# checkpoint save), or never ("stubborn").
+STOPPER = """\
+import os, signal, sys, time
+folder, mode, rank = sys.argv[1], sys.argv[2], os.environ["RANK"]
+got = []
+def note(signum, frame):
+    got.append((signum, time.monotonic()))
+    with open(os.path.join(folder, f"rank{rank}.signals"), "a") as f:
+        f.write(signal.Signals(signum).name + "\\n")
+for s in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, note)
+path = os.path.join(folder, f"rank{rank}.pid")
+with open(path + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.replace(path + ".tmp", path)
+end = time.monotonic() + 60  # a safety net: the tests stop it long before
+while time.monotonic() < end:
+    time.sleep(0.02)
+    if got and mode == "slow" and time.monotonic() - got[0][1] > 0.5:
+        sys.exit(128 + got[0][0])
+"""
+
+
+def signals_got(folder: Path, ranks: Sequence[int]) -> list[list[str]]:
+    return [(folder / f"rank{r}.signals").read_text().split() for r in ranks]
 
 
 def script(tmp_path: Path, text: str) -> Path:
@@ -258,6 +291,117 @@ def test_run_exits_137_naming_the_rank_killed_by_sigkill(tmp_path, capsys):
     assert all(gone(p) for p in pids)
 
 
+# --- pipedream-fast run: signals as clusters send them (issue 22) ----------------------------
+
+@pytest.mark.parametrize("signum, target", [(signal.SIGTERM, "group"),
+                                            (signal.SIGHUP, "launcher")], ids=["SIGTERM-group",
+                                                                               "SIGHUP"])
+def test_run_passes_a_group_wide_sigterm_and_sighup_to_each_rank_once(tmp_path, signum,
+                                                                      target):
+    """`kill -- -PGID` and `timeout` signal the launcher's whole process group: each rank must
+    get the signal once (it runs in a session of its own and the launcher forwards it), not
+    once directly and once forwarded. SIGHUP (a closed terminal) is forwarded like SIGTERM."""
+    launcher = cli_process("run", "--nproc", "2", "--grace", str(GRACE),
+                           str(script(tmp_path, STOPPER)), str(tmp_path), "slow")
+    try:
+        pids = wait_for_pids(tmp_path, [0, 1], alive=lambda: launcher.poll() is None)
+        if target == "group":
+            os.killpg(launcher.pid, signum)
+        else:
+            launcher.send_signal(signum)
+        _, stderr = launcher.communicate(timeout=GRACE + SLACK)
+    finally:
+        launcher.kill()
+    name = signal.Signals(signum).name
+    assert launcher.returncode == 128 + signum, stderr
+    assert f"pipedream-fast run: stopped by {name}: sent it to the 2 ranks\n" in stderr
+    assert signals_got(tmp_path, [0, 1]) == [[name], [name]]
+    assert wait_gone(pids, 2.0) == []
+
+
+def test_run_takes_a_second_sigterm_within_the_window_as_the_same_request(tmp_path, capsys):
+    """Two SIGTERMs 50 ms apart (`timeout` signals its child, then its whole group): one
+    request. The launcher forwards it once and lets the ranks finish their clean-up rather
+    than SIGKILL them, and says what happened."""
+    pids: list[int] = []
+
+    def terminate_twice() -> None:
+        pids.extend(wait_for_pids(tmp_path, [0, 1]))
+        os.kill(os.getpid(), signal.SIGTERM)  # to this process, where run_script runs
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = in_thread(terminate_twice)
+    code = main(["run", "--nproc", "2", "--grace", str(GRACE),
+                 str(script(tmp_path, STOPPER)), str(tmp_path), "slow"])
+    thread.join(1)
+    err = capsys.readouterr().err
+    assert code == 143, err
+    assert re.search(r"pipedream-fast run: stopped by SIGTERM: sent it to the 2 ranks; SIGTERM "
+                     r"came again 0\.\d\d s later: the same request\n", err), err
+    assert "SIGKILL" not in err
+    assert signals_got(tmp_path, [0, 1]) == [["SIGTERM"], ["SIGTERM"]]
+    assert all(gone(p) for p in pids)
+
+
+def test_run_says_a_sigint_after_sigterm_cut_the_grace_period_short(tmp_path, capsys):
+    """SIGINT 50 ms after SIGTERM kills ranks that ignore SIGTERM at once: the message says so
+    (it said "did not stop within 2 s", 50 ms after the signal)."""
+    pids: list[int] = []
+    sent: list[float] = []
+
+    def terminate_then_interrupt() -> None:
+        pids.extend(wait_for_pids(tmp_path, [0, 1]))
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = in_thread(terminate_then_interrupt)
+    code = main(["run", "--nproc", "2", "--grace", str(GRACE),
+                 str(script(tmp_path, STOPPER)), str(tmp_path), "stubborn"])
+    thread.join(1)
+    err = capsys.readouterr().err
+    assert code == 143, err
+    assert time.monotonic() - sent[0] < GRACE
+    assert re.search(r"pipedream-fast run: stopped by SIGTERM: sent it to the 2 ranks; ranks "
+                     r"0, 1 were still running when SIGINT came 0\.\d\d s later, and were "
+                     r"killed \(SIGKILL\)\n", err), err
+    assert all(gone(p) for p in pids)
+
+
+def test_a_rank_takes_a_repeat_within_the_window_as_the_same_request(monkeypatch):
+    """In a rank (handlers as `launch` sets them): SIGHUP is deferred as SIGTERM is; a copy of
+    the request within the window, during `train` or after it (the clean-up), changes
+    nothing; a repeat after the window stops the rank at once."""
+    launch_module = sys.modules["pipedream_fast.launch"]
+    monkeypatch.setattr(launch_module, "STOP_WINDOW_S", 0.5)
+    monkeypatch.setattr(launch_module.stop_request, "at", None)
+    kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, launch_module.on_stop_signal)
+
+    def deliver(signum: int) -> None:
+        os.kill(os.getpid(), signum)
+        time.sleep(0.01)  # the handler runs in this (the main) thread, between bytecodes
+
+    try:
+        with DeferredStop() as request:
+            deliver(signal.SIGHUP)
+            deliver(signal.SIGTERM)  # the copy the launcher forwards
+            assert request.signum == signal.SIGHUP
+        deliver(signal.SIGTERM)  # a late copy, during the clean-up after train
+        with pytest.raises(Stopped) as stopped:
+            with DeferredStop() as request:
+                deliver(signal.SIGTERM)
+                time.sleep(0.6)
+                deliver(signal.SIGTERM)  # asked again after the window: at once
+        assert stopped.value.code == 143 and stopped.value.step is None
+    finally:
+        for s, handler in kept.items():
+            signal.signal(s, handler)
+
+
 # --- pipedream-fast train --nproc: signals to the launcher ----------------------------------
 
 def children(pid: int) -> list[int]:
@@ -271,7 +415,7 @@ def children(pid: int) -> list[int]:
 def test_train_stops_its_ranks_on_sigterm_and_sigint(tmp_path, signum):
     """SIGTERM goes to the launcher only (as Kubernetes sends it): the ranks stop after an
     agreed step and write the run's checkpoint. SIGINT goes to the launcher's process group,
-    as Ctrl-C in a terminal does: the ranks get it twice, directly and forwarded."""
+    as Ctrl-C in a terminal does: the ranks, each in a session of its own, get it forwarded."""
     out = tmp_path / "run"
     launcher = cli_process("train", "--nproc", "2", "--steps", "100000", "--data",
                            "synthetic", "--model", "mlp", "--log-every", "10",

@@ -3,9 +3,12 @@
 Like `torchrun --standalone --nproc-per-node N`: every rank is `python script.py args...` with
 RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set, so `pipedream_fast.Pipeline`
 joins the job by itself. When a rank fails, the others are stopped and its exit code returned
-(128 + the signal number for a rank killed by a signal, as shells report it). SIGINT and SIGTERM
-are forwarded to every rank; a rank still running --grace seconds later is killed (SIGKILL),
-and the command exits with 128 + the signal's number (130, 143).
+(128 + the signal number for a rank killed by a signal, as shells report it). SIGINT, SIGTERM
+and SIGHUP are forwarded to every rank; a rank still running --grace seconds later is killed
+(SIGKILL), and the command exits with 128 + the signal's number (130, 143, 129). Each rank runs
+in a session of its own, so a signal to this command's process group (kill -- -PGID, timeout)
+reaches it once; a repeat of SIGTERM or SIGHUP within 5 s is the same request, SIGINT cuts the
+grace period short.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ def register(subparsers: Any) -> None:
                                    description=__doc__.split("\n\n")[1])
     parser.add_argument("--nproc", type=int, required=True, help="number of ranks")
     parser.add_argument("--grace", type=float, default=None, metavar="SECONDS",
-                        help="after SIGINT/SIGTERM or a failed rank, how long the other ranks "
+                        help="after SIGINT/SIGTERM/SIGHUP or a failed rank, how long the ranks "
                              "have to stop before SIGKILL (default 5)")
     parser.add_argument("script", help="the Python script every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")

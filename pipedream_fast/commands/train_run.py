@@ -273,10 +273,22 @@ def train_processes(config: dict[str, Any], workers: int,
     return list(values)
 
 
+def _save_threads_checkpoint(pipe: Any, plan: Plan, folder: Path) -> None:
+    """A thread run's checkpoint: the whole model's state dict and the plan."""
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(pipe.state_dict(), folder / "model.pt")
+    plan.save(folder / "plan.json")
+
+
 def train_threads(config: dict[str, Any], handle: Callable[[dict[str, Any]], None]
                   ) -> list[dict[str, Any]]:
     """The same run with every rank a thread of this process (`LocalPipeline`, which has no
-    pipeline evaluation: the test split is evaluated on a gathered copy of the model)."""
+    pipeline evaluation: the test split is evaluated on a gathered copy of the model).
+
+    SIGTERM or SIGHUP during training stops every rank after the same step (`LocalPipeline`),
+    where the run's checkpoint is saved; elsewhere (evaluating) it stops at once, without
+    one. Either way this command says so and exits with 128 + the signal's number."""
+    from pipedream_fast.launch import Stopped, raising_stop_signals
     from pipedream_fast.local_pipeline import LocalPipeline
 
     torch.set_num_threads(config["torch_threads"])
@@ -294,10 +306,20 @@ def train_threads(config: dict[str, Any], handle: Callable[[dict[str, Any]], Non
         evaluator.load_state_dict(pipe.state_dict())
         return evaluate_model(evaluator, test)
 
-    outcome = train_loop(pipe, train, config, handle, evaluate)
+    try:
+        with raising_stop_signals():
+            outcome = train_loop(pipe, train, config, handle, evaluate)
+    except Stopped as stopped:
+        saved = ""
+        if stopped.step is not None and config["checkpoint"]:
+            _save_threads_checkpoint(pipe, plan, Path(config["checkpoint"]))
+            saved = f"the run's checkpoint (step {stopped.step}) saved to {config['checkpoint']}"
+            handle({"event": "note", "text": saved})
+        elif config["checkpoint"]:
+            saved = "no checkpoint saved: the ranks were not stopped at an agreed step"
+        print(f"pipedream-fast train: {stopped}" + (f"; {saved}" if saved else ""),
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + stopped.signum) from None
     if config["checkpoint"]:
-        folder = Path(config["checkpoint"])
-        folder.mkdir(parents=True, exist_ok=True)
-        torch.save(pipe.state_dict(), folder / "model.pt")
-        plan.save(folder / "plan.json")
+        _save_threads_checkpoint(pipe, plan, Path(config["checkpoint"]))
     return [{"rank": 0, **outcome, "stats": pipe.last_stats}]

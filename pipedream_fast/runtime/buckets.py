@@ -96,14 +96,17 @@ class GradientBuckets:
                 self._start(bucket)
 
     def wait(self) -> None:
-        """OPTIMIZER_STEP: every bucket's reduction is complete."""
+        """OPTIMIZER_STEP: every bucket's reduction is complete. The buckets stay started until
+        `forget` (the stage's update calls it), so that a later flush before the update (the
+        update sync's, which flushes every stage of the rank) does not reduce the gradients a
+        second time (which multiplied them by the replica count)."""
         for pending in self._pending:
             pending.wait()
-        self.forget()
+        self._pending.clear()
 
     def forget(self) -> None:
-        """Back to the start of an update, without waiting for reductions begun (after an
-        abandoned run their peers may be gone)."""
+        """Back to the start of an update: after the update (its gradients are consumed), or
+        after an abandoned run without waiting for reductions begun (their peers may be gone)."""
         self._pending.clear()
         self._armed = False
         for bucket in self._buckets:

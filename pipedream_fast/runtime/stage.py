@@ -389,5 +389,7 @@ class StageRuntime:
                 torch._foreach_zero_(weights.grads)
             if weights.scheduler is not None:
                 weights.scheduler.step()
+        if self.buckets is not None:
+            self.buckets.forget()  # the next update's gradients are reduced afresh
         self.prepared = False
         weights.newest = version

@@ -110,12 +110,7 @@ class GlobalUpdateSync:
                 if tie.replicas > 1:
                     grad.div_(tie.replicas)
                 dist.all_reduce(grad, group=tie.group)
-        tied_ids = {id(t.param): t.counts_in_norm for t in self.tied}
-        parts = [g.detach().double().pow(2).sum() / self.stage_replicas[index]
-                 for index, stage in stages.items()
-                 for p, g in zip(stage.params, stage.grads) if tied_ids.get(id(p), True)]
-        squares = (torch.stack(parts).sum().cpu() if parts
-                   else torch.zeros((), dtype=torch.float64))
+        squares = self._squared_norm(stages)
         dist.all_reduce(squares, group=self.group)
         norm = math.sqrt(float(squares))
         overflow = not math.isfinite(norm)
@@ -135,3 +130,19 @@ class GlobalUpdateSync:
         if len(stages) > 1:
             self._decided[version] = [skip, len(stages) - 1]  # the rank's other stages
         return skip
+
+    def _squared_norm(self, stages: dict[int, StageRuntime]) -> torch.Tensor:
+        """This rank's part of the squared global norm (float64, on the CPU for gloo).
+
+        Per parameter: `stage.grads` are the ring's flat buffers (one per dtype), not one per
+        parameter, so a tied weight can only be left out of its other holders' sums through
+        its own gradient view. Every replica holds the averaged gradient, so each adds
+        1/replicas of its square: the sum counts each stage once."""
+        skip = {id(t.param) for t in self.tied if not t.counts_in_norm}
+        parts = []
+        for index, stage in stages.items():
+            grads = [p.grad for p in stage.params if p.grad is not None and id(p) not in skip]
+            if grads:
+                norms = torch.stack(torch._foreach_norm(grads)).double()
+                parts.append(norms.pow(2).sum().cpu() / self.stage_replicas[index])
+        return torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
