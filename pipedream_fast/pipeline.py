@@ -74,6 +74,24 @@ def _ties_cross_stages(chain: LayerChain, plan: Plan) -> bool:
                for blocks in shared_parameters(chain).values())
 
 
+def _check_split_matches(plan: Plan, kwargs: dict[str, Any]) -> None:
+    """`Pipeline.load` takes the checkpoint's plan; `stages=`, `balance=` or `split_points=`
+    given as the run was built are accepted (and dropped) when they agree with it."""
+    stages, balance = kwargs.pop("stages", None), kwargs.pop("balance", None)
+    split_points = kwargs.pop("split_points", None)
+    sizes = [s.stop - s.start for s in plan.stages]
+    wrong = [(what, got) for what, got, ok in (
+        ("stages", stages, stages is None or stages == len(sizes)),
+        ("balance", balance, balance is None or list(balance) == sizes),
+        ("split_points", split_points,
+         split_points is None or len(split_points) + 1 == len(sizes))) if not ok]
+    if wrong:
+        what, got = wrong[0]
+        raise ValueError(f"{what}={got!r} disagrees with the checkpoint's plan ({len(sizes)} "
+                         f"stages of {sizes} blocks); leave it out to continue the checkpoint "
+                         f"as it was cut")
+
+
 def _join_microbatches(*parts: Any) -> Any:
     """One output leaf of a whole minibatch from its microbatches' (equal-sized) parts: a
     batch-major tensor concatenated, a 0-d tensor (a microbatch's mean loss) averaged."""
@@ -284,6 +302,7 @@ class Pipeline:
         self._scaler = LossScaler() if precision == "fp16" else None
         self._step = 0  # minibatches trained so far
         self._epoch = 0  # epochs of the loader begun so far (seeds its shuffling)
+        self._pending_restore: tuple[Path, dict[str, Any]] | None = None  # from `load`
         self._peeked: tuple[EpochBatches, Any] | None = None  # a batch read to plan with
         self._source: EpochBatches | None = None  # the batches of the current run
         self.last_stats: dict[str, Any] = {}
@@ -483,6 +502,7 @@ class Pipeline:
                 self._control, {i: len(plan.stages[i].ranks) for i in self.stage_indices},
                 self.clip_grad_norm, self._scaler, tied, skip_nonfinite=skip_nan)
         self._model = None  # only this rank's stages are kept
+        self._restore_pending()
 
     def _new_group(self, ranks: list[int], backend: str | None = None) -> Any:
         """A process group with the Pipeline's timeout, released with it. Collective."""
@@ -1085,7 +1105,7 @@ class Pipeline:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: nn.Module | Callable[[], nn.Module],
-             loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: OptimizerFactory,
+             loss_fn: Callable[[Any, Any], torch.Tensor] | None, optimizer: OptimizerFactory,
              **kwargs: Any) -> Pipeline:
         """Rebuilds a Pipeline from a checkpoint written by `save` (or the newest complete one
         under a `checkpoint_dir`) and restores weights, optimizer and scheduler state, step
@@ -1093,27 +1113,37 @@ class Pipeline:
         code. A synchronous schedule then continues exactly as an uninterrupted run."""
         folder, notes = ckpt.resolve(Path(path))
         manifest = ckpt.read_manifest(folder)
+        plan = Plan.from_dict(manifest["plan"])
+        _check_split_matches(plan, kwargs)  # the arguments the run was built with are fine
         with ckpt.resuming(manifest):  # the run goes on under its id, in its checkpoint_dir
-            pipe = cls(model, loss_fn, optimizer, plan=Plan.from_dict(manifest["plan"]),
-                       **kwargs)
+            pipe = cls(model, loss_fn, optimizer, plan=plan, **kwargs)
         if pipe.rank == 0:
             for note in notes:
                 print(f"pipedream_fast: {note}", flush=True)
-        assert pipe.plan is not None
-        for index in pipe.stage_indices:
-            saved = ckpt.load_stage(folder, manifest, index)
-            ckpt.restore(pipe._modules[index], pipe._names, saved["model"],
-                         str(folder / manifest["files"][str(index)]["file"]),
-                         exact=manifest["format"] != ckpt.LEGACY)
-            if saved["optimizer"] is not None and index in pipe._optimizers:
-                pipe._optimizers[index].load_state_dict(saved["optimizer"])
-            if saved.get("scheduler") is not None and index in pipe._schedulers:
-                pipe._schedulers[index].load_state_dict(saved["scheduler"])
-            if saved.get("copies") is not None:  # localsgd: restored into the first run's stage
-                pipe._saved_copies[index] = saved["copies"]
+        pipe._pending_restore = (folder, manifest)
+        if pipe.plan is not None:  # else restored once the model is cut (first minibatch)
+            pipe._restore_pending()
         pipe._step = int(manifest["step"])
         pipe._epoch = int(manifest["epoch"])
         return pipe
+
+    def _restore_pending(self) -> None:
+        """Puts a checkpoint's weights, optimizer and scheduler state into this rank's stages
+        (`load`; deferred to the cut for a model captured at its first minibatch)."""
+        if self._pending_restore is None:
+            return
+        (folder, manifest), self._pending_restore = self._pending_restore, None
+        for index in self.stage_indices:
+            saved = ckpt.load_stage(folder, manifest, index)
+            ckpt.restore(self._modules[index], self._names, saved["model"],
+                         str(folder / manifest["files"][str(index)]["file"]),
+                         exact=manifest["format"] != ckpt.LEGACY)
+            if saved["optimizer"] is not None and index in self._optimizers:
+                self._optimizers[index].load_state_dict(saved["optimizer"])
+            if saved.get("scheduler") is not None and index in self._schedulers:
+                self._schedulers[index].load_state_dict(saved["scheduler"])
+            if saved.get("copies") is not None:  # localsgd: restored into the first run's stage
+                self._saved_copies[index] = saved["copies"]
 
     def close(self) -> None:
         """Stops this Pipeline's communication threads and removes its process groups (not the
