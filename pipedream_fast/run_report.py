@@ -43,10 +43,75 @@ MAX_ROWS_KEPT = 4000  # metrics rows a run keeps in memory for the plot (the CSV
 
 # ---- the run directory -----------------------------------------------------------------------
 
+class RunDirError(ValueError):
+    """An --out folder a run must not write into (printed in one line, exit 2)."""
+
+
+def check_out_dir(out: str | os.PathLike[str] | None) -> None:
+    """Refuses an `--out` that is a file or a folder holding anything: a run writes its
+    files (summary.json, metrics.csv, checkpoint/, ...) into a new or empty folder only.
+
+    A previous run's folder is refused too, not overwritten: `train` cannot resume a run,
+    so writing into one would only destroy its results or mix two runs' files (the old
+    run's plots and plan-*.json next to the new summary), and the user's own files in a
+    folder must never be replaced or deleted. The way out is a new --out (or none: a fresh
+    runs/<timestamp>), or removing the folder, which only the user may decide."""
+    if out is None:
+        return
+    path = Path(out)
+    if not path.exists():
+        if path.is_symlink():
+            raise RunDirError(f"--out {out} is a dangling symbolic link; give a new folder")
+        return
+    if not path.is_dir():
+        raise RunDirError(f"--out {out} is a file, not a folder; give a new or empty folder")
+    entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    if not entries:
+        return
+    shown = ", ".join(entries[:4]) + (f" (and {len(entries) - 4} more)" if len(entries) > 4
+                                      else "")
+    if (path / "checkpoint").exists() and not (path / "checkpoint").is_dir():
+        why = "its checkpoint is a file, where the run would save its checkpoint folder"
+    else:
+        why = ("a run writes into a new or empty folder only: it never overwrites or deletes "
+               "files it did not write, nor a previous run's (train does not resume a run)")
+    raise RunDirError(f"refusing --out {out}: it holds {shown}; {why}. Give a new or empty "
+                      f"folder (without --out: a fresh runs/<timestamp>)")
+
+
+def missing_dirs(path: str | os.PathLike[str]) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, deepest first: what
+    `make_run_dir` will create, and `remove_untrained_run_dir` may remove."""
+    missing = []
+    current = Path(path).absolute()
+    while not current.exists() and current != current.parent:
+        missing.append(current)
+        current = current.parent
+    return missing
+
+
+def remove_untrained_run_dir(path: Path, created: Sequence[Path]) -> None:
+    """After a run that failed or was stopped before its first step: removes what the run
+    wrote before training (metrics.csv with its header only, an empty checkpoint folder) and
+    then the folders it created (`created`, from `missing_dirs`), if empty. Nothing else is
+    ever deleted: a folder holding anything more is left as it is."""
+    metrics = path / "metrics.csv"
+    try:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) <= 1:
+            metrics.unlink()
+        for folder in [path / "checkpoint", *created]:
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+    except OSError:
+        pass  # best effort: the run's own error is what the user must see
+
+
 def make_run_dir(out: str | os.PathLike[str] | None, root: str | os.PathLike[str] = "runs"
                  ) -> Path:
-    """`out` if given (created if missing), else a fresh `runs/<timestamp>` folder."""
+    """`out` if given (created if missing; `check_out_dir` refuses one that is not new or
+    empty), else a fresh `runs/<timestamp>` folder."""
     if out is not None:
+        check_out_dir(out)
         path = Path(out)
         path.mkdir(parents=True, exist_ok=True)
         return path
@@ -238,6 +303,11 @@ class RunRecorder:
 
     def print(self, text: str) -> None:
         self.console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+    @property
+    def trained(self) -> bool:
+        """Whether any run reported a step (or an evaluation) so far."""
+        return any(run.samples > 0 or run.evals for run in self.runs.values())
 
     # -- events --
     def handle(self, event: dict[str, Any]) -> None:

@@ -259,7 +259,7 @@ def test_user_model_and_data_factories(tmp_path, monkeypatch):
     (["--target-accuracy", "150"], "--target-accuracy"),
     (["--batch-size", "30", "--schedule", "1f1b", "--chunks", "4"], "does not split into 4"),
     (["--epochs", "0"], "--epochs must be a positive integer"),
-    (["--lr", "nan"], "--lr must be positive, got nan"),
+    (["--lr", "nan"], "--lr must be a positive, finite learning rate, got nan"),
     (["--timeout", "nan"], "--timeout must be positive seconds, got nan"),
 ])
 def test_bad_options_fail_with_a_clear_message(tmp_path, capsys, args, message):

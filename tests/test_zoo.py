@@ -95,6 +95,7 @@ def exact(entry: ZooModel, rank: int, out: dict[str, Any]) -> None:
     item = entry.batches(1, 7)[0]
     inputs = split_item(entry, item)[0]
     out["predict"] = pipe.predict(inputs, everywhere=True)
+    out["evaluate"] = pipe.evaluate(entry.batches(2, 7))["loss"]
     pipe.close()
 
 
@@ -212,6 +213,21 @@ def test_state_dict_loads_strictly_and_reproduces_the_pipeline(job: Any, name: s
         for a, b in zip(torch.utils._pytree.tree_leaves(predicted),
                         torch.utils._pytree.tree_leaves(want)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ZOO))
+def test_evaluate_equals_the_trained_model_in_eval_mode(job: Any, name: str) -> None:
+    entry = ZOO[name]
+    got = result(job, f"{name}/exact")
+    model = entry.build()
+    model.load_state_dict(got["state"], strict=True)
+    model.eval()
+    with torch.no_grad():
+        losses = [float(loss_of(entry, call(model, x), y))
+                  for x, y in (split_item(entry, item) for item in entry.batches(2, 7))]
+    for rank in range(WORLD):  # the same figure on every rank
+        assert abs(result(job, f"{name}/exact", rank)["evaluate"] - sum(losses) / 2) <= 1e-5
 
 
 @pytest.mark.slow

@@ -90,6 +90,9 @@ def register(subparsers: Any) -> None:
     workers.add_argument("--nproc", type=int, default=None, help="ranks as processes (default 2)")
     workers.add_argument("--threads", type=int, default=None,
                          help="ranks as threads of this process")
+    sched.add_argument("--force", action="store_true",
+                       help="start more rank processes than this machine has cores (refused "
+                            "without it: each rank is a whole training process)")
     sched.add_argument("--plan", default=None, help="plan JSON (default: profile and plan now)")
     sched.add_argument("--straight", action=argparse.BooleanOptionalAction, default=True,
                        help="when planning: one rank per stage, a pipeline as deep as the "
@@ -199,8 +202,9 @@ def settings(args: argparse.Namespace) -> Settings:
         raise UsageError(f"--trace-steps must be >= 0, got {args.trace_steps}")
     if not 0 < args.timeout < float("inf"):
         raise UsageError(f"--timeout must be positive seconds, got {args.timeout}")
-    if args.lr is not None and not args.lr > 0:
-        raise UsageError(f"--lr must be positive, got {args.lr}")
+    if args.lr is not None and not 0 < args.lr < float("inf"):
+        raise UsageError(f"--lr must be a positive, finite learning rate, got {args.lr}")
+    _check_outputs(args)
     target = args.target_accuracy
     if target is not None:
         if 1 < target <= 100:
@@ -239,6 +243,9 @@ def settings(args: argparse.Namespace) -> Settings:
     if plan_file is not None and plan_file.workers != workers:
         raise UsageError(f"{args.plan} is a plan for {plan_file.workers} workers but the run "
                          f"asks for {workers}; drop --nproc/--threads or make a new plan")
+    if args.threads is None:
+        _check_cores(workers, f"--nproc {workers}" if args.nproc else f"--plan {args.plan}"
+                     if plan_file else "the default", args.force)
     epochs = args.epochs or defaults["epochs"]
     if args.epochs is None and args.steps is not None and data != "synthetic":
         epochs = 0  # only --steps: as many epochs as the steps need
@@ -266,6 +273,47 @@ def settings(args: argparse.Namespace) -> Settings:
                     chunks=chunks, target=target, plan_file=plan_file, notes=notes,
                     tuning=tuning, local_steps=args.local_steps,
                     model_replicas=args.model_replicas)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the system tells), else the
+    machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _check_cores(workers: int, given: str, force: bool) -> None:
+    """Rank processes beyond the cores are refused without --force: each is a whole
+    training process (an interpreter, torch, its stage, the data on the first stage), so on
+    2 cores 64 of them crawl and together take gigabytes. Two are always allowed: the
+    smallest pipeline, slower on one core but fine."""
+    cores = usable_cores()
+    if workers > max(cores, 2) and not force:
+        raise UsageError(f"{given} asks for {workers} rank processes, but this machine lets "
+                         f"this process use {cores} core{'s' if cores != 1 else ''}: each rank "
+                         f"is a whole training process, so {workers} of them would crawl and "
+                         f"take {workers} times the memory of one. Use --nproc {max(cores, 2)} "
+                         f"or fewer (or --threads {workers}), or add --force to start them "
+                         f"anyway")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Where the run will write, checked before any work: --out must be a new or empty
+    folder (it will hold the run's checkpoint/ too), --trace a file in an existing folder."""
+    from pipedream_fast.run_report import RunDirError, check_out_dir
+    try:
+        check_out_dir(args.out)
+    except RunDirError as err:
+        raise UsageError(str(err)) from None
+    if args.trace is not None:
+        trace = Path(args.trace)
+        if trace.is_dir():
+            raise UsageError(f"--trace {args.trace} is a folder; name the file to write, e.g. "
+                             f"{trace / 'run_trace.json'}")
+        if not trace.absolute().parent.is_dir():
+            raise UsageError(f"--trace {args.trace}: its folder {trace.parent} does not exist")
 
 
 def _tuning(args: argparse.Namespace, on_gpus: bool) -> Tuning:
@@ -412,6 +460,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from err
     say(f"data: {len(train_data)} training samples, {len(test_data)} test samples; "
         f"model {s.model}")
+    if s.batch_size > len(train_data):  # a step trains whole minibatches only
+        raise UsageError(f"--batch-size {s.batch_size} is larger than the training data "
+                         f"({len(train_data)} samples of {s.data}): not one minibatch to train "
+                         f"on; use --batch-size {len(train_data)} or less")
     if s.data in ("digits", "text"):  # small: handed to the ranks, which then skip loading
         config["datasets"] = (train_data, test_data)
 
@@ -420,31 +472,43 @@ def run(args: argparse.Namespace) -> int:
     setups.append(_prepare(s, args, s.schedule, s.chunks, train_data, say, main=True))
     if args.compare == "data-parallel":
         setups.append(_prepare(s, args, "data-parallel", s.workers, train_data, say, main=False))
+    # Made only now, when the ranks start; removed again should the run end before its
+    # first step (with the folders made for it), so that no run folder without a run is left.
+    created = rr.missing_dirs(args.out if args.out is not None else "runs")
     run_dir = rr.make_run_dir(args.out)
+    if args.out is None:
+        created.insert(0, run_dir.absolute())
 
     # train
     where = f"{s.workers} {'threads' if s.threads else 'processes'}"
     histories: list[rr.RunHistory] = []
     outcomes: list[list[dict[str, Any]]] = []
-    with rr.RunRecorder(console, log_every=args.log_every, target=s.target,
-                        print_steps=args.log_every, csv_path=run_dir / "metrics.csv") as recorder:
-        for setup in setups:
-            cfg = dict(config, run=setup.name, schedule=setup.schedule, chunks=setup.chunks,
-                       plan=setup.plan.to_dict(), **_localsgd_options(s, setup.schedule),
-                       reporter=setup.plan.stages[-1].ranks[0],
-                       trace_steps=args.trace_steps if setup is setups[0] else 0,
-                       checkpoint=str((run_dir / "checkpoint").resolve())
-                       if setup is setups[0] else None)
-            micro = s.batch_size // setup.chunks
-            recorder.print(f"training {setup.name} on {where}: batch {s.batch_size} = "
-                           f"{setup.chunks} x {micro}, {s.optimizer} lr {s.lr:g}; evaluating "
-                           f"on the test split after every epoch ...")
-            handle = recorder.handle
-            results = (train_threads(cfg, handle) if s.threads
-                       else train_processes(cfg, s.workers, handle))
-            outcomes.append(results)
-            histories.append(recorder.runs[setup.name])
-        rows = recorder.rows_written
+    recorder = rr.RunRecorder(console, log_every=args.log_every, target=s.target,
+                              print_steps=args.log_every, csv_path=run_dir / "metrics.csv")
+    try:
+        with recorder:
+            for setup in setups:
+                cfg = dict(config, run=setup.name, schedule=setup.schedule,
+                           chunks=setup.chunks, plan=setup.plan.to_dict(),
+                           **_localsgd_options(s, setup.schedule),
+                           reporter=setup.plan.stages[-1].ranks[0],
+                           trace_steps=args.trace_steps if setup is setups[0] else 0,
+                           checkpoint=str((run_dir / "checkpoint").resolve())
+                           if setup is setups[0] else None)
+                micro = s.batch_size // setup.chunks
+                recorder.print(f"training {setup.name} on {where}: batch {s.batch_size} = "
+                               f"{setup.chunks} x {micro}, {s.optimizer} lr {s.lr:g}; "
+                               f"evaluating on the test split after every epoch ...")
+                handle = recorder.handle
+                results = (train_threads(cfg, handle) if s.threads
+                           else train_processes(cfg, s.workers, handle))
+                outcomes.append(results)
+                histories.append(recorder.runs[setup.name])
+    except BaseException:
+        if not recorder.trained:  # failed or stopped before its first step: no run to keep
+            rr.remove_untrained_run_dir(run_dir, created)
+        raise
+    rows = recorder.rows_written
 
     say(f"writing {run_dir} ...")
     if rows == 0:
