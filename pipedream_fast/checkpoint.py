@@ -11,8 +11,9 @@ A checkpoint is a directory:
                                 their optimizer and scheduler state; export takes copy 0, the
                                 model's own)
     manifest.json               written last, by rank 0, once every stage file is on disk:
-                                format, run id, step, epoch, schedule, plan, the groups of
-                                keys that name one tied weight, and each file's size and
+                                format, run id, step, where the loader stands (epoch,
+                                batches of it trained on, seed), schedule, plan, the groups
+                                of keys that name one tied weight, and each file's size and
                                 SHA-256; it is what makes the set a checkpoint
 
 Every file goes to a temporary name, is fsynced and renamed, and the directory is fsynced, so
@@ -110,11 +111,18 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
 
 def manifest_for(step: int, epoch: int, schedule: str, plan: dict[str, Any],
                  entries: Iterable[tuple[int, dict[str, Any]]], run: str,
-                 aliases: Sequence[Sequence[str]]) -> dict[str, Any]:
-    """`aliases`: the groups of keys that name one tensor (tied weights), for export."""
-    return {"format": FORMAT, "run": run, "step": step, "epoch": epoch, "schedule": schedule,
-            "plan": plan, "aliases": [list(group) for group in aliases],
-            "files": {str(stage): entry for stage, entry in entries}}
+                 aliases: Sequence[Sequence[str]], epoch_batches: int = 0,
+                 seed: int | None = None) -> dict[str, Any]:
+    """`aliases`: the groups of keys that name one tensor (tied weights), for export. Where
+    the loader stands: `epoch`, `epoch_batches` of it trained on, and the Pipeline's `seed`,
+    which with the epoch draws its order (absent from older manifests: an epoch's start)."""
+    manifest = {"format": FORMAT, "run": run, "step": step, "epoch": epoch,
+                "epoch_batches": epoch_batches, "schedule": schedule, "plan": plan,
+                "aliases": [list(group) for group in aliases],
+                "files": {str(stage): entry for stage, entry in entries}}
+    if seed is not None:
+        manifest["seed"] = seed
+    return manifest
 
 
 # --- where a save may write ---------------------------------------------------------------
@@ -276,10 +284,13 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     for key in required:
         if key not in manifest:
             raise CheckpointError(f"{path} lacks {key!r}")
-    for key in ("step", "epoch"):
-        if not _is_count(manifest[key]):
+    for key in ("step", "epoch", "epoch_batches"):
+        if key in manifest and not _is_count(manifest[key]):
             raise _invalid(path, f"{key!r} must be a whole number >= 0, got "
                                  f"{_short(manifest[key])}")
+    seed = manifest.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise _invalid(path, f"'seed' must be a whole number, got {_short(seed)}")
     if not isinstance(manifest["schedule"], str) or not isinstance(manifest["plan"], dict):
         raise _invalid(path, "'schedule' must be a name and 'plan' a map")
     if current and (not isinstance(manifest["run"], str) or not manifest["run"]):

@@ -249,9 +249,18 @@ class Pipeline:
             raise ValueError(f"give one of plan, stages, balance and split_points, got "
                              f"{' and '.join(given)}")
         _ensure_process_group(timeout)
+        # A factory: every rank builds the model on the meta device and materialises only its
+        # own stages (`_setup`). Where the planner cuts it, rank 0 profiles it, which needs
+        # real weights: rank 0 builds it for real, and puts it back on meta once it is cut.
+        self._factory_built = False
         if not isinstance(model, nn.Module) and callable(model):
-            with torch.device("meta"):  # a factory: build on meta, materialise only this stage
+            self._factory_built = (dist.get_rank() == 0 and dist.get_world_size() > 1
+                                   and given in ([], ["stages"]))
+            if self._factory_built:
                 model = model()
+            else:
+                with torch.device("meta"):
+                    model = model()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = torch.device(device) if device is not None else _default_device()
@@ -301,10 +310,17 @@ class Pipeline:
         self._sync: GlobalUpdateSync | None = None
         self._scaler = LossScaler() if precision == "fp16" else None
         self._step = 0  # minibatches trained so far
-        self._epoch = 0  # epochs of the loader begun so far (seeds its shuffling)
         self._pending_restore: tuple[Path, dict[str, Any]] | None = None  # from `load`
         self._peeked: tuple[EpochBatches, Any] | None = None  # a batch read to plan with
-        self._source: EpochBatches | None = None  # the batches of the current run
+        self._source: EpochBatches | None = None  # unused (training's are in `_reading`)
+        # Where training reads the loader (first-stage ranks; saved in checkpoints): its epoch
+        # (which seeds its order) and the batches of that epoch trained on; the loader of the
+        # last run and its batches, where a run on the same loader goes on reading; the
+        # batches of the run in progress and `_step` when it began.
+        self._epoch, self._epoch_batches = 0, 0
+        self._last_loader: Any = None
+        self._live: EpochBatches | None = None
+        self._reading: tuple[EpochBatches, int] | None = None
         self.last_stats: dict[str, Any] = {}
         self.last_events: list[Any] = []
         if isinstance(plan, (str, os.PathLike)):
@@ -469,10 +485,14 @@ class Pipeline:
         self._check_same_model_everywhere(self._chain)
         self.plan = plan
         self.stage_indices = plan.stages_of_rank(self.rank)
+        if self._factory_built:  # the real model rank 0 profiled: freed, cut as on every rank
+            for block in self._chain.blocks:
+                self._materialize(block.module, torch.device("meta"))
+            self._factory_built = False
         for index in self.stage_indices:
             stage_plan = plan.stages[index]
             module = self._chain.stage_module(stage_plan.start, stage_plan.stop)
-            self._materialize(module, self.device)
+            self._materialize(module, self.device, index)
             self._modules[index] = module.to(self.device)
         for index, module in self._modules.items():
             params = list(module.parameters())
@@ -563,17 +583,52 @@ class Pipeline:
                 raise FormatError(f"rank {rank} built a different model than rank 0 ({where}); "
                                   f"every rank must construct the same model")
 
-    @staticmethod
-    def _materialize(module: nn.Module, device: torch.device) -> None:
-        """A meta-device stage gets real memory, initialised by each layer's reset_parameters
-        (only this rank's stage is ever allocated)."""
-        if not any(p.is_meta for p in module.parameters()):
+    def _materialize(self, module: nn.Module, device: torch.device, stage: int = 0) -> None:
+        """The meta tensors of a stage get real memory on `device` (only this rank's stages are
+        ever allocated), initialised by each layer's reset_parameters() under a seed of
+        (`seed`, `stage`), so that the replicas of a stage start alike. With `device` meta,
+        every tensor of `module` goes back to meta instead (the real model rank 0 built from
+        a factory to profile it). Each tensor keeps its identity (`torch.utils.swap_tensors`,
+        where `to_empty` would make new Parameters): weights tied within a stage or across
+        stages stay tied, and `_names` (tensor -> state_dict keys) still names it."""
+        to_meta = device.type == "meta"
+        tensors = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())
+                   if t.is_meta != to_meta}
+        if not tensors:
             return
-        module.to_empty(device=device)
-        for sub in module.modules():
-            reset = getattr(sub, "reset_parameters", None)
-            if callable(reset):
-                reset()
+
+        def empty(t: torch.Tensor) -> torch.Tensor:
+            # NaN, so that a tensor no reset_parameters() sets is found below
+            new = (torch.full_like(t, float("nan"), device=device) if t.is_floating_point()
+                   and not to_meta else torch.zeros_like(t, device=device))
+            return nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+
+        with torch.no_grad():
+            for t in tensors.values():
+                t.grad = None
+                torch.utils.swap_tensors(t, empty(t))
+        if to_meta:
+            return
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(self.seed * 1_000_003 + stage)
+            for sub in module.modules():
+                # nn.MultiheadAttention names its initialisation _reset_parameters
+                reset = getattr(sub, "reset_parameters", getattr(sub, "_reset_parameters", None))
+                if callable(reset):
+                    reset()
+        left = {self._names.get(id(t), (name,))[0]: t for name, t in itertools.chain(
+            module.named_parameters(), module.named_buffers())
+            if id(t) in tensors and t.is_floating_point() and bool(t.isnan().any())}
+        if left:
+            import warnings
+            with torch.no_grad():
+                for t in left.values():
+                    t.masked_fill_(t.isnan(), 0.0)
+            warnings.warn(f"rank {self.rank}: {', '.join(list(left)[:5])}"
+                          f"{f' (and {len(left) - 5} more)' if len(left) > 5 else ''} of stage "
+                          f"{stage} start at zero: the model was built on the meta device and "
+                          f"no reset_parameters() of its modules sets them. Give their module a "
+                          f"reset_parameters(), or pass a built model", stacklevel=3)
 
     def _runtimes_for(self, schedule: Schedule) -> dict[int, StageRuntime]:
         assert self.plan is not None
@@ -606,18 +661,30 @@ class Pipeline:
                    evaluation: bool = False
                    ) -> tuple[int, int, pytree.TreeSpec, Iterator[Any] | None]:
         """Agrees on a run's data: the first stage's first rank reads the first batch, checks
-        the loader and tells every rank the steps, chunks and target structure. Returns those
-        and, on first-stage ranks, the batches. Collective.
+        the loader and tells every rank the steps, chunks, target structure and where the
+        loader's reading begins. Returns those and, on first-stage ranks, the batches.
+        Collective.
+
+        Training goes on where the last run stopped (or the checkpoint `load` read): the same
+        loader, or the first one after `load`, at the next batch of the epoch in progress;
+        another loader at the start of a new epoch. `epochs=N` then trains to the end of the
+        N-th epoch, counting the one in progress. Evaluation reads its loader from the start.
 
         `evaluation`: a short last batch is padded to the full size and each target gets a
         mask of the real samples, so that nothing is dropped and nothing counted twice (not
         for a model that computes its own loss: padding would enter its mean, so a short last
         batch is refused)."""
+        user_loader = loader
         if self._inputs_only and loader is not None:
             loader = InputsOnly(loader)
+        epoch, index = self._epoch, 0 if evaluation else self._epoch_batches
+        if (not evaluation and index and self._last_loader is not None
+                and user_loader is not self._last_loader):
+            epoch, index = epoch + 1, 0  # another loader: a new epoch
         if self.plan is None:  # cut and plan on the first minibatch
             if self.rank == 0:
-                self._peeked = self._peek(loader)
+                self._peeked = self._peek(loader, self._open_batches(
+                    user_loader, loader, epoch, index, evaluation))
             first = self._peeked[1][0] if self._peeked else None
             if self._chain is None:
                 self._capture(first)
@@ -626,18 +693,23 @@ class Pipeline:
         lead = self.plan.stages[0].ranks[0]
         payload: list[Any] = [None]
         batches: Iterator[Any] | None = None
+        source: EpochBatches | None = None
         if self.rank == lead:
             try:
                 peeked, self._peeked = self._peeked, None
-                self._source, first = peeked if peeked is not None else self._peek(loader)
+                source, first = peeked if peeked is not None else self._peek(
+                    loader, self._open_batches(user_loader, loader, epoch, index, evaluation))
                 chunks = self._chunks_for(first[0])
                 check_loader(loader, chunks, allow_short_last=evaluation and not self._inputs_only)
                 size = batch_size(first[0])
                 target = (first[1], torch.ones(size, dtype=torch.bool)) if evaluation else first[1]
-                payload[0] = {"steps": steps_for(loader, steps, epochs), "chunks": chunks,
+                total = steps_for(loader, steps, epochs)
+                if steps is None:  # epochs: the rest of the epoch in progress is the first
+                    total -= index
+                payload[0] = {"steps": total, "chunks": chunks,
                               "target": pytree.treespec_dumps(target_spec(target)),
-                              "epoch": self._epoch, "batch_size": size}
-                batches = itertools.chain([first], self._source)
+                              "epoch": epoch, "index": index, "batch_size": size}
+                batches = itertools.chain([first], source)
             except Exception as err:  # every rank must hear of it
                 payload[0] = {"error": f"{type(err).__name__}: {err}"}
         self._agree(lambda: dist.broadcast_object_list(payload, src=lead, group=self._control),
@@ -646,16 +718,30 @@ class Pipeline:
             raise ValueError(f"the data loader on rank {lead} (first stage): "
                              f"{payload[0]['error']}")
         agreed = payload[0]
-        self._epoch = agreed["epoch"]
         self._agreed_batch = agreed["batch_size"]
         if 0 in self.stage_indices and batches is None:  # a replica of the first stage
-            self._source = EpochBatches(loader, self.seed, self._epoch)
-            batches = self._source
+            source = self._open_batches(user_loader, loader, agreed["epoch"], agreed["index"],
+                                        evaluation)
+            batches = source
+        if not evaluation:
+            self._epoch, self._epoch_batches = agreed["epoch"], agreed["index"]
+            self._reading = (source, self._step) if source is not None else None
         if len(self.plan.stages[0].ranks) > 1:
             batches = self._check_replicas_read_alike(batches)
         if evaluation and batches is not None:
             batches = (pad_batch(b, agreed["batch_size"]) for b in batches)
         return agreed["steps"], agreed["chunks"], pytree.treespec_loads(agreed["target"]), batches
+
+    def _open_batches(self, user_loader: Any, loader: Any, epoch: int, index: int,
+                      evaluation: bool) -> EpochBatches:
+        """The batches of `loader` from batch `index` of `epoch` on: the last run's, read on,
+        when it stopped there on this loader, else read again from the epoch's start."""
+        live = self._live
+        if (not evaluation and live is not None and user_loader is self._last_loader
+                and live.position(live.read) == (epoch, index)):
+            return live.rest()
+        return EpochBatches(loader, self.seed, epoch, index,
+                            one_shot=isinstance(user_loader, Iterator))
 
     def _check_replicas_read_alike(self, batches: Iterator[Any] | None) -> Iterator[Any] | None:
         """The replicas of the first stage must read the same batches (each takes its share of
@@ -690,10 +776,10 @@ class Pipeline:
                                f"take part within {self.timeout:.0f} s (died, stuck or called "
                                f"something else): {err}") from err
 
-    def _peek(self, loader: Any) -> tuple[EpochBatches, Any]:
+    def _peek(self, loader: Any, source: EpochBatches) -> tuple[EpochBatches, Any]:
+        """Reads the first batch of `source` (the batches of `loader`), checked."""
         if loader is None:
             raise ValueError("the first stage's ranks need the loader; got None")
-        source = EpochBatches(loader, self.seed, self._epoch)
         first = next(source, None)
         if first is None:
             raise ValueError("the data loader is empty")
@@ -707,7 +793,11 @@ class Pipeline:
               epochs: int | None = None) -> Iterator[torch.Tensor | None]:
         """Trains `steps` minibatches, or `epochs` passes over the loader (default: one pass),
         from `loader` (pairs of inputs, targets; a re-iterable loader is read again for each
-        epoch and left usable). Only first-stage ranks read it (others may pass None). Yields
+        epoch and left usable). Only first-stage ranks read it (others may pass None). A run
+        goes on where the last one (or the checkpoint `load` read) stopped: the same loader,
+        or the first one after `load`, at the next batch of the epoch in progress, and
+        `epochs=N` ends with the N-th epoch counting that one; another loader begins a new
+        epoch. Yields
         each step's mean microbatch loss, the same on every rank (a replicated stage's ranks
         see only their share: one small all-reduce per step combines them). With
         `checkpoint_dir`, the pipeline drains and saves every `checkpoint_every` steps.
@@ -732,9 +822,12 @@ class Pipeline:
                     if self.checkpoint_every and self._step % self.checkpoint_every == 0:
                         self._save_periodic()
         finally:
-            if self._source is not None:  # the next run begins a new epoch
-                self._epoch = self._source.epochs_started()
-                self._source = None
+            if self._reading is not None:  # where the next run (or a checkpoint) goes on
+                (source, began), self._reading = self._reading, None
+                consumed = self._step - began  # the steps trained, not the batches read ahead
+                self._epoch, self._epoch_batches = source.position(consumed)
+                self._last_loader = loader
+                self._live = source if source.read == consumed and self._epoch_batches else None
 
     def _stop(self, signum: int) -> None:
         """Every rank agreed to stop here on `signum`: save if configured, raise `Stopped`."""
@@ -807,7 +900,7 @@ class Pipeline:
 
         def due(step: int) -> bool:
             """Whether the rank's next action must wait for `step`'s loss (see above)."""
-            upcoming = next(executor._program.ahead(), None)  # noqa: SLF001 - peek, not pop
+            upcoming = next(executor._program.ahead(), None)  # the next action, not taken
             if upcoming is None:
                 return True
             if upcoming.kind.is_compute:
@@ -1055,13 +1148,22 @@ class Pipeline:
             if copies is not None:
                 payload["copies"] = copies
             entries.append((index, ckpt.write_stage(folder, index, payload)))
+        # Where the loader stands, known to the first stage's ranks: during train() (a
+        # periodic save, a stop) after the steps trained so far, whatever was read ahead.
+        position = None
+        if 0 in self.stage_indices:
+            position = (self._reading[0].position(self._step - self._reading[1])
+                        if self._reading is not None else (self._epoch, self._epoch_batches))
         gathered: list[Any] = [None] * self.world_size
-        self._agree(lambda: dist.all_gather_object(gathered, entries, group=self._control),
+        self._agree(lambda: dist.all_gather_object(gathered, (entries, position),
+                                                   group=self._control),
                     "saving a checkpoint")
         if self.rank == 0:
+            epoch, index = next(p for _, p in gathered if p is not None)
             ckpt.write_manifest(folder, ckpt.manifest_for(
-                self._step, self._epoch, self.schedule_name, self.plan.to_dict(),
-                [e for part in gathered for e in part], self._run_id, self._aliases()))
+                self._step, epoch, self.schedule_name, self.plan.to_dict(),
+                [e for part, _ in gathered for e in part], self._run_id, self._aliases(),
+                epoch_batches=index, seed=self.seed))
             if folder != final:
                 ckpt.swap_in(final)
         self._agree(lambda: dist.barrier(group=self._control), "saving a checkpoint")
@@ -1109,12 +1211,23 @@ class Pipeline:
              **kwargs: Any) -> Pipeline:
         """Rebuilds a Pipeline from a checkpoint written by `save` (or the newest complete one
         under a `checkpoint_dir`) and restores weights, optimizer and scheduler state, step
-        and epoch. The files are verified against the manifest and read without running
-        code. A synchronous schedule then continues exactly as an uninterrupted run."""
+        and where the loader stood (epoch, batches of it trained on, `seed`: taken from the
+        checkpoint, a different one refused mid-epoch). The files are verified against the
+        manifest and read without running code. The next `train(loader)`, given the run's
+        loader, reads on from the next batch of that epoch, so a synchronous schedule
+        continues exactly as an uninterrupted run."""
         folder, notes = ckpt.resolve(Path(path))
         manifest = ckpt.read_manifest(folder)
         plan = Plan.from_dict(manifest["plan"])
         _check_split_matches(plan, kwargs)  # the arguments the run was built with are fine
+        index = manifest.get("epoch_batches", 0)
+        if manifest.get("seed") is not None:  # it draws the order of the epoch in progress
+            seed = kwargs.setdefault("seed", manifest["seed"])
+            if seed != manifest["seed"] and index:
+                raise ValueError(f"seed={seed!r} disagrees with the checkpoint's "
+                                 f"({manifest['seed']}), saved after {index} batches of epoch "
+                                 f"{manifest['epoch']}, whose order that seed drew; leave seed "
+                                 f"out to continue the run")
         with ckpt.resuming(manifest):  # the run goes on under its id, in its checkpoint_dir
             pipe = cls(model, loss_fn, optimizer, plan=plan, **kwargs)
         if pipe.rank == 0:
@@ -1124,7 +1237,7 @@ class Pipeline:
         if pipe.plan is not None:  # else restored once the model is cut (first minibatch)
             pipe._restore_pending()
         pipe._step = int(manifest["step"])
-        pipe._epoch = int(manifest["epoch"])
+        pipe._epoch, pipe._epoch_batches = int(manifest["epoch"]), int(index)
         return pipe
 
     def _restore_pending(self) -> None:

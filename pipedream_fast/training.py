@@ -392,14 +392,26 @@ def fingerprint(batch: Any) -> tuple[float, ...]:
 class EpochBatches:
     """Minibatches of a loader, epoch after epoch: a re-iterable loader (a DataLoader, a list)
     is iterated again for each epoch and left usable; a one-shot iterator is read once.
-    Every iteration and every batch is read under `seeded(seed, epoch, index)`."""
+    Every iteration and every batch is read under `seeded(seed, epoch, index)`, so an epoch's
+    order (a shuffling sampler's permutation, worker seeds) depends on those alone.
 
-    def __init__(self, loader: Any, seed: int, first_epoch: int) -> None:
+    `start`: batches of `first_epoch` consumed before (a run resumed mid-epoch): a re-iterable
+    loader is iterated again and read past them, each under its own seeded state, so the next
+    batch is the one the uninterrupted run read there; a one-shot iterator (`one_shot`, else
+    seen at the first `iter()`) is taken as standing there already. `position(n)` says where
+    the reading stands after the first n batches yielded, however many were read ahead."""
+
+    def __init__(self, loader: Any, seed: int, first_epoch: int, start: int = 0,
+                 one_shot: bool | None = None) -> None:
         self._loader = loader
         self._seed = seed
         self.epoch = first_epoch  # the epoch being read
         self._iterator: Iterator[Any] | None = None
-        self._index = 0
+        self._index = 0  # batches of the epoch read so far (skipped ones included)
+        self._skip = start  # batches of the first epoch to read past before yielding
+        self._one_shot = one_shot
+        self.read = 0  # batches yielded
+        self._epochs = [(0, first_epoch, start)]  # (yielded before it, epoch, its first index)
 
     def __iter__(self) -> Iterator[Any]:
         return self
@@ -409,16 +421,46 @@ class EpochBatches:
             if self._iterator is None:
                 with seeded(self._seed, self.epoch, -1):
                     self._iterator = iter(self._loader)
+                if self._one_shot is None:
+                    self._one_shot = self._iterator is self._loader
                 self._index = 0
+                if self._one_shot:  # it stands where its reader left it: nothing to read past
+                    self._index, self._skip = self._skip, 0
             with seeded(self._seed, self.epoch, self._index):
                 batch = next(self._iterator, _END)
             if batch is not _END:
                 self._index += 1
+                if self._skip:  # consumed before the resume: read only to get past it
+                    self._skip -= 1
+                    continue
+                self.read += 1
                 return batch
-            if self._index == 0 or self._iterator is self._loader:
+            if self._index == 0 or self._one_shot:
                 raise StopIteration  # empty, or a one-shot iterator that is used up
-            self._iterator = None
+            self._iterator, self._index, self._skip = None, 0, 0
             self.epoch += 1
+            self._epochs.append((self.read, self.epoch, 0))
+
+    def position(self, consumed: int) -> tuple[int, int]:
+        """(epoch, batches of it consumed) after the first `consumed` batches yielded: where
+        a run that trained on those goes on. An epoch read to its end counts as the start of
+        the next (a re-iterable loader with a length)."""
+        begun, epoch, first = next(e for e in reversed(self._epochs) if e[0] <= consumed)
+        index = first + consumed - begun
+        if index and not self._one_shot:
+            try:
+                if index >= len(self._loader):
+                    return epoch + 1, 0
+            except (TypeError, NotImplementedError):
+                pass  # no length: the end shows when it is read
+        return epoch, index
+
+    def rest(self) -> EpochBatches:
+        """The batches after those yielded, from the same iterator, counted from 0: the next
+        run on the same loader goes on where this one stopped (when it read nothing ahead)."""
+        other = EpochBatches(self._loader, self._seed, self.epoch, self._index, self._one_shot)
+        other._iterator, other._index, other._skip = self._iterator, self._index, 0
+        return other
 
     def epochs_started(self) -> int:
         """Epochs begun so far, counted from the first: where the next run continues."""

@@ -34,6 +34,10 @@ from zoo import ZOO, ZooModel, call
 pytest.importorskip("transformers")
 pytest.importorskip("timm")
 
+# One launched job runs every case (about 3 minutes on 2 quiet cores): its fixture's setup
+# counts against the first test's timeout.
+pytestmark = pytest.mark.timeout(1200)
+
 WORLD, CHUNKS, STEPS, CLIP = 2, 2, 10, 0.5
 TIMEOUT = 60.0
 Outcome = tuple[dict[str, Any], str | None]
