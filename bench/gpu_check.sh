@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # bench/gpu_check.sh: the GPU check of the project, one script for a machine with one CUDA GPU
 # (a bare image whose `python3` holds a CUDA build of torch, plus nvcc, ninja and pytest; no
-# network needed). It needs 4-6 minutes on one H200 and stops itself within
-# GPU_CHECK_BUDGET_S (default 450 s).
+# network needed). It needs 5-8 minutes on one H200 and stops itself within
+# GPU_CHECK_BUDGET_S (default 540 s).
 #
 #   bash bench/gpu_check.sh          # from anywhere; it works in the repository root
 #
@@ -30,10 +30,21 @@
 #   micro      bench/gpu_micro.py: WeightRing offload vs plain copies into pageable and pinned
 #              host memory (256 MB stage, GB/s); ActivationQueue hand-off between CUDA streams
 #              vs wait_stream + copy_.
+#   zoo        bench/gpu_zoo.py: the zoo's transformers (nanoGPT, Llama, GPT-2, BERT, unedited,
+#              loss_fn=None) through Pipeline with NCCL, 1f1b, split before the second layer,
+#              chunks=2, 3 steps each; every step's loss against a one-process CUDA loop with
+#              the same gradient accumulation (rtol 1e-4, no TF32), tied embedding and head
+#              identical on both ranks. With 2+ GPUs: one rank per GPU. With one GPU NCCL
+#              refuses two ranks ("Duplicate GPU detected"): the check then runs on 1 rank,
+#              stages=1, cuda:0, and what Pipeline does with two ranks there is recorded
+#              (device="cuda:0" on both: refused, reported, not failed; the default device,
+#              cuda:LOCAL_RANK: rank 1 has no cuda:1). Models whose packages are missing
+#              (transformers, torchvision) are skipped; nanoGPT runs from tests/zoo/gpt.py.
 #
-# Output: everything printed goes to $OUT/gpu_check.log too; $OUT/gpu_pipeline.md and
-# $OUT/gpu_micro.md are the benchmarks' reports; $OUT/gpu_check.md puts the facts, the step
-# table and both reports together, ready to copy into bench/results/gpu_check.md. Without
+# Output: everything printed goes to $OUT/gpu_check.log too; $OUT/gpu_pipeline.md,
+# $OUT/gpu_micro.md and $OUT/gpu_zoo.md are the benchmarks' reports; $OUT/gpu_check.md puts the
+# facts, the step table and the reports together, ready to copy into
+# bench/results/gpu_check.md. Without
 # OUT (run by hand), a fresh /tmp/gpu_check.* folder is used and named.
 # Exit status: 0 when every step passed, 1 when one failed or timed out, 2 without a CUDA GPU.
 #
@@ -42,7 +53,7 @@
 #   GPU_CHECK_WHEELS=dir     wheels to install first (pip --no-index --no-deps --target into
 #                            /tmp/gpu_check_site, put on PYTHONPATH): for a package missing on
 #                            the machine
-#   GPU_CHECK_BUDGET_S=450   the whole script's time; each step gets at most what is left
+#   GPU_CHECK_BUDGET_S=540   the whole script's time; each step gets at most what is left
 #   MAX_JOBS=16              parallel compile jobs of the build
 #   GPU_CHECK_ALLOW_NO_GPU=1 run every step even without a GPU (to try this script itself)
 #
@@ -52,7 +63,7 @@ export PYTHONUNBUFFERED=1
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
-BUDGET="${GPU_CHECK_BUDGET_S:-450}"
+BUDGET="${GPU_CHECK_BUDGET_S:-540}"
 if [ -z "${OUT:-}" ]; then
   OUT="$(mktemp -d /tmp/gpu_check.XXXXXX)"
 fi
@@ -106,7 +117,7 @@ probe("CUDA_HOME (torch.utils.cpp_extension)", cuda_home)
 PY
     echo "-- packages"
     "$PY" -m pip list 2>/dev/null \
-      | grep -iE '^(torch|numpy|pytest|pytest-timeout|hypothesis|rich|scikit-learn|ninja|setuptools|pybind11|matplotlib) ' \
+      | grep -iE '^(torch|numpy|pytest|pytest-timeout|hypothesis|rich|scikit-learn|ninja|setuptools|pybind11|matplotlib|transformers|torchvision) ' \
       || echo "(pip list failed)"
     echo "-- machine"; uname -srm; echo "cores: $(nproc)"; free -g | head -2 || true
   } 2>&1 | tee "$WORK/facts.txt"
@@ -148,6 +159,10 @@ step_pipeline() {
 
 step_micro() {
   "$PY" bench/gpu_micro.py --out "$OUT/gpu_micro.md"
+}
+
+step_zoo() {
+  NCCL_DEBUG="${NCCL_DEBUG:-WARN}" "$PY" bench/gpu_zoo.py --device cuda --out "$OUT/gpu_zoo.md"
 }
 
 # ---- the runner --------------------------------------------------------------------------------
@@ -201,11 +216,11 @@ summary() {
     if [ -s "$WORK/facts.txt" ]; then
       echo; echo "## Machine"; echo; echo '```'; cat "$WORK/facts.txt"; echo '```'
     fi
-    for part in gpu_pipeline gpu_micro; do
+    for part in gpu_pipeline gpu_micro gpu_zoo; do
       if [ -s "$OUT/$part.md" ]; then echo; sed 's/^#/##/' "$OUT/$part.md"; fi
     done
   } > "$md"
-  echo "written: $OUT/gpu_check.log, $md$( [ -s "$OUT/gpu_pipeline.md" ] && echo ", $OUT/gpu_pipeline.md")$( [ -s "$OUT/gpu_micro.md" ] && echo ", $OUT/gpu_micro.md")"
+  echo "written: $OUT/gpu_check.log, $md$( [ -s "$OUT/gpu_pipeline.md" ] && echo ", $OUT/gpu_pipeline.md")$( [ -s "$OUT/gpu_micro.md" ] && echo ", $OUT/gpu_micro.md")$( [ -s "$OUT/gpu_zoo.md" ] && echo ", $OUT/gpu_zoo.md")"
   return "$failed"
 }
 
@@ -263,8 +278,9 @@ main() {
     run_step tests 150 step_tests
     run_step pipeline 200 step_pipeline
     run_step micro 120 step_micro
+    run_step zoo 200 step_zoo
   else
-    for name in tests pipeline micro; do
+    for name in tests pipeline micro zoo; do
       banner "$name: skipped, there is no CUDA build of the extension"
       record "$name" "skipped (no build)" 0
     done

@@ -1,7 +1,7 @@
 """The benchmark suite in one command: every comparison of the project's claims, one after the
 other on the same machine, then the plots and the README's results table from what they wrote.
 
-    python bench/run_all.py                  # about 25 minutes on 2 cores
+    python bench/run_all.py                  # about 30 minutes on 2 cores
     python bench/run_all.py --only vs_ddp,sim_accuracy
     python bench/run_all.py --smoke --results /tmp/smoke   # the smallest settings: does it run?
 
@@ -49,6 +49,12 @@ SUITE = (
     Benchmark("vs_pipelining", "vs_pipelining.py", ("--steps", "6", "--repeats", "2"),
               ("--quick", "--steps", "4", "--repeats", "1"), 3.0,
               "1f1b at least 1.2x torch.distributed.pipelining's Schedule1F1B"),
+    # Set-up dominates (our torch.export capture of a model: 2-3 s a run on a quiet
+    # machine, 5-20 s on a busy one): 1.2 min quiet, up to 6 busy.
+    Benchmark("zoo_vs_pipelining", "zoo_vs_pipelining.py", (),
+              ("--smoke", "--models", "nanogpt,gpt2"), 2.5,
+              "the zoo's transformers unedited: which library splits and trains them, "
+              "samples/s, losses against the loop, tied-weight drift"),
     Benchmark("knobs", "knobs.py", ("--quick",), ("--quick", "--steps", "4"), 3.5,
               "each knob of the core, swept on model A"),
     Benchmark("vs_ddp", "vs_ddp.py", ("--scale", "0.5", "--retries", "0"),

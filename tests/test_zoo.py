@@ -17,6 +17,7 @@ each compared with a one-process loop computed here:
 
 from __future__ import annotations
 
+import importlib.util
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -29,10 +30,14 @@ from torch import nn
 
 from pipedream_fast.launch import free_port, launch
 from pipedream_fast.training import model_loss, split_microbatches
-from zoo import ZOO, ZooModel, call
 
-pytest.importorskip("transformers")
-pytest.importorskip("timm")
+# Checked without importing: torchvision can be imported only after the zoo's preparation.
+_MISSING = [m for m in ("torchvision", "transformers", "timm") if importlib.util.find_spec(m) is None]
+if _MISSING:
+    pytest.skip(f"the model zoo needs {', '.join(_MISSING)}: pip install -e '.[zoo]'",
+                allow_module_level=True)
+
+from zoo import ZOO, ZooModel, call  # noqa: E402 - after the check above
 
 # One launched job runs every case (about 3 minutes on 2 quiet cores): its fixture's setup
 # counts against the first test's timeout.

@@ -1,0 +1,493 @@
+"""The zoo's transformers through `Pipeline` on a CUDA GPU with NCCL, against a one-process loop.
+
+Step 'zoo' of bench/gpu_check.sh. The models are the test zoo's (tests/zoo: a nanoGPT-style
+GPT, Hugging Face Llama, GPT-2 and BERT, tiny configs, no downloaded weights), unedited, each
+computing its own loss (`loss_fn=None`): `Pipeline(model, loss_fn=None, optimizer=SGD(lr 0.01,
+momentum 0.9), split_points=["<second layer>"], schedule="1f1b", chunks=2)` on 2 rank
+processes, `--steps` minibatches of 8; every step's loss must equal the same model trained
+by a one-process loop on the same device with the same 2-way gradient accumulation (relative
+difference within --rtol), and the tied embedding (first stage) and head (last stage) must
+still be one weight (identical on both ranks) at the end.
+
+Where the ranks go (`--device cuda`):
+
+  >= 2 GPUs  one rank per GPU, NCCL, Pipeline's default device (cuda:LOCAL_RANK): layout
+             'pipeline', the check.
+  1 GPU      NCCL allows one rank per GPU: with both ranks on cuda:0 it refuses the
+             communicator ("Duplicate GPU detected : rank 1 and rank 0 both on CUDA device
+             ..."); and with the default device, rank 1's is cuda:1, which does not exist.
+             What one GPU does allow carries the check, first:
+               'one-rank'        1 rank, NCCL, cuda:0, stages=1 (the model captured and
+                                 trained by the executor on the GPU; no cut, no transfers),
+                                 its losses against the loop;
+             then both two-rank set-ups are tried and reported as what Pipeline does there:
+               'pipeline'        2 ranks, NCCL, device="cuda:0" on both: expected to be
+                                 refused by NCCL (reported 'refused', not a failure; were
+                                 it to run, it is checked like the rest)
+               'default-device'  2 ranks, NCCL, device left to Pipeline (LOCAL_RANK):
+                                 expected to fail on rank 1 (no cuda:1); informational, one
+                                 model, a short --probe-timeout, its message recorded.
+             Each layout's job is stopped after --layout-timeout (a rank stuck in NCCL's
+             set-up ends only that way); the report is rewritten after each layout.
+  --device cpu   the same 'pipeline' check with gloo on the CPU (to try this script
+                 anywhere; the tolerance is then 1e-5).
+
+Every layout is a job of its own (`pipedream_fast.launch`), every model on a fresh process
+group, so a failure of one does not hide the others. Models whose packages are missing
+(transformers; torchvision, which the zoo imports first) are reported as skipped: nanoGPT
+then runs from tests/zoo/gpt.py alone.
+
+    python bench/gpu_zoo.py [--device cuda] [--models nanogpt,llama,gpt2,bert] [--steps 3]
+                            [--timeout 60] [--out FILE.md]
+    python bench/gpu_zoo.py --device cpu
+
+Exit status: 0 when every layout that ran matched the loop on every model it ran, a check
+layout ('pipeline' or, on one GPU, 'one-rank') ran at least one model, and no model failed;
+1 otherwise; 2 when the device is not there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import re
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+for _path in (str(ROOT / "tests"), str(ROOT)):  # the zoo, the package
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from pipedream_fast.launch import free_port, launch  # noqa: E402
+from pipedream_fast.training import model_loss, split_microbatches  # noqa: E402
+
+MODELS = ("nanogpt", "llama", "gpt2", "bert")
+SPLIT = {"nanogpt": "transformer.h.1", "llama": "model.layers.1", "gpt2": "transformer.h.1",
+         "bert": "bert.encoder.layer.1"}
+TIED = {"nanogpt": "transformer.wte.weight", "llama": "model.embed_tokens.weight",
+        "gpt2": "transformer.wte.weight"}  # the embedding, one parameter with the head
+CHUNKS = 2
+LR, MOMENTUM = 0.01, 0.9
+RTOL = {"cuda": 1e-4, "cpu": 1e-5}  # losses, relative; CUDA: other kernels' summation orders
+TIED_TOL = 1e-6  # relative: the embedding and the head must be one weight on both ranks
+NCCL_REFUSAL = re.compile(r"Duplicate GPU detected|ncclInvalidUsage|invalid usage", re.IGNORECASE)
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+# ---- the zoo, or what of it this machine can import ------------------------------------------
+
+@dataclass
+class Entry:
+    build: Callable[[], nn.Module]
+    batches: Callable[[int, int], list[Any]]
+
+
+def load_zoo(models: tuple[str, ...]) -> tuple[dict[str, Entry], dict[str, str]]:
+    """The zoo's entries for `models`, and the models skipped with why. Without torchvision
+    (the zoo declares its operators before transformers imports it) nanoGPT is loaded from
+    tests/zoo/gpt.py alone, as the zoo builds it."""
+    try:
+        import zoo
+        zoo.import_torchvision()
+    except ImportError as err:
+        return _nanogpt_alone(models, f"the zoo cannot be imported here ({err})")
+    entries: dict[str, Entry] = {}
+    skipped: dict[str, str] = {}
+    for name in models:
+        if name != "nanogpt" and importlib.util.find_spec("transformers") is None:
+            skipped[name] = "transformers is not installed (GPU_CHECK_WHEELS)"
+            continue
+        entries[name] = Entry(zoo.ZOO[name].build, zoo.ZOO[name].batches)
+    return entries, skipped
+
+
+def _nanogpt_alone(models: tuple[str, ...], why: str) -> tuple[dict[str, Entry], dict[str, str]]:
+    spec = importlib.util.spec_from_file_location("zoo_gpt_alone", ROOT / "tests" / "zoo" / "gpt.py")
+    assert spec is not None and spec.loader is not None
+    gpt = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gpt  # dataclasses look their module up
+    spec.loader.exec_module(gpt)
+    vocab, seq, batch = 64, 16, 8  # tests/zoo's VOCAB, SEQ, BATCH
+
+    def build() -> nn.Module:  # tests/zoo's nanogpt()
+        torch.manual_seed(0)
+        return gpt.GPT(gpt.GPTConfig(block_size=seq, vocab_size=vocab, n_layer=2, n_head=4,
+                                     n_embd=32))
+
+    def batches(steps: int, seed: int) -> list[Any]:  # tests/zoo's _lm_pairs
+        g = torch.Generator().manual_seed(seed)
+        xs = [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(steps)]
+        return [(x, x.roll(-1, 1)) for x in xs]
+
+    entries = {"nanogpt": Entry(build, batches)} if "nanogpt" in models else {}
+    return entries, {m: why for m in models if m != "nanogpt"}
+
+
+def call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def numerics(device: torch.device) -> None:
+    """No TF32: the loop and the pipeline must run the same float32 arithmetic."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def shorten(err: BaseException, limit: int = 300) -> str:
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# ---- the one-process loop --------------------------------------------------------------------
+
+def reference(entry: Entry, steps: int, device: torch.device) -> list[float]:
+    """Each minibatch in CHUNKS microbatches, gradients accumulated (each microbatch's loss /
+    CHUNKS), one SGD step: what 1f1b with chunks=CHUNKS computes."""
+    numerics(device)
+    model = entry.build().to(device).train()
+    opt = sgd(model.parameters())
+    losses = []
+    for item in entry.batches(steps, 1):
+        opt.zero_grad()
+        total = 0.0
+        for mb in split_microbatches(to_device(item, device), CHUNKS):
+            loss = model_loss(call(model, mb))
+            (loss / CHUNKS).backward()
+            total += float(loss.detach()) / CHUNKS
+        opt.step()
+        losses.append(total)
+    return losses
+
+
+# ---- the ranks -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    world: int
+    device: str  # "cpu", "cuda:0", or "default" (Pipeline's choice: cuda:LOCAL_RANK)
+    one_stage: bool = False
+    informational: bool = False  # its failure is what the report is for, not a failed check
+    what: str = ""
+
+
+def rank_main(rank: int, world: int, layout: Layout, models: list[str], ports: list[int],
+              steps: int, timeout: float) -> dict[str, Any]:
+    """Each model on a fresh process group of `layout`'s backend: a Pipeline trained for
+    `steps` minibatches; its losses, step time and this rank's copy of the tied weight."""
+    from pipedream_fast.pipeline import Pipeline
+
+    entries, _ = load_zoo(tuple(models))
+    cuda = layout.device != "cpu"
+    device = None if layout.device == "default" else torch.device(layout.device)
+    if cuda:
+        # NCCL works on the current device. Pipeline's default is cuda:LOCAL_RANK: set it where
+        # it exists, and leave a missing one (1 GPU, rank 1) for Pipeline to meet itself.
+        index = device.index if device is not None else int(os.environ.get("LOCAL_RANK", rank))
+        if index is not None and index < torch.cuda.device_count():
+            torch.cuda.set_device(index)
+    else:
+        torch.set_num_threads(1)
+    numerics(torch.device("cuda" if cuda else "cpu"))
+    out: dict[str, Any] = {}
+    for name, port in zip(models, ports):
+        began = time.perf_counter()
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            dist.init_process_group("nccl" if cuda else "gloo",
+                                    init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world, timeout=timedelta(seconds=timeout))
+            if cuda and layout.device != "default":
+                # NCCL builds its communicator at the first collective: a refusal shows here
+                probe = torch.ones(1, device=device)
+                dist.all_reduce(probe)
+                torch.cuda.synchronize()
+            entry = entries[name]
+            split: dict[str, Any] = ({"stages": 1} if layout.one_stage
+                                     else {"split_points": [SPLIT[name]]})
+            model = entry.build()
+            tied = dict(model.named_parameters(remove_duplicate=False)).get(TIED.get(name, ""))
+            pipe = Pipeline(model, loss_fn=None, optimizer=sgd, schedule="1f1b", chunks=CHUNKS,
+                            timeout=timeout, device=device, **split)
+            losses = []
+            first = time.perf_counter()
+            for step, loss in enumerate(pipe.train(entry.batches(steps, 1), steps=steps)):
+                losses.append(float(loss) if loss is not None else None)
+                if step == 0:
+                    if cuda:
+                        torch.cuda.synchronize()
+                    first = time.perf_counter()
+            if cuda:
+                torch.cuda.synchronize()
+            held = {id(p) for m in pipe.stage_modules.values() for p in m.parameters()}
+            result: dict[str, Any] = {
+                "losses": losses, "device": str(pipe.device),
+                "backend": dist.get_backend(), "setup_s": first - began,
+                "step_s": (time.perf_counter() - first) / max(1, steps - 1)}
+            if tied is not None and id(tied) in held:
+                result["tied"] = tied.detach().to("cpu", copy=True)
+            pipe.close()
+            out[name] = result
+        except Exception as err:  # noqa: BLE001 - reported in the table
+            out[name] = {"error": shorten(err), "traceback": traceback.format_exc()[-3000:],
+                         "seconds": time.perf_counter() - began}
+            if cuda and NCCL_REFUSAL.search(str(err)):
+                # the same communicator would be refused for every model: stop here
+                for rest in models[models.index(name) + 1:]:
+                    out[rest] = {"error": "not run, as the first model: " + shorten(err)}
+                break
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a refused NCCL group may not tear down cleanly
+            pass
+    return out
+
+
+# ---- the harness -------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    layout: str
+    model: str
+    outcome: str  # match | differs | failed | refused | skipped | failed (expected)
+    loss_rel_diff: float | None = None
+    tied_rel_diff: float | None = None
+    note: str = ""
+    timing: str = ""
+    check: bool = True  # counts towards the result
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def layouts_for(device: torch.device) -> list[Layout]:
+    if device.type == "cpu":
+        return [Layout("pipeline", 2, "cpu", what="2 rank processes, gloo, CPU")]
+    if torch.cuda.device_count() >= 2:
+        return [Layout("pipeline", 2, "default",
+                       what="2 rank processes, NCCL, one GPU each (Pipeline's default device)")]
+    # The check first: what one GPU allows; then what Pipeline does with two ranks there.
+    return [Layout("one-rank", 1, "cuda:0", one_stage=True,
+                   what="1 rank, NCCL, cuda:0, stages=1 (no cut: what one GPU allows)"),
+            Layout("pipeline", 2, "cuda:0",
+                   what="2 rank processes, NCCL, device='cuda:0' on both"),
+            Layout("default-device", 2, "default", informational=True,
+                   what="2 rank processes, NCCL, device left to Pipeline (cuda:LOCAL_RANK) "
+                        "on 1 GPU")]
+
+
+def run_layout(layout: Layout, models: list[str], steps: int, timeout: float, wall: float,
+               want: dict[str, list[float]], rtol: float) -> list[Row]:
+    """The layout's job; `wall`: its whole time, after which its ranks are stopped (a rank
+    stuck in C++, in NCCL's communicator set-up for one, only ends that way)."""
+    ports: set[int] = set()
+    while len(ports) < len(models):
+        ports.add(free_port())
+    began = time.perf_counter()
+    stop = threading.Event()
+    timer = threading.Timer(wall, stop.set)
+    timer.start()
+    try:
+        by_rank = launch(rank_main, layout.world, layout, models, sorted(ports), steps, timeout,
+                         timeout=timeout, threads_per_rank=None if layout.device != "cpu" else 1,
+                         stop=stop)
+    except Exception as err:  # noqa: BLE001 - a rank died: the whole layout failed
+        outcome = "failed (expected)" if layout.informational else "failed"
+        why = (f"stopped after {wall:g} s (--layout-timeout): " if stop.is_set() else "") + \
+            shorten(err, 500)
+        return [Row(layout.name, m, outcome, note=why, check=not layout.informational)
+                for m in models]
+    finally:
+        timer.cancel()
+    print(f"  {layout.name}: {time.perf_counter() - began:.1f} s", flush=True)
+    rows = []
+    for name in models:
+        results = [r[name] for r in by_rank]
+        errors = [f"rank {k}: {r['error']}" for k, r in enumerate(results) if "error" in r]
+        if errors:
+            refused = layout.device == "cuda:0" and layout.world > 1 and \
+                any(NCCL_REFUSAL.search(e) for e in errors)
+            if refused:
+                rows.append(Row(layout.name, name, "refused", note="NCCL refused two ranks on "
+                                "one GPU: " + errors[0], check=False))
+            elif layout.informational:
+                rows.append(Row(layout.name, name, "failed (expected)", note="; ".join(errors),
+                                check=False))
+            else:
+                rows.append(Row(layout.name, name, "failed", note="; ".join(errors),
+                                extra={"tracebacks": [r.get("traceback", "") for r in results]}))
+            continue
+        if layout.informational:
+            note = "ran (not expected with one GPU): " + ", ".join(r["device"] for r in results)
+        else:
+            note = f"{results[-1]['backend']} on " + ", ".join(r["device"] for r in results)
+        losses = results[-1]["losses"]
+        diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, want[name]))
+        ok = len(losses) == len(want[name]) and diff <= rtol
+        tied_diff = None
+        if name in TIED and layout.world > 1:
+            first, last = results[0].get("tied"), results[-1].get("tied")
+            if first is None or last is None:
+                ok = False
+                note += "; the tied weight was not found on both ranks"
+            else:
+                tied_diff = float((first - last).abs().max()) / max(float(last.abs().max()),
+                                                                     1e-12)
+                ok = ok and tied_diff <= TIED_TOL
+        timing = (f"set-up {max(r['setup_s'] for r in results):.1f} s, "
+                  f"{max(r['step_s'] for r in results) * 1e3:.0f} ms/step")
+        rows.append(Row(layout.name, name, "match" if ok else "differs", diff, tied_diff, note,
+                        timing, check=not layout.informational,
+                        extra={"losses": losses, "want": want[name]}))
+    return rows
+
+
+def machine(device: torch.device) -> str:
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    cuda = f", CUDA {torch.version.cuda}" if torch.version.cuda else ""
+    nccl = ""
+    if device.type == "cuda":
+        try:
+            nccl = ", NCCL " + ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001
+            pass
+    return f"{where}; torch {torch.__version__}{cuda}{nccl}; Python {platform.python_version()}"
+
+
+def write_report(args: argparse.Namespace, argv: list[str] | None, device: torch.device,
+                 layouts: list[Layout], rows: list[Row], rtol: float, final: bool) -> bool:
+    """The markdown report (to --out, and printed when `final`); whether the check passed."""
+    checked = [r for r in rows if r.check]
+    bad = [r for r in checked if r.outcome != "match"]
+    passed = bool(checked) and not bad
+    command = "python bench/gpu_zoo.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = ["## The zoo's transformers through Pipeline, 1f1b, 2 stages: losses against the "
+             "one-process loop", "", f"Command: `{command.strip()}`", "",
+             f"Machine: {machine(device)}.", "",
+             f"{args.steps} minibatches of 8 per model, {CHUNKS} microbatches, SGD lr {LR} "
+             f"momentum {MOMENTUM}, split before the second layer; pass: every step's loss "
+             f"within {rtol:g} (relative) of the loop on {device} with the same gradient "
+             f"accumulation (no TF32), and the tied embedding and head identical on both ranks "
+             f"(within {TIED_TOL:g}).", "",
+             "Layouts: " + "; ".join(f"'{lay.name}' = {lay.what}" for lay in layouts) + ".", "",
+             "| layout | model | outcome | max loss rel diff | tied drift | time | note |",
+             "| --- | --- | --- | ---: | ---: | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r.layout} | {r.model} | {r.outcome} | "
+                     f"{'' if r.loss_rel_diff is None else f'{r.loss_rel_diff:.1e}'} | "
+                     f"{'' if r.tied_rel_diff is None else f'{r.tied_rel_diff:.1e}'} | "
+                     f"{r.timing} | {r.note.replace('|', '/')} |")
+    lines += ["", f"Result: {'PASS' if passed else 'FAIL'}" if final else
+              "Result: (incomplete: the run did not finish)"]
+    report = "\n".join(lines) + "\n"
+    if final:
+        print("\n" + report, flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(report)
+    return passed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cuda (default: NCCL) or cpu (gloo: to try the script anywhere)")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated, among {', '.join(MODELS)} (default all)")
+    parser.add_argument("--steps", type=int, default=3, help="minibatches per model (default 3)")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="every wait of the pipelines and collectives, s (default 60)")
+    parser.add_argument("--probe-timeout", type=float, default=20.0,
+                        help="the same for the informational 'default-device' layout (1 GPU)")
+    parser.add_argument("--layout-timeout", type=float, default=120.0,
+                        help="the most a layout's job may take, s (default 120; the "
+                             "informational one: 3x --probe-timeout)")
+    parser.add_argument("--out", default=None, help="also write the report to this markdown file")
+    args = parser.parse_args(argv)
+    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        parser.error(f"--models: unknown {unknown}; choose among {', '.join(MODELS)}")
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first and the later steps are checked)")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            print("gpu_zoo: no CUDA GPU (torch.cuda.is_available() is False); use --device cpu "
+                  "to try the script", file=sys.stderr)
+            return 2
+        if not dist.is_nccl_available():
+            print("gpu_zoo: this torch has no NCCL", file=sys.stderr)
+            return 2
+        device = torch.device("cuda", 0)
+    else:
+        torch.set_num_threads(1)
+    print(f"gpu_zoo: {machine(device)}; {torch.cuda.device_count() if device.type == 'cuda' else 0}"
+          f" GPU(s)", flush=True)
+    t0 = time.perf_counter()
+    entries, skipped = load_zoo(models)
+    ran = [m for m in models if m in entries]
+    want = {m: reference(entries[m], args.steps, device) for m in ran}
+    print(f"reference: {args.steps} steps of the one-process loop on {device}, {CHUNKS}-way "
+          f"gradient accumulation, for {', '.join(ran) or 'no model'} "
+          f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    rtol = RTOL[device.type]
+    rows = [Row("-", m, "skipped", note=why, check=False) for m, why in skipped.items()]
+    layouts = layouts_for(device)
+    for layout in layouts if ran else []:
+        print(f"\n-- layout {layout.name}: {layout.what}", flush=True)
+        timeout = args.probe_timeout if layout.informational else args.timeout
+        wall = 3 * args.probe_timeout if layout.informational else args.layout_timeout
+        # an informational layout shows what Pipeline does there: one model says it
+        mine = run_layout(layout, ran[:1] if layout.informational else ran, args.steps,
+                          timeout, wall, want, rtol)
+        for row in mine:
+            print(f"  {row.model:8s} {row.outcome}"
+                  + (f", max loss rel diff {row.loss_rel_diff:.1e}"
+                     if row.loss_rel_diff is not None else "")
+                  + (f", tied {row.tied_rel_diff:.1e}" if row.tied_rel_diff is not None else "")
+                  + (f"; {row.timing}" if row.timing else "")
+                  + (f"; {row.note}" if row.note else ""), flush=True)
+            for tb in row.extra.get("tracebacks", []):
+                if tb:
+                    print("    " + tb.rstrip().replace("\n", "\n    "), flush=True)
+        rows += mine
+        write_report(args, argv, device, layouts, rows, rtol, final=False)  # kept if killed
+    passed = write_report(args, argv, device, layouts, rows, rtol, final=True)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

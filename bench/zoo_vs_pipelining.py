@@ -1,0 +1,768 @@
+"""pipedream_fast against torch.distributed.pipelining on the zoo's transformers, unedited.
+
+The models are the test zoo's (tests/zoo: a nanoGPT-style GPT, Hugging Face Llama, GPT-2 and
+BERT, tiny configs built from seeded configs, no downloaded weights), called as a user's loop
+calls them: the model computes its loss from inputs that include the targets (nanoGPT
+`model(idx, targets)`, Hugging Face `model(input_ids=..., labels=...)`). For each model, 2
+ranks (processes, gloo on loopback, one intra-op thread each), 2 equal stages cut at the same
+block boundary (before the second transformer layer: `transformer.h.1`, `model.layers.1`,
+`bert.encoder.layer.1`), 1F1B, 2 microbatches of a batch of 8:
+
+  torch    `torch.distributed.pipelining.pipeline(model, mb_args=(), mb_kwargs=<one
+           microbatch>, split_spec={"<layer>": SplitPoint.BEGINNING})`,
+           `pipe.build_stage(rank, cpu)`, `Schedule1F1B(stage, 2, loss_fn=...)`, SGD over the
+           stage's parameters
+  ours     `Pipeline(model, loss_fn=None, optimizer=..., split_points=["<layer>"],
+           schedule="1f1b", chunks=2)`
+
+(a) Does each library split and train the model as built?
+    torch, split: `pipeline()` on the model as built; on failure the message is recorded
+    (verbatim, shortened) and, for a Hugging Face model, `config.use_cache=False` is tried
+    (recorded as needed when that makes it split); the rest of that model's runs, both
+    sides, then use `use_cache=False`, so that both compute the same thing.
+    torch, train: one step of the model as its users call it (targets among the inputs, the
+    loss read from the output; inputs that a later stage consumes, the targets, passed to
+    that rank's `step()` under their placeholder name as torch documents for kwargs, since a
+    first stage given them fails). If that fails, torch's measured runs call the model
+    without its targets and compute the same loss in the schedule's `loss_fn` on the last
+    stage (mode "outside"; nanoGPT then needs an EDITED forward, `LossOutsideGPT`: called
+    without targets it computes the last position's logits only).
+    ours: the measured runs; where they set `use_cache=False`, one more run trains one step
+    of the model as built, its loss checked against the loop.
+(b) Samples/s over `--steps` steps after `--warmup` warm-up steps, each rank stamping a
+    system-wide monotonic clock at the end of the warm-up and of the last step (window: the
+    latest warm-up stamp to the latest end stamp). Both sides run in the same pair of
+    processes, `--repeats` times each, ours, torch, ours, torch, ..., each from a freshly
+    built model on a process group of its own: only ratios measured in one run mean anything
+    on a shared 2-core machine. The table gives the medians and the ratio of the medians, and
+    the set-up (build, split or capture, first step) of each side.
+(c) Losses: the first and last step's mean microbatch loss of each side against a
+    one-process loop (this process, after the ranks: same seed, same data, the same 2
+    microbatches with gradient accumulation, the same SGD). Tied weights (nanoGPT, Llama,
+    GPT-2 tie the embedding and the output head): after the warm-up and measured steps, the
+    embedding on the first stage's rank against the head on the last stage's rank, on each
+    side (torch.distributed.pipelining copies the tied weight into both stages and updates
+    each copy with its own stage's gradient only, so they drift apart; pipedream_fast sums
+    their gradients before each update), and each against the loop's single tied weight.
+
+SGD lr 0.01, momentum 0.9 (as tests/test_zoo.py), fresh data every step (the zoo's seeded
+batches), the same on both sides and in the loop.
+
+    python bench/zoo_vs_pipelining.py [--warmup 3] [--steps 40] [--repeats 2] [--smoke]
+                                      [--models nanogpt,llama,gpt2,bert]
+                                      [--out bench/results/zoo_vs_pipelining.md]
+
+--out writes the markdown there and the JSON beside it (.json). A suite runner can import
+`run(...) -> dict` and `markdown(result) -> str`. The reading under the tables in
+bench/results/zoo_vs_pipelining.md is written by hand after a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import inspect
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+for _path in (str(ROOT / "tests"), str(ROOT), str(BENCH)):  # the zoo, the package, Clock
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import zoo  # noqa: E402  (tests/zoo: declares torchvision's operators before transformers)
+
+zoo.import_torchvision()  # before transformers imports it (see its docstring)
+
+from pipedream_fast.launch import free_port, launch  # noqa: E402
+from pipedream_fast.training import model_loss, split_microbatches  # noqa: E402
+from vs_pipelining import Clock  # noqa: E402
+
+MODELS = ("nanogpt", "llama", "gpt2", "bert")
+SPLIT = {"nanogpt": "transformer.h.1", "llama": "model.layers.1", "gpt2": "transformer.h.1",
+         "bert": "bert.encoder.layer.1"}
+# (embedding, head) of the models that tie them: the names of the one shared parameter
+TIED = {"nanogpt": ("transformer.wte.weight", "lm_head.weight"),
+        "llama": ("model.embed_tokens.weight", "lm_head.weight"),
+        "gpt2": ("transformer.wte.weight", "lm_head.weight")}
+WORLD, CHUNKS = 2, 2
+BATCH = zoo.BATCH
+LR, MOMENTUM = 0.01, 0.9
+TIMEOUT = 60.0  # every collective and transfer; a one-sided failure costs at most this
+DEFAULT = {"warmup": 3, "steps": 40, "repeats": 2}
+SMOKE = {"warmup": 1, "steps": 2, "repeats": 1}
+FIRST_TOL = 1e-5  # relative, the first step's loss (initial weights: the forwards)
+LAST_TOL = 1e-4  # relative, the last step's (after every update before it)
+DRIFT_TOL = 1e-6  # relative to the weight's largest entry: "identical" up to float noise
+ERROR_CHARS = 240  # each exception of a failure's chain, shortened to this
+# A rank's error that only says its peer failed first: the table shows the peer's own.
+PEER_SYMPTOM = re.compile(r"Connection (closed|reset)|Read error|Timed out|timed out|"
+                          r"Broken pipe")
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def build(name: str, no_cache: bool = False) -> nn.Module:
+    """The zoo's model, seeded, as built; `no_cache`: with `config.use_cache=False`."""
+    model = zoo.ZOO[name].build()
+    if no_cache:
+        model.config.use_cache = False
+    return model
+
+
+def has_cache(name: str) -> bool:
+    return bool(getattr(getattr(build(name), "config", None), "use_cache", False))
+
+
+def batches(name: str, count: int) -> list[Any]:
+    return zoo.ZOO[name].batches(count, 1)
+
+
+def shorten(err: BaseException) -> str:
+    """The exception, then its cause after "<-", and so on, each as `Type: message` cut to
+    ERROR_CHARS characters."""
+    chain: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and current not in chain and len(chain) < 6:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    parts = []
+    for e in chain:
+        text = " ".join(str(e).split())
+        text = text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS - 3] + "..."
+        parts.append(f"{type(e).__name__}: {text}")
+    return " <- ".join(parts)
+
+
+def named_inputs(model: nn.Module, item: Any) -> dict[str, Any]:
+    """A loader item as the model's keyword arguments (nanoGPT's `(idx, targets)` by name)."""
+    if isinstance(item, dict):
+        return dict(item)
+    args = item if isinstance(item, (tuple, list)) else (item,)
+    return dict(inspect.signature(model.forward).bind(*args).arguments)
+
+
+# ---- ranks ---------------------------------------------------------------------------------
+
+def torch_split(name: str, model: nn.Module, item: Any) -> Any:
+    """torch.distributed.pipelining's split of `model` before SPLIT[name], traced on one
+    microbatch of `item` given by keyword."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    mb = split_microbatches(named_inputs(model, item), CHUNKS)[0]
+    return pipeline(model, mb_args=(), mb_kwargs=mb,
+                    split_spec={SPLIT[name]: SplitPoint.BEGINNING})
+
+
+def root_inputs(pipe: Any, stage: int) -> dict[str, str]:
+    """The model inputs stage `stage` consumes directly: {model input name: the stage module's
+    placeholder name}. A later stage's are passed to that rank's step() by placeholder name."""
+    graph = pipe.split_gm.graph
+    node = [n for n in graph.nodes if n.op == "call_module"][stage]  # the stages, in order
+    placeholders = [n.name for n in pipe.get_stage_module(stage).graph.nodes
+                    if n.op == "placeholder"]
+    return {arg.target: ph for arg, ph in zip(node.args, placeholders)
+            if isinstance(arg, torch.fx.Node) and arg.op == "placeholder"}
+
+
+def torch_probe(name: str) -> dict[str, Any]:
+    """pipeline() on the model as built, then (Hugging Face) with use_cache=False."""
+    item = batches(name, 1)[0]
+    out: dict[str, Any] = {}
+    model = build(name)
+    try:
+        torch_split(name, model, item)
+        out["as_built"] = "ok"
+    except Exception as err:  # noqa: BLE001 - recorded
+        out["as_built"] = shorten(err)
+    if out["as_built"] != "ok" and has_cache(name):
+        model = build(name, no_cache=True)
+        try:
+            torch_split(name, model, item)
+            out["use_cache_false"] = "ok"
+        except Exception as err:  # noqa: BLE001 - recorded
+            out["use_cache_false"] = shorten(err)
+    return out
+
+
+class LossOutsideGPT(nn.Module):
+    """The zoo's nanoGPT EDITED for torch.distributed.pipelining's loss-outside mode: called
+    without targets, nanoGPT computes the logits of the last position only (inference), so
+    the loss over every position needs a forward of its own. The same modules (parameter
+    names, the tie): its forward with targets, less the loss."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.config, self.transformer, self.lm_head = gpt.config, gpt.transformer, gpt.lm_head
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+TARGET = {"nanogpt": "targets", "llama": "labels", "gpt2": "labels", "bert": "labels"}
+
+
+def outside_loss(name: str) -> Any:
+    """The loss each model computes inside, as a loss_fn of (its logits, the targets)."""
+    def logits_of(out: Any) -> torch.Tensor:
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    if name == "nanogpt":
+        return lambda out, y: nn.functional.cross_entropy(
+            logits_of(out).reshape(-1, zoo.VOCAB), y.reshape(-1), ignore_index=-1)
+    if name == "bert":
+        return lambda out, y: nn.functional.cross_entropy(logits_of(out).reshape(-1, 3),
+                                                          y.reshape(-1))
+    from transformers.loss.loss_utils import ForCausalLMLoss  # what Llama and GPT-2 call
+    return lambda out, y: ForCausalLMLoss(logits_of(out), y, vocab_size=zoo.VOCAB)
+
+
+def torch_run(rank: int, name: str, items: list[Any], warmup: int, no_cache: bool,
+              mode: str = "inside") -> dict[str, Any]:
+    """torch.distributed.pipelining, Schedule1F1B. mode "inside": the model as its users call
+    it (targets among the inputs, the loss from its output); inputs a later stage consumes go
+    to that rank's step() by placeholder name. mode "outside": the model called without its
+    targets, the same loss computed by the schedule's loss_fn on the last stage (nanoGPT:
+    `LossOutsideGPT`, an edit)."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    began = time.perf_counter()
+    model = build(name, no_cache)
+    target_name = TARGET[name]
+    if mode == "outside":
+        items = [{k: v for k, v in named_inputs(model, item).items() if k != target_name}
+                 | {"__target__": named_inputs(model, item)[target_name]} for item in items]
+        if name == "nanogpt":
+            model = LossOutsideGPT(model)
+        loss_fn = outside_loss(name)
+    else:
+        loss_fn = lambda out, _target: model_loss(out)  # noqa: E731
+    traced = [{k: v for k, v in it.items() if k != "__target__"} if mode == "outside" else it
+              for it in items[:1]]
+    pipe = torch_split(name, model, traced[0])
+    stage = pipe.build_stage(rank, torch.device("cpu"))
+    mine = root_inputs(pipe, rank)
+    last = rank == WORLD - 1
+    sched = Schedule1F1B(stage, CHUNKS, loss_fn=loss_fn)
+    opt = sgd(stage.submod.parameters())
+    clock = Clock()
+    losses: list[float] = []
+    for step, item in enumerate(items):
+        named = item if mode == "outside" else named_inputs(model, item)
+        kwargs = {ph: named[root] for root, ph in mine.items()}
+        # the loss is the model's in mode "inside": the schedule's target is then unused
+        target = named["__target__"] if mode == "outside" else torch.zeros(BATCH)
+        opt.zero_grad()
+        if last:
+            mb_losses: list[torch.Tensor] = []
+            sched.step(target=target, losses=mb_losses, **kwargs)
+            losses.append(float(torch.stack(mb_losses).detach().mean()))
+        else:
+            sched.step(**kwargs)
+        opt.step()
+        if step == 0:
+            first = time.perf_counter() - began
+        if step == warmup - 1:
+            clock.warmed_up()
+    result: dict[str, Any] = {**clock.done(), "losses": losses if last else None, "mode": mode,
+                              "first_step_s": first}
+    if name in TIED:
+        params = dict(stage.submod.named_parameters())
+        key = TIED[name][0] if rank == 0 else TIED[name][1]
+        result["tied"] = params[key].detach().clone()
+    return result
+
+
+def ours_run(rank: int, name: str, items: list[Any], warmup: int,
+             no_cache: bool) -> dict[str, Any]:
+    from pipedream_fast.pipeline import Pipeline
+
+    began = time.perf_counter()
+    model = build(name, no_cache)
+    tied = dict(model.named_parameters(remove_duplicate=False)).get(TIED[name][0]) \
+        if name in TIED else None
+    pipe = Pipeline(model, loss_fn=None, optimizer=sgd, split_points=[SPLIT[name]],
+                    schedule="1f1b", chunks=CHUNKS, timeout=TIMEOUT)
+    last = rank == WORLD - 1
+    clock = Clock()
+    losses: list[float] = []
+    for step, loss in enumerate(pipe.train(items, steps=len(items))):
+        if last and loss is not None:
+            losses.append(float(loss))
+        if step == 0:
+            first = time.perf_counter() - began
+        if step == warmup - 1:
+            clock.warmed_up()
+    result: dict[str, Any] = {**clock.done(), "losses": losses if last else None,
+                              "first_step_s": first}
+    if tied is not None:
+        held = {id(p) for m in pipe.stage_modules.values() for p in m.parameters()}
+        # The model's one tied parameter is this rank's stage's copy (embedding on the first
+        # stage, head on the last); the stages update the tensor in place.
+        result["tied"] = tied.detach().clone() if id(tied) in held else None
+    pipe.close()
+    return result
+
+
+def fresh_group(rank: int, port: int) -> None:
+    """Each run on a process group of its own: a run that fails on one rank must not leave
+    the next one a broken group."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=TIMEOUT))
+
+
+def attempt(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    began = time.monotonic()
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        result = {"error": shorten(err), "traceback": traceback.format_exc()[-4000:]}
+    result["wall_s"] = time.monotonic() - began
+    if args[0] == 0:  # rank 0 says what it ran and how long it took (set-up included)
+        rank, name, items, _warmup, no_cache, *mode = args
+        print(f"  rank 0: {name} {fn.__name__}{' (use_cache=False)' if no_cache else ''}"
+              f"{''.join(f' {m}' for m in mode)}, {len(items)} steps: "
+              f"{'FAILED' if 'error' in result else 'ok'} in {result['wall_s']:.1f} s",
+              flush=True)
+    return result
+
+
+def rank_main(rank: int, world: int, models: list[str], ports: list[int], warmup: int,
+              steps: int, repeats: int) -> dict[str, Any]:
+    """Every model in turn: torch's split of the model as built (rank 0); where it needs
+    use_cache=False, that for the rest, and ours on the model as built (one step); torch
+    training the model as called (one step); then `repeats` x (ours, torch) measured runs."""
+    torch.set_num_threads(1)
+    free = iter(ports)
+    out: dict[str, Any] = {}
+    for name in models:
+        fresh_group(rank, next(free))
+        shared = [torch_probe(name) if rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        record: dict[str, Any] = {"probe": shared[0]}
+        no_cache = shared[0].get("use_cache_false") == "ok"
+        record["no_cache"] = no_cache
+        if no_cache:  # the measured runs set use_cache=False: ours on the model as built too
+            fresh_group(rank, next(free))
+            record["ours_as_built"] = attempt(ours_run, rank, name, batches(name, 1), 1, False)
+        # torch on the model as its users call it: one step; if it fails, the measured runs
+        # compute the loss outside the model
+        fresh_group(rank, next(free))
+        record["torch_inside"] = attempt(torch_run, rank, name, batches(name, 1), 1, no_cache)
+        mode = "outside" if "error" in record["torch_inside"] else "inside"
+        items = batches(name, warmup + steps)
+        runs: dict[str, list[dict[str, Any]]] = {"ours": [], "torch": []}
+        for _ in range(repeats):
+            for side in ("ours", "torch"):
+                if runs[side] and "error" in runs[side][-1]:
+                    continue  # it failed once: the same failure again says nothing new
+                fresh_group(rank, next(free))
+                runs[side].append(
+                    attempt(ours_run, rank, name, items, warmup, no_cache) if side == "ours"
+                    else attempt(torch_run, rank, name, items, warmup, no_cache, mode))
+                gc.collect()
+        record["runs"] = runs
+        out[name] = record
+        print(f"rank {rank}: {name} done", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out
+
+
+# ---- the harness ---------------------------------------------------------------------------
+
+def reference(name: str, items: list[Any]) -> tuple[list[float], torch.Tensor | None]:
+    """The one-process loop: each minibatch in CHUNKS microbatches, gradients accumulated
+    (each microbatch's loss / CHUNKS), one SGD step. Returns the losses and the tied weight."""
+    model = build(name).train()
+    opt = sgd(model.parameters())
+    losses = []
+    for item in items:
+        opt.zero_grad()
+        total = 0.0
+        for mb in split_microbatches(item, CHUNKS):
+            loss = model_loss(zoo.call(model, mb))
+            (loss / CHUNKS).backward()
+            total += float(loss.detach()) / CHUNKS
+        opt.step()
+        losses.append(total)
+    tied = dict(model.named_parameters(remove_duplicate=False))[TIED[name][0]] \
+        if name in TIED else None
+    return losses, (None if tied is None else tied.detach().clone())
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def drift(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to b's largest entry."""
+    return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-12)
+
+
+def side_summary(name: str, ranks: list[dict[str, Any]], steps: int, want: list[float],
+                 want_tied: torch.Tensor | None, initial: torch.Tensor | None) -> dict[str, Any]:
+    """One run of one side from both ranks' results."""
+    errors = [r["error"] for r in ranks if "error" in r]
+    if errors:
+        # The rank whose error is its own, not the peer's closed connection or timeout.
+        own = [e for e in errors if not PEER_SYMPTOM.search(e)]
+        tracebacks = [r.get("traceback", "") for r in ranks if "error" in r]
+        return {"error": (own or errors)[0], "tracebacks": tracebacks}
+    seconds = max(r["end"] for r in ranks) - max(r["start"] for r in ranks)
+    own = sum(r["cpu_s"] for r in ranks)
+    machine = sum(r["busy_s"] for r in ranks) / len(ranks)
+    losses = next(r["losses"] for r in ranks if r["losses"] is not None)
+    run: dict[str, Any] = {"samples_per_s": BATCH * steps / seconds, "seconds": seconds,
+                           "losses": losses,
+                           # cores that other processes took during the window (as
+                           # bench/vs_pipelining.py): the machine's busy time less the ranks'
+                           "other_cores": max(0.0, machine - own) / seconds,
+                           # model built, split, set up and its first step, on the last rank
+                           "first_step_s": max(r["first_step_s"] for r in ranks),
+                           "first_loss_rel_diff": rel(losses[0], want[0]),
+                           "last_loss_rel_diff": rel(losses[-1], want[-1])}
+    if name in TIED and want_tied is not None and initial is not None:
+        embedding, head = ranks[0].get("tied"), ranks[-1].get("tied")
+        if embedding is not None and head is not None:
+            run["tied"] = {"embedding_vs_head": drift(embedding, head),
+                           "embedding_vs_loop": drift(embedding, want_tied),
+                           "head_vs_loop": drift(head, want_tied),
+                           "loop_moved": drift(want_tied, initial)}
+    return run
+
+
+def run(smoke: bool = False, *, warmup: int | None = None, steps: int | None = None,
+        repeats: int | None = None, models: tuple[str, ...] = MODELS,
+        log: bool = True) -> dict[str, Any]:
+    base = SMOKE if smoke else DEFAULT
+    warmup = base["warmup"] if warmup is None else warmup
+    steps = base["steps"] if steps is None else steps
+    repeats = base["repeats"] if repeats is None else repeats
+    if warmup < 1 or steps < 1 or repeats < 1:
+        raise ValueError(f"warmup, steps and repeats must be >= 1, got {warmup}, {steps}, "
+                         f"{repeats}")
+    began = time.monotonic()
+    ports: set[int] = set()
+    while len(ports) < len(models) * (3 + 2 * repeats):
+        ports.add(free_port())
+    by_rank = launch(rank_main, WORLD, list(models), sorted(ports), warmup, steps, repeats,
+                     timeout=TIMEOUT, threads_per_rank=1)
+    torch.set_num_threads(1)
+    rows = []
+    for name in models:
+        items = batches(name, warmup + steps)
+        want, want_tied = reference(name, items)
+        initial = None
+        if name in TIED:
+            initial = dict(build(name).named_parameters(remove_duplicate=False))[
+                TIED[name][0]].detach().clone()
+        records = [r[name] for r in by_rank]
+        probe = records[0]["probe"]
+        sides: dict[str, list[dict[str, Any]]] = {}
+        for side in ("ours", "torch"):
+            sides[side] = [side_summary(name, list(ranks), steps, want, want_tied, initial)
+                           for ranks in zip(*(rec["runs"][side] for rec in records))]
+        as_built = None
+        if "ours_as_built" in records[0]:
+            as_built = one_step([rec["ours_as_built"] for rec in records], name, want)
+        inside = one_step([rec["torch_inside"] for rec in records], name, want)
+        rows.append(summarize(name, probe, as_built, inside, sides, want))
+        rows[-1]["no_cache"] = records[0]["no_cache"]
+        if log:
+            r = rows[-1]
+            print(f"{name:8s} ours {fmt_rate(r, 'ours')}  torch {fmt_rate(r, 'torch')}  "
+                  f"ratio {r['ratio'] if r['ratio'] is None else round(r['ratio'], 2)}  "
+                  f"torch: {r['torch_split']}; {r['torch_trains']}", flush=True)
+    return {"settings": {"smoke": smoke, "warmup": warmup, "steps": steps, "repeats": repeats,
+                         "models": list(models), "batch": BATCH, "chunks": CHUNKS,
+                         "ranks": WORLD, "threads_per_rank": 1, "lr": LR,
+                         "momentum": MOMENTUM, "split": {m: SPLIT[m] for m in models}},
+            "machine": {"cores": os.cpu_count(),
+                        "processor": platform.processor() or platform.machine(),
+                        "torch": torch.__version__, "python": sys.version.split()[0],
+                        "transformers": _version("transformers"),
+                        "date": datetime.date.today().isoformat()},
+            "rows": rows, "wall_s": time.monotonic() - began}
+
+
+def _version(package: str) -> str | None:
+    try:
+        from importlib.metadata import version
+        return version(package)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def fmt_rate(row: dict[str, Any], side: str) -> str:
+    value = row[f"{side}_samples_per_s"]
+    return "failed" if value is None else f"{value:6.1f}"
+
+
+def one_step(ranks: list[dict[str, Any]], name: str, want: list[float]) -> dict[str, Any]:
+    """A one-step check run: trained, with the loop's first loss?"""
+    one = side_summary(name, ranks, 1, want[:1], None, None)
+    if "error" in one:
+        return {"ok": False, "error": one["error"]}
+    return {"ok": one["first_loss_rel_diff"] <= FIRST_TOL,
+            "first_loss_rel_diff": one["first_loss_rel_diff"]}
+
+
+def summarize(name: str, probe: dict[str, Any], as_built: dict[str, Any] | None,
+              inside: dict[str, Any], sides: dict[str, list[dict[str, Any]]],
+              want: list[float]) -> dict[str, Any]:
+    ok = {side: [r for r in runs if "error" not in r] for side, runs in sides.items()}
+    errors = {side: next((r["error"] for r in runs if "error" in r), None)
+              for side, runs in sides.items()}
+    rates = {side: statistics.median(r["samples_per_s"] for r in runs) if runs else None
+             for side, runs in ok.items()}
+    setup = {side: statistics.median(r["first_step_s"] for r in runs) if runs else None
+             for side, runs in ok.items()}
+    others = max((r["other_cores"] for runs in ok.values() for r in runs), default=None)
+    # torch: did it split the model as built, what did it need, and did it then train?
+    if probe["as_built"] == "ok":
+        torch_split = "yes"
+        needs = None
+    elif probe.get("use_cache_false") == "ok":
+        torch_split = "no: needs config.use_cache=False"
+        needs = "config.use_cache=False"
+    else:
+        torch_split = "no"
+        needs = None
+    if inside["ok"]:
+        torch_trains = "yes"
+    elif "error" in inside:
+        torch_trains = "no: fails at its first step"
+    else:
+        torch_trains = "no: its loss differs from the loop's"
+    mode = "inside" if inside["ok"] else "outside"
+    ours_split = "yes"
+    if errors["ours"] and not ok["ours"]:
+        ours_split = "no: fails to train"
+    elif as_built is not None and not as_built["ok"]:
+        ours_split = "no: " + ("fails to train (use_cache=True)" if "error" in as_built
+                               else "its loss differs from the loop's (use_cache=True)")
+
+    def worst(side: str, key: str) -> float | None:
+        return max((r[key] for r in ok[side]), default=None)
+
+    def tied(side: str, key: str) -> float | None:
+        values = [r["tied"][key] for r in ok[side] if "tied" in r]
+        return max(values) if values else None
+
+    row = {"model": name, "split_at": SPLIT[name], "tied": name in TIED,
+           "ours_split": ours_split, "ours_as_built": as_built,
+           "torch_split": torch_split, "torch_needs": needs, "torch_probe": probe,
+           "torch_trains": torch_trains, "torch_inside": inside, "torch_mode": mode,
+           "ours_error": errors["ours"], "torch_error": errors["torch"],
+           "ours_samples_per_s": rates["ours"], "torch_samples_per_s": rates["torch"],
+           "ours_first_step_s": setup["ours"], "torch_first_step_s": setup["torch"],
+           "other_cores_max": others,
+           "ratio": (rates["ours"] / rates["torch"]
+                     if rates["ours"] and rates["torch"] else None),
+           "pair_ratios": [a["samples_per_s"] / b["samples_per_s"]
+                           for a, b in zip(ok["ours"], ok["torch"])],
+           "loop_first_loss": want[0], "loop_last_loss": want[-1]}
+    for side in ("ours", "torch"):
+        row[f"{side}_first_loss_rel_diff"] = worst(side, "first_loss_rel_diff")
+        row[f"{side}_last_loss_rel_diff"] = worst(side, "last_loss_rel_diff")
+        for key in ("embedding_vs_head", "embedding_vs_loop", "head_vs_loop", "loop_moved"):
+            row[f"{side}_tied_{key}"] = tied(side, key)
+        first, last = row[f"{side}_first_loss_rel_diff"], row[f"{side}_last_loss_rel_diff"]
+        row[f"{side}_losses_equal"] = (None if first is None else
+                                       bool(first <= FIRST_TOL and last <= LAST_TOL))
+        gap = row[f"{side}_tied_embedding_vs_head"]
+        row[f"{side}_tied_identical"] = None if gap is None else bool(gap <= DRIFT_TOL)
+    row["runs"] = sides
+    return row
+
+
+# ---- the report ----------------------------------------------------------------------------
+
+def command(result: dict[str, Any], out: str | None = None) -> str:
+    s = result["settings"]
+    parts = ["python bench/zoo_vs_pipelining.py"]
+    if s["smoke"]:
+        parts.append("--smoke")
+    base = SMOKE if s["smoke"] else DEFAULT
+    parts += [f"--{k} {s[k]}" for k in ("warmup", "steps", "repeats") if s[k] != base[k]]
+    if tuple(s["models"]) != MODELS:
+        parts.append("--models " + ",".join(s["models"]))
+    if out:
+        parts.append(f"--out {out}")
+    return " ".join(parts)
+
+
+def _e(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _s2(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _pair(row: dict[str, Any], key: str) -> str:
+    return f"{_e(row['ours_' + key])} / {_e(row['torch_' + key])}"
+
+
+def markdown(result: dict[str, Any], out: str | None = None) -> str:
+    s, m = result["settings"], result["machine"]
+    lines = ["# pipedream_fast vs torch.distributed.pipelining on the zoo's transformers, "
+             "2 ranks, CPU", "",
+             f"Command: `{command(result, out)}`", "",
+             f"Date: {m['date']}. Machine: {m['cores']} cores, {m['processor']}, torch "
+             f"{m['torch']}, transformers {m['transformers']}, Python {m['python']}. Whole run: "
+             f"{result['wall_s'] / 60:.1f} min.", "",
+             f"- Models: the test zoo's (tests/zoo), tiny configs, seeded; each computes its own "
+             f"loss from inputs that include the targets. Batch {s['batch']}, {s['chunks']} "
+             f"microbatches, 1F1B, 2 stages cut before the second transformer layer on both "
+             f"sides; {s['ranks']} ranks, gloo on loopback, {s['threads_per_rank']} intra-op "
+             f"thread per rank; SGD lr {s['lr']}, momentum {s['momentum']}.",
+             "- Splits it: `pipeline(model, mb_args, mb_kwargs, split_spec={layer: "
+             "SplitPoint.BEGINNING})` (torch) and `Pipeline(model, loss_fn=None, optimizer, "
+             "split_points=[layer], schedule='1f1b', chunks=2)` (ours) on the model as built. "
+             "Where torch needs `use_cache=False` to split a model, both sides' measured runs "
+             "use it, and one more run of ours trains one step of the model as built. "
+             "Trains it: one step of torch's Schedule1F1B on the model called as its users call "
+             "it (targets among the inputs; those a later stage consumes passed to that rank's "
+             "`step()`), its loss against the loop's. Where that fails, torch's measured runs "
+             "call the model without its targets and compute the same loss in the schedule's "
+             "`loss_fn` (mode 'outside'; nanoGPT then needs an edited forward, "
+             "`LossOutsideGPT`: without targets it computes the last position's logits only).",
+             f"- Samples/s: {s['steps']} steps after {s['warmup']} warm-up steps, from the "
+             f"latest rank's end of warm-up to the latest rank's end; {s['repeats']} run(s) of "
+             f"each side in one pair of processes (ours, torch, ...), medians and the ratio of "
+             f"the medians (in brackets: each pair's ratio, ours and the torch run after it).",
+             f"- Losses: relative difference of the first and the last step's loss from the "
+             f"one-process loop with gradient accumulation (same seed, data, optimizer), worst "
+             f"over the runs; equal if within {FIRST_TOL:g} and {LAST_TOL:g}.",
+             f"- Tied drift: after {s['warmup'] + s['steps']} steps, max |embedding - head| / "
+             f"max |head| between the first stage's embedding and the last stage's head (one "
+             f"parameter in the model); identical if within {DRIFT_TOL:g}.",
+             "- Set-up: from building the model to the end of the first step (split or "
+             "capture included), the slower rank, median over the runs. Others (cores): the "
+             "most CPU that processes other than the two ranks took during any measured "
+             f"window of the row (the machine has {m['cores']} cores).", "",
+             "| model | ours splits and trains it | torch splits it | torch trains it | torch "
+             "mode | torch samples/s | ours samples/s | ours/torch | first-step loss vs loop "
+             "(ours / torch) | last-step loss vs loop (ours / torch) | tied drift (ours / "
+             "torch) | set-up s (ours / torch) | others (cores) |",
+             "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| ---: |"]
+    for r in result["rows"]:
+        drift_cell = _pair(r, "tied_embedding_vs_head") if r["tied"] else "(untied)"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        if len(r["pair_ratios"]) > 1:
+            ratio += " (" + ", ".join(f"{x:.2f}" for x in r["pair_ratios"]) + ")"
+        lines.append(f"| {r['model']} | {r['ours_split']} | {r['torch_split']} | "
+                     f"{r['torch_trains']} | {r['torch_mode']} | "
+                     f"{fmt_rate(r, 'torch').strip()} | {fmt_rate(r, 'ours').strip()} | {ratio} "
+                     f"| {_pair(r, 'first_loss_rel_diff')} | {_pair(r, 'last_loss_rel_diff')} "
+                     f"| {drift_cell} | {_s(r['ours_first_step_s'])} / "
+                     f"{_s(r['torch_first_step_s'])} | {_s2(r['other_cores_max'])} |")
+    lines += ["", "Failures, verbatim (shortened; each error, then its cause after '<-'):", ""]
+    failures = []
+    for r in result["rows"]:
+        probe = r["torch_probe"]
+        if probe["as_built"] != "ok":
+            failures.append(f"- {r['model']}, torch `pipeline()` on the model as built: "
+                            f"`{_md(probe['as_built'])}`")
+        if probe.get("use_cache_false", "ok") != "ok":
+            failures.append(f"- {r['model']}, torch `pipeline()` with use_cache=False: "
+                            f"`{_md(probe['use_cache_false'])}`")
+        if "error" in r["torch_inside"]:
+            failures.append(f"- {r['model']}, torch training the model as called: "
+                            f"`{_md(r['torch_inside']['error'])}`")
+        if r["ours_as_built"] is not None and "error" in r["ours_as_built"]:
+            failures.append(f"- {r['model']}, ours on the model as built: "
+                            f"`{_md(r['ours_as_built']['error'])}`")
+        for side in ("ours", "torch"):
+            if r[f"{side}_error"]:
+                failures.append(f"- {r['model']}, {side}'s measured runs: "
+                                f"`{_md(r[side + '_error'])}`")
+    lines += failures or ["- none"]
+    lines += ["", "Tied weights against the loop's single tied weight after the same steps "
+              "(max |w - w_loop| / max |w_loop|; the last column: how far the loop's weight "
+              "moved from its start, on the same scale):", "",
+              "| model | ours embedding | ours head | torch embedding | torch head | loop moved |",
+              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in result["rows"]:
+        if r["tied"]:
+            moved = r["ours_tied_loop_moved"] or r["torch_tied_loop_moved"]
+            lines.append(f"| {r['model']} | {_e(r['ours_tied_embedding_vs_loop'])} | "
+                         f"{_e(r['ours_tied_head_vs_loop'])} | "
+                         f"{_e(r['torch_tied_embedding_vs_loop'])} | "
+                         f"{_e(r['torch_tied_head_vs_loop'])} | {_e(moved)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _md(text: str) -> str:
+    return text.replace("`", "'").replace("|", "/")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"{SMOKE['warmup']}+{SMOKE['steps']} steps, {SMOKE['repeats']} run "
+                             f"of each side: does it run? (measures nothing worth keeping)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help=f"warm-up steps (default {DEFAULT['warmup']})")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"measured steps after the warm-up (default {DEFAULT['steps']})")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"runs of each side per model (default {DEFAULT['repeats']})")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated, among {', '.join(MODELS)} (default all)")
+    parser.add_argument("--out", default=None,
+                        help="write the markdown here and the JSON beside it (.json)")
+    args = parser.parse_args()
+    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        parser.error(f"--models: unknown {unknown}; choose among {', '.join(MODELS)}")
+    for name in ("steps", "warmup", "repeats"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be >= 1, got {value}")
+    torch.set_num_threads(1)
+    result = run(args.smoke, warmup=args.warmup, steps=args.steps, repeats=args.repeats,
+                 models=models)
+    result["command"] = command(result, args.out)
+    text = markdown(result, args.out)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+        Path(args.out).with_suffix(".json").write_text(
+            json.dumps(result, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
