@@ -1,10 +1,12 @@
 """Measure a model block by block and write a `Profile` (what the planner reads).
 
 Each block is run on its own, exactly as a pipeline stage would run it: its forward takes
-detached copies of the tensors crossing its input cut (marked as requiring gradients), and its
-backward starts from gradients for the tensors crossing its output cut and produces gradients
-for its inputs and parameters. So a block's measured backward includes the work a stage does
-to send gradients upstream, and nothing is double counted across blocks.
+detached copies of the tensors crossing its input cut (marked as requiring gradients, and fed
+through one more copy, so that a block starting with an in-place op such as ResNet's
+`ReLU(inplace=True)` does not write into an autograd leaf), and its backward starts from
+gradients for the tensors crossing its output cut and produces gradients for its inputs and
+parameters. So a block's measured backward includes the work a stage does to send gradients
+upstream, and nothing is double counted across blocks. An error names the block it came from.
 
     cut k-1 ──▶ forward(block k) ──▶ cut k          timed: forward_ms
     grad k-1 ◀── backward(block k) ◀── grad k       timed: backward_ms
@@ -34,7 +36,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -85,6 +87,27 @@ def _detach(value: Any) -> Any:
     return value
 
 
+def _copies(value: Any) -> Any:
+    """What a block is fed: a copy of every tensor of a cut value (of the leaves `_detach`
+    made, a non-leaf one). A block that starts by writing into its input in place
+    (`ReLU(inplace=True)`) then neither fails on a leaf that requires grad nor changes the
+    reference values the next runs start from. The copy is made outside the timed region."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copies(v) for v in value)
+    return value
+
+
+@contextmanager
+def _blaming(what: str) -> Iterator[None]:
+    """Names the block (or pass) whose measurement failed: the error alone names no block."""
+    try:
+        yield
+    except Exception as err:
+        raise RuntimeError(f"profiling {what} failed: {type(err).__name__}: {err}") from err
+
+
 class _Timer:
     """Wall clock on CPU; CUDA events on GPU (no host sync inside the timed region)."""
 
@@ -116,7 +139,7 @@ def _saved_bytes(module: nn.Module, inputs: tuple[Any, ...]) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(*_detach(inputs))
+        module(*_copies(_detach(inputs)))
     return sum(storages.values())
 
 
@@ -131,7 +154,7 @@ def _optimizer_state_bytes(chain: LayerChain, inputs: tuple[Any, ...],
         return [0] * len(chain)
     for p in params:
         p.grad = None
-    outputs = chain.stage_module(0, len(chain))(*_detach(inputs))
+    outputs = chain.stage_module(0, len(chain))(*_copies(_detach(inputs)))
     loss = sum(t.float().sum() for t in _tensors(outputs) if t.requires_grad)
     if isinstance(loss, torch.Tensor):
         loss.backward()
@@ -189,7 +212,7 @@ def _input_part_ms(timer: _Timer, module: nn.Module, inputs: tuple[Any, ...]) ->
     schedule's BACKWARD_INPUT does; the rest of backward_ms is its weight part)."""
     leaf_inputs = _detach(inputs)
     wanted = [t for t in _tensors(leaf_inputs) if t.requires_grad]
-    outputs = [t for t in _tensors(module(*leaf_inputs)) if t.requires_grad]
+    outputs = [t for t in _tensors(module(*_copies(leaf_inputs))) if t.requires_grad]
     if not wanted or not outputs:
         return 0.0
     grads = [torch.ones_like(t) for t in outputs]
@@ -239,13 +262,15 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
         chain = trace(model, inputs, leaf_modules=leaf_modules, check=False)
     timer = _Timer(dev)
 
-    # Reference inputs of every block, from one forward of the whole chain.
+    # Reference inputs of every block, from one forward of the whole chain (each block fed
+    # copies: one that writes into its input in place must not change the recorded one).
     block_inputs: list[tuple[Any, ...]] = []
     with torch.no_grad():
         values: tuple[Any, ...] = inputs
-        for block in chain.blocks:
+        for k, block in enumerate(chain.blocks):
             block_inputs.append(values)
-            values = block.module(*values)
+            with _blaming(f"block {k} ({block.name!r})"):
+                values = block.module(*_copies(values))
 
     runs = warmup + repeat
     title = f"profiling {model_name or type(model).__name__}"
@@ -259,33 +284,35 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
                     bar.update(task, description=f"{title}: {block.name}")
                 forward_ms, backward_ms, input_ms = [], [], []
                 outputs: Any = ()
-                for run in range(runs):
-                    # timer() calls each lambda at once, inside this iteration, so the loop
-                    # variables they read are the current ones (B023 warns of late binding).
-                    leaf_inputs = _detach(block_inputs[k])
-                    f_ms, outputs = timer(lambda: block.module(*leaf_inputs))  # noqa: B023
-                    needs_grad = [t for t in _tensors(outputs) if t.requires_grad]
-                    grads = [torch.ones_like(t) for t in needs_grad]
-                    b_ms, _ = timer(lambda: torch.autograd.backward(needs_grad, grads)  # noqa: B023
-                                    if needs_grad else None)  # noqa: B023
-                    i_ms = _input_part_ms(timer, block.module, block_inputs[k])
-                    if run >= warmup:
-                        forward_ms.append(f_ms)
-                        backward_ms.append(b_ms)
-                        input_ms.append(i_ms)
-                    if bar is not None:
-                        bar.advance(task)
+                with _blaming(f"block {k} ({block.name!r})"):
+                    for run in range(runs):
+                        # timer() calls each lambda at once, inside this iteration, so the loop
+                        # variables they read are the current ones (B023 warns of late binding).
+                        fed = _copies(_detach(block_inputs[k]))
+                        f_ms, outputs = timer(lambda: block.module(*fed))  # noqa: B023
+                        needs_grad = [t for t in _tensors(outputs) if t.requires_grad]
+                        grads = [torch.ones_like(t) for t in needs_grad]
+                        b_ms, _ = timer(lambda: torch.autograd.backward(  # noqa: B023
+                            needs_grad, grads) if needs_grad else None)  # noqa: B023
+                        i_ms = _input_part_ms(timer, block.module, block_inputs[k])
+                        if run >= warmup:
+                            forward_ms.append(f_ms)
+                            backward_ms.append(b_ms)
+                            input_ms.append(i_ms)
+                        if bar is not None:
+                            bar.advance(task)
+                    saved = _saved_bytes(block.module, block_inputs[k])
                 measured.append((block.name, statistics.median(forward_ms),
                                  statistics.median(backward_ms), _nbytes(_tensors(outputs)),
-                                 _saved_bytes(block.module, block_inputs[k]),
-                                 statistics.median(input_ms)))
+                                 saved, statistics.median(input_ms)))
             if bar is not None:
                 bar.update(task, description=f"{title}: optimizer state")
             before = None  # the built-in optimizers have lr 0; a factory's may step weights
             if not isinstance(optimizer, str):
                 with torch.no_grad():
                     before = [p.detach().clone() for p in model.parameters()]
-            optimizer_bytes = _optimizer_state_bytes(chain, inputs, make_optimizer)
+            with _blaming("the optimizer state (one step over the whole model)"):
+                optimizer_bytes = _optimizer_state_bytes(chain, inputs, make_optimizer)
             update_ms = _update_costs_ms(timer, chain, make_optimizer, warmup, repeat)
             if before is not None:
                 with torch.no_grad():

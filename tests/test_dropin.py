@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
 from pipedream_fast.launch import free_port, launch
-from pipedream_fast.pipeline import Pipeline
+from pipedream_fast.pipeline import NonFiniteLoss, Pipeline
 from runtime_reference import train_reference, train_reference_with
 
 WORLD = 2
@@ -187,7 +187,7 @@ def gpt_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.reshape(-1, GPT_VOCAB), y.reshape(-1))
 
 
-DP_STEPS = 4
+DP_STEPS, NAN_STEP, AFTER_NAN = 4, 2, 2
 DP_CLIPS = {"engaged": 0.3, "idle": 1.5}  # the global gradient norms here are 0.6-1.0
 
 
@@ -348,6 +348,31 @@ def scenario_data_parallel(rank: int, world: int, out: dict[str, Any]) -> None:
             pipe.close()
 
 
+def nan_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """DP_STEPS batches; step NAN_STEP's second microbatch (replica 1's share) is NaN."""
+    batches = mlp_batches(DP_STEPS)
+    batches[NAN_STEP][0][BATCH - 1, 0] = float("nan")
+    return batches
+
+
+def scenario_replica_nan(rank: int, world: int, out: dict[str, Any]) -> None:
+    """A NaN loss that only one replica computes stops both at the same step, unapplied."""
+    pipe = Pipeline(mlp5(), cross_entropy, sgd(0.1), schedule="data-parallel", chunks=CHUNKS,
+                    timeout=TIMEOUT)
+    try:
+        losses: list[float | None] = []
+        try:
+            for loss in pipe.train(nan_batches(), steps=DP_STEPS):
+                losses.append(float(loss))
+        except NonFiniteLoss as err:
+            out["error"] = str(err)
+        out["losses"] = losses
+        out["after"] = floats(pipe.train(mlp_batches(AFTER_NAN, seed=7), steps=AFTER_NAN))
+        out["state"] = pipe.state_dict()
+    finally:
+        pipe.close()
+
+
 def scenario_plan_none(rank: int, world: int, out: dict[str, Any]) -> None:
     pipe = Pipeline(mlp5(), cross_entropy, sgd(), plan=None, schedule="1f1b", chunks=CHUNKS,
                     timeout=TIMEOUT)
@@ -397,6 +422,7 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "clip_and_scheduler": scenario_clip_and_scheduler,
     "tied_clip": scenario_tied_clip,
     "data_parallel": scenario_data_parallel,
+    "replica_nan": scenario_replica_nan,
     "bf16": scenario_bf16,
     "manual_splits": scenario_manual_splits,
     "wrong_balance": scenario_wrong_balance,
@@ -808,6 +834,24 @@ def test_every_replica_yields_the_loss_of_the_whole_step(job, chunks):
            for r in range(WORLD)]
     assert got[0] == got[1]
     assert got[0] == pytest.approx(losses, rel=1e-6)
+
+
+def test_a_nan_on_one_replica_stops_every_rank_at_that_step_unapplied(job):
+    """Only replica 1 computes the NaN loss; both ranks learn it from the step's loss, stop
+    before its update, and train on from the weights before it (a rank stopping alone would
+    leave its peer waiting for the timeout)."""
+    got = [result(job, "replica_nan", r, "error", "losses", "after") for r in range(WORLD)]
+    for r in got:
+        assert "of step 3 is nan" in r["error"] and "stopped after step 2" in r["error"], r
+        assert len(r["losses"]) == NAN_STEP
+    assert "seen on rank 1" in got[1]["error"] and "another replica" in got[0]["error"]
+    assert got[0]["losses"] == got[1]["losses"] and got[0]["after"] == got[1]["after"]
+    losses: list[float] = []
+    trained = mlp_batches(DP_STEPS)[:NAN_STEP] + mlp_batches(AFTER_NAN, seed=7)
+    want = train_reference_with(mlp5(), trained, CHUNKS, cross_entropy, sgd(0.1),
+                                losses=losses)
+    assert got[0]["losses"] + got[0]["after"] == pytest.approx(losses, rel=1e-6)
+    assert_same_state(result(job, "replica_nan", 0, "state")["state"], want)
 
 
 # --- 8. the loss of a step with a replicated stage inside a pipeline (3 processes) -------------

@@ -145,3 +145,65 @@ def test_update_costs_are_measured_and_leave_the_weights_as_they_were(one_thread
         assert 0 < small.extra[key] < large.extra[key], key
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+class _TopLevelInplaceReLU(nn.Module):
+    """torchvision's ResNet stem: `self.relu = nn.ReLU(inplace=True)` called at the top
+    level, so once traced it is a block of its own that writes into its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.relu = nn.ReLU(inplace=True)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.relu(self.bn(self.fc(x))))
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_block_that_starts_in_place_is_profiled(traced: bool) -> None:
+    """A block is fed copies of its inputs: in place on the autograd leaf itself it fails
+    ("a leaf Variable that requires grad is being used in an in-place operation")."""
+    if traced:
+        model: nn.Module = _TopLevelInplaceReLU()
+    else:
+        model = nn.Sequential(OrderedDict(fc=nn.Linear(8, 16), act=nn.ReLU(inplace=True),
+                                          out=nn.Linear(16, 4)))
+    names = ["fc", "bn", "relu", "out"] if traced else ["fc", "act", "out"]
+    profile = run(model, torch.randn(4, 8))
+    assert [b.name for b in profile.blocks] == names
+    relu = profile.blocks[names.index("relu" if traced else "act")]
+    assert relu.activation_bytes == 4 * 16 * 4 and relu.parameter_bytes == 0
+    assert all(b.forward_ms > 0 and b.backward_ms > 0 for b in profile.blocks)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_in_place_block_does_not_rewrite_the_input_recorded_for_it() -> None:
+    """The reference forward feeds each block copies, so every timed run of an in-place block
+    starts from the values it really receives, not from the ones it overwrote."""
+    seen: list[torch.Tensor] = []
+
+    class InPlace(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x.detach().clone())
+            return x.relu_()
+
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(8, 16), act=InPlace()))
+    x = torch.randn(4, 8)
+    run(model, x, warmup=0, repeat=2)
+    want = model.fc(x).detach()
+    assert (want < 0).any()  # teeth: the ReLU changes it
+    assert len(seen) > 2 and all(torch.allclose(s, want) for s in seen)
+
+
+def test_an_error_names_the_block() -> None:
+    class Broken(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("no luck")
+
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(8, 8), broken=Broken()))
+    with pytest.raises(RuntimeError, match=r"profiling block 1 \('broken'\) failed: "
+                                           r"ValueError: no luck"):
+        run(model, torch.randn(2, 8))

@@ -182,8 +182,10 @@ def result(job: list[dict[str, Outcome]], case: str, rank: int = 0) -> dict[str,
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = float(b.detach().abs().max()) if b.numel() else 0.0
-    return float((a.detach().float() - b.detach().float()).abs().max()) / max(scale, 1e-12)
+    """||a - b|| / ||b|| over one tensor (in float64)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float(torch.linalg.vector_norm(a - b)) / max(float(torch.linalg.vector_norm(b)),
+                                                        1e-12)
 
 
 # --- the tests ----------------------------------------------------------------------------------

@@ -4,7 +4,10 @@
 
 * `strategy="dp"` (default) runs PipeDream's dynamic program (`dp.py`): minimum bottleneck over
   all stage splits and replica counts, level by level for hierarchical topologies, honouring
-  the memory limit. `straight=True` keeps one worker per stage.
+  the memory limit. `straight=True` keeps one worker per stage. Among the plans within
+  `margin` (5%) of that minimum it keeps the simplest (fewest stages, then most workers, then
+  fastest; `HierarchicalDP.simplest_plan`), so that profile noise does not flip the plan
+  between near-equal ones; `extra["plan_choice"]` says what was chosen over what and why.
 * `"data-parallel"` is one stage replicated on every worker; `"uniform"`, `"params"`, `"time"`
   are the baselines of `baselines.py`.
 
@@ -25,14 +28,19 @@ import numpy as np
 from pipedream_fast.formats import Plan, Profile, StagePlan
 from pipedream_fast.planner.baselines import BASELINES, balanced_partition, baseline_stages
 from pipedream_fast.planner.costs import SCHEDULES, Costs, MemoryModel
-from pipedream_fast.planner.dp import HierarchicalDP, data_parallel_tree
+from pipedream_fast.planner.dp import HierarchicalDP, StageNode, data_parallel_tree
 from pipedream_fast.planner.flatten import (FlatStage, flat_times, flatten, nested_times,
                                             stage_memory)
 from pipedream_fast.topology import Topology
 
 STRATEGIES = ("dp", "data-parallel") + BASELINES
 
-__all__ = ["PlanningError", "SCHEDULES", "STRATEGIES", "evaluate_plan", "make_plan",
+MARGIN = 0.05
+"""Plans (and schedules) predicted within this fraction of the fastest count as equally fast:
+the simplest of them is chosen. Profiles of one model measured twice differ by a few percent
+per block; a margin above that noise makes the choice repeatable."""
+
+__all__ = ["MARGIN", "PlanningError", "SCHEDULES", "STRATEGIES", "evaluate_plan", "make_plan",
            "smallest_memory"]
 
 
@@ -87,15 +95,21 @@ def _structural_hint(costs: Costs, topology: Topology, straight: bool) -> str:
 
 def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedream",
               straight: bool = False, strategy: str = "dp",
-              chunks: int | None = None, stages_per_rank: int = 1) -> Plan:
+              chunks: int | None = None, stages_per_rank: int = 1,
+              margin: float = MARGIN) -> Plan:
     """Plan `profile` on `topology`; see the module docstring for the strategies.
 
     `chunks` is the number of microbatches per step, all of which GPipe keeps in flight
     (default: the worker count); the memory limit is `topology.memory_per_worker`.
     `stages_per_rank` > 1 plans an interleaved pipeline instead (see `interleaved_plan`).
+    `margin`: the DP keeps the simplest plan within this fraction of the fastest (0: the
+    fastest, with the fewest stages among equally fast ones).
     """
     if strategy not in STRATEGIES:
         raise PlanningError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if not 0 <= margin < 1:
+        raise PlanningError(f"margin is a fraction of the fastest plan's time in [0, 1), got "
+                            f"{margin}")
     if stages_per_rank != 1:
         return interleaved_plan(profile, topology, stages_per_rank, schedule)
     began = time.perf_counter()
@@ -106,11 +120,14 @@ def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedrea
     data_parallel = flatten(data_parallel_tree(num_blocks, topology), topology)
     data_parallel_ms = nested_times(data_parallel, costs, topology, memory)[0][0]
 
+    choice: dict[str, Any] | None = None
     if strategy == "dp":
-        found = HierarchicalDP(costs, topology, memory, straight).best_plan()
+        solver = HierarchicalDP(costs, topology, memory, straight)
+        found = solver.simplest_plan(margin)
         if found is None:
             raise PlanningError(_no_plan_message(costs, topology, memory, straight, schedule))
         stages = flatten(found[1], topology)
+        choice = _plan_choice(solver, found, margin)
     elif strategy == "data-parallel":
         stages = data_parallel
     else:
@@ -126,8 +143,34 @@ def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedrea
                 f"schedule {schedule}, more than --memory-per-worker {memory.limit}; raise the "
                 f"limit or use --strategy dp")
 
-    return _assemble(profile, topology, stages, times, cuts, footprints, costs, memory,
+    plan = _assemble(profile, topology, stages, times, cuts, footprints, costs, memory,
                      data_parallel_ms, strategy, straight, began)
+    if choice is not None:
+        plan.extra["plan_choice"] = choice
+    return plan
+
+
+def _plan_choice(solver: HierarchicalDP, chosen: tuple[float, list[StageNode]],
+                 margin: float) -> dict[str, Any]:
+    """What the DP chose over the fastest plan it found, and why (for the plan's report)."""
+    fastest = solver.best_plan()
+    assert fastest is not None  # a plan was chosen, so one exists
+    (best_ms, best), (ms, nodes) = fastest, chosen
+
+    def shape(tree: list[StageNode]) -> str:
+        n = len(tree)
+        return (f"{n} stage{'s' * (n != 1)} x replicas "
+                f"{'/'.join(str(s.replicas) for s in tree)}")
+
+    if [(s.start, s.stop, s.replicas) for s in best] == [(s.start, s.stop, s.replicas)
+                                                        for s in nodes]:
+        why = f"the fastest plan; none simpler within the {margin:.0%} margin"
+    else:
+        why = (f"{shape(nodes)}, {max(0.0, ms / best_ms - 1):.1%} slower than the fastest "
+               f"found ({shape(best)}, {best_ms:.3g} ms): within the {margin:.0%} margin the "
+               f"fewest stages win, then the most workers, so profile noise does not flip "
+               f"the plan")
+    return {"margin": margin, "fastest_ms": best_ms, "chosen_ms": ms, "why": why}
 
 
 def interleaved_plan(profile: Profile, topology: Topology, stages_per_rank: int,

@@ -3,8 +3,10 @@ predict each plan with the simulator running that very schedule, keep the fastes
 fits in memory.
 
 The prediction is samples per second over the same number of microbatches of the profiled
-size for every schedule, so fill and drain count as they will in a run. Every candidate and
-why it won or lost is kept in the plan (`extra["schedule_choice"]`).
+size for every schedule, so fill and drain count as they will in a run. Candidates within
+`MARGIN` (5%) of the fastest count as equally fast, so that profile noise does not flip the
+choice; among them the simplest wins (see `choose_schedule`). Every candidate and why it won
+or lost is kept in the plan (`extra["schedule_choice"]`).
 """
 
 from __future__ import annotations
@@ -48,20 +50,30 @@ def _memory(plan: Plan) -> int:
     return max(int(s.extra.get("memory_bytes", 0)) for s in plan.stages)
 
 
+def _simpler(name: str, plan: Plan) -> tuple[bool, int, int]:
+    """The order among schedules predicted equally fast: synchronous first (exact minibatch
+    SGD, no stale weights), then fewer stages (fewer transfers, stashed microbatches and
+    estimated terms that can be off), then less memory per worker."""
+    return not kind(name).synchronous, len(plan.stages), _memory(plan)
+
+
 def choose_schedule(profile: Profile, topology: Topology, straight: bool = False,
-                    candidates: tuple[str, ...] = AUTOMATIC) -> Plan:
+                    candidates: tuple[str, ...] = AUTOMATIC, margin: float | None = None) -> Plan:
     """The plan of the candidate schedule with the highest predicted throughput among those
-    that fit the memory limit. Candidates within 1% of the best count as a tie, broken in
-    favour of synchronous schedules (exact minibatch SGD), then of less memory per worker.
-    Raises the last PlanningError if no candidate fits."""
-    from pipedream_fast.planner import PlanningError
+    that fit the memory limit. Candidates within `margin` (default `MARGIN`, 5%) of the best
+    count as equally fast; the simplest of them wins (`_simpler`); each candidate's plan is
+    itself the simplest within `margin` (`make_plan`). Raises the last PlanningError if no
+    candidate fits."""
+    from pipedream_fast.planner import MARGIN, PlanningError
+
+    margin = MARGIN if margin is None else margin
 
     rows: list[dict[str, Any]] = []
     fitting: dict[str, tuple[float, Plan]] = {}
     error: PlanningError | None = None
     for name in candidates:
         try:
-            plan = plan_for(name, profile, topology, straight)
+            plan = plan_for(name, profile, topology, straight, margin=margin)
             rate = predict(profile, plan, name)
         except (PlanningError, ValueError) as err:
             rows.append({"schedule": name, "samples_per_s": None, "why": str(err)})
@@ -72,15 +84,16 @@ def choose_schedule(profile: Profile, topology: Topology, straight: bool = False
     if not fitting:
         raise error or PlanningError("no trainable schedule has a plan for this topology")
     top = max(rate for rate, _ in fitting.values())
-    tied = [n for n, (rate, _) in fitting.items() if rate >= 0.99 * top]
-    chosen = min(tied, key=lambda n: (not kind(n).synchronous, _memory(fitting[n][1])))
+    tied = [n for n, (rate, _) in fitting.items() if rate * (1 + margin) >= top]
+    chosen = min(tied, key=lambda n: _simpler(n, fitting[n][1]))
     rate, plan = fitting[chosen]
     for row in rows:
         if row["samples_per_s"] is None:
             continue
         if row["schedule"] == chosen:
             row["why"] = ("chosen: fastest predicted" if len(tied) == 1 else
-                          "chosen among ties within 1%: synchronous first, then least memory")
+                          f"chosen among {len(tied)} within {margin:.0%} of the fastest: "
+                          f"synchronous first, then fewest stages, then least memory")
         else:
             row["why"] = f"{row['samples_per_s'] / rate:.2f}x the chosen"
     plan.schedule = chosen

@@ -62,6 +62,25 @@ class StageNode:
 
 
 @dataclass
+class _LevelCosts:
+    """What a stage of one level costs in one context: the unit tables of the level below for
+    every context its stages can be in, and the replicas' all-reduce and update shares."""
+
+    costs: Costs
+    units: np.ndarray   # (contexts, L+1, L+1): one unit's time over [i, j)
+    kidx: np.ndarray    # (c+1, c+1): (replicas r, units q after the stage) -> index in units
+    reduce: np.ndarray  # (c+1, L+1, L+1): a replica's share of the all-reduce, per r
+    update: np.ndarray  # (c+1, L+1, L+1): and of the update
+    comm: np.ndarray    # (L+1,): the transfers across cut s
+    contexts: dict[tuple[int, int], int]  # (r, q) -> the inner pipeline's context
+
+    def stage(self, i: int, stop: np.ndarray, r: np.ndarray, q: np.ndarray | int) -> np.ndarray:
+        """Time of a stage over [i, stop) on r units with q units after it (arrays broadcast)."""
+        return stage_ms(self.costs, self.units[self.kidx[r, q], i, stop],
+                        self.reduce[r, i, stop], self.update[r, i, stop], r)
+
+
+@dataclass
 class _LevelTable:
     best: np.ndarray   # (L+1, L+1, c+1): A(i, j, m), inf where impossible
     split: np.ndarray  # first cut s of the best pipeline, -1 for a single stage
@@ -109,12 +128,9 @@ class HierarchicalDP:
             self._memo[key] = self._solve(level, context)
         return self._memo[key]
 
-    def _solve(self, level: int, context: int) -> _LevelTable:
-        costs, L = self.costs, self.costs.num_blocks
-        c = self.topology.levels[level].count
+    def _level_costs(self, level: int, context: int) -> _LevelCosts:
+        costs, c = self.costs, self.topology.levels[level].count
         bandwidth = self.topology.levels[level].bandwidth
-        rmax = 1 if self.straight else c
-
         # Unit tables for every context a stage (r units, q units after it) can be in.
         contexts = {(r, q): self._context(level, context, r, q)
                     for r in range(1, c + 1) for q in range(0, c - r + 1)}
@@ -128,12 +144,19 @@ class HierarchicalDP:
         syncs = [sync_ms(costs, self.memory, r, bandwidth, updates=level == 0)
                  for r in range(1, c + 1)]
         zero = np.zeros_like(costs.params)
-        reduce = np.stack([zero] + [sync[0] for sync in syncs])
-        update = np.stack([zero] + [sync[1] for sync in syncs])
+        return _LevelCosts(costs, units, kidx, np.stack([zero] + [sync[0] for sync in syncs]),
+                           np.stack([zero] + [sync[1] for sync in syncs]),
+                           comm_ms(costs.cut_bytes, bandwidth), contexts)
+
+    def _solve(self, level: int, context: int) -> _LevelTable:
+        L = self.costs.num_blocks
+        c = self.topology.levels[level].count
+        rmax = 1 if self.straight else c
+        lc = self._level_costs(level, context)
+        units, kidx, contexts, comm = lc.units, lc.kidx, lc.contexts, lc.comm
 
         def stage(unit: np.ndarray, r: np.ndarray, rows: int, cols: np.ndarray) -> np.ndarray:
-            return stage_ms(costs, unit, reduce[r, rows, cols], update[r, rows, cols], r)
-        comm = comm_ms(costs.cut_bytes, bandwidth)
+            return stage_ms(lc.costs, unit, lc.reduce[r, rows, cols], lc.update[r, rows, cols], r)
 
         best = np.full((L + 1, L + 1, c + 1), INF)
         split = np.full((L + 1, L + 1, c + 1), -1, dtype=np.int32)
@@ -192,6 +215,76 @@ class HierarchicalDP:
         if units == 0:
             return None
         return time, self._stages(self.top, 0, 0, self.costs.num_blocks, units)
+
+    def simplest_plan(self, margin: float) -> tuple[float, list[StageNode]] | None:
+        """The simplest plan whose bottleneck is within `margin` (a fraction) of the optimum,
+        or None when no plan fits the memory limit. Profile noise of a few percent must not
+        flip a choice between near-equal plans (one run planned 2 stages, the next data
+        parallelism), so within the margin the order is fixed by structure, not by time:
+
+        1. the fewest (outermost) stages: each cut adds transfers, stashed microbatches, weight
+           versions and pipeline fill and drain, and estimates of them that can be off;
+        2. the most units used (as `best_time` does on ties): a worker left idle is wasted,
+           and a Pipeline must run a plan on every rank it has;
+        3. the fastest.
+
+        Inner levels (pipelines inside a group of a hierarchical topology) keep their optimum.
+        With margin 0 this is an optimal plan with the fewest stages among the optimal ones."""
+        optimum, units = self.best_time()
+        if units == 0:
+            return None
+        lc = self._level_costs(self.top, 0)
+        count, time, cut, first = self._simplest_tables(lc, optimum * (1 + margin) * (1 + 1e-12))
+        level, L, c = self.top, self.costs.num_blocks, self.topology.levels[self.top].count
+        m = min(range(1, c + 1), key=lambda q: (count[0, q], -q, time[0, q]))
+        bottleneck, nodes, i = float(time[0, m]), [], 0
+        while True:
+            s, r = int(cut[i, m]), int(first[i, m])
+            stop, after = (L, 0) if s < 0 else (s, m - r)
+            inner: tuple[StageNode, ...] = ()
+            if level > 0:
+                below = self.topology.levels[level - 1].count
+                inner = tuple(self._stages(level - 1, lc.contexts[(r, after)], i, stop, below))
+            nodes.append(StageNode(level, i, stop, r, inner))
+            if s < 0:
+                return bottleneck, nodes
+            i, m = s, m - r
+
+    def _simplest_tables(self, lc: _LevelCosts, bound: float
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per (i, m), the outermost pipeline of blocks [i, L) on m units that has the fewest
+        stages, then the least time, among those whose every stage and cut is within `bound`:
+        (its stages, its time, its first cut or -1, its first stage's replicas). The ranking
+        key (stages, time) is kept by each suffix's best, so the recursion is exact."""
+        L, c = self.costs.num_blocks, self.topology.levels[self.top].count
+        rmax = 1 if self.straight else c
+        count = np.full((L + 1, c + 1), INF)
+        time = np.full((L + 1, c + 1), INF)
+        cut = np.full((L + 1, c + 1), -1, dtype=np.intp)
+        first = np.zeros((L + 1, c + 1), dtype=np.intp)
+        for i in range(L - 1, -1, -1):
+            ss = np.arange(i + 1, L)[None, :]  # first cut s, (1, S)
+            for m in range(1, c + 1):
+                options = []  # (stages, time, cut, replicas)
+                if m <= rmax:
+                    t = float(lc.stage(i, np.array(L), np.array(m), 0))
+                    if t <= bound:
+                        options.append((1.0, t, -1, m))
+                rs = np.arange(1, min(m - 1, rmax) + 1)[:, None]  # first-stage replicas, (R, 1)
+                if ss.size and rs.size:
+                    head = np.maximum(lc.stage(i, ss, rs, m - rs), lc.comm[ss])      # (R, S)
+                    n = np.where(head <= bound, 1 + count[ss, m - rs], INF)
+                    t_all = np.maximum(head, time[ss, m - rs])
+                    if np.isfinite(n).any():
+                        fewest = n == n.min()
+                        k = int(np.argmin(np.where(fewest, t_all, INF)))
+                        r, s = divmod(k, ss.shape[1])
+                        options.append((float(n.flat[k]), float(t_all.flat[k]),
+                                        int(ss[0, s]), int(rs[r, 0])))
+                if options:
+                    n_best, t_best, cut[i, m], first[i, m] = min(options)
+                    count[i, m], time[i, m] = n_best, t_best
+        return count, time, cut, first
 
     def _stages(self, level: int, context: int, i: int, j: int, m: int) -> list[StageNode]:
         table = self.solve(level, context)
