@@ -262,6 +262,10 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
         chain = trace(model, inputs, leaf_modules=leaf_modules, check=False)
     timer = _Timer(dev)
 
+    # Measuring runs forwards in training mode, which move buffers (batch norm's running
+    # statistics and its counter): they are put back afterwards, as the weights are.
+    kept_buffers = [(b, b.detach().clone()) for b in model.buffers()]
+
     # Reference inputs of every block, from one forward of the whole chain (each block fed
     # copies: one that writes into its input in place must not change the recorded one).
     block_inputs: list[tuple[Any, ...]] = []
@@ -323,6 +327,9 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
     finally:
         for p, grad in saved_grads.items():
             p.grad = grad  # undo what the measuring backward passes accumulated
+        with torch.no_grad():
+            for buffer, value in kept_buffers:
+                buffer.copy_(value)
 
     blocks: list[BlockProfile] = []
     for (name, f_ms, b_ms, act, saved, i_ms), block, opt, (step_ms, scale_ms, zero_ms,

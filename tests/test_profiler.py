@@ -207,3 +207,18 @@ def test_an_error_names_the_block() -> None:
     with pytest.raises(RuntimeError, match=r"profiling block 1 \('broken'\) failed: "
                                            r"ValueError: no luck"):
         run(model, torch.randn(2, 8))
+
+
+def test_profiling_leaves_batch_norm_statistics_as_they_were() -> None:
+    """Measuring runs forwards in training mode; a Pipeline that plans on rank 0 must not
+    start from running statistics the user's model never had (issue 18: ResNet-18's
+    bn1.running_var ended 47% off the one-process loop after a planned 2-stage run)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 6 * 6, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    profile_model(model, torch.randn(4, 3, 8, 8), batch_size=4, warmup=1, repeat=2,
+                  progress=False)
+    after = model.state_dict()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
