@@ -255,7 +255,7 @@ def test_evaluate_equals_the_trained_model_in_eval_mode(job: Any, name: str) -> 
 def test_bf16_equals_one_process_autocast(job: Any, name: str) -> None:
     want, _ = reference(ZOO[name], 3, autocast=torch.bfloat16)
     got = result(job, f"{name}/bf16")["losses"]
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-2, (got, want)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-5, (got, want)
 
 
 @pytest.mark.slow
