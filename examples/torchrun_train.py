@@ -50,7 +50,9 @@ def train(schedule: str) -> None:
               for _ in range(args.steps)]
     for step, loss in enumerate(pipe.train(loader, steps=args.steps)):
         if loss is not None:
-            print(f"{schedule}: rank {pipe.rank} step {step} loss {loss.item():.4f}", flush=True)
+            # One write per line: every rank prints the same step at the same moment.
+            print(f"{schedule}: rank {pipe.rank} step {step} loss {loss.item():.4f}\n", end="",
+                  flush=True)
     state = pipe.state_dict()
     if state is not None:
         norm = torch.sqrt(sum((v.float() ** 2).sum() for v in state.values()))
