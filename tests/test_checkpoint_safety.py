@@ -34,6 +34,7 @@ from pipedream_fast.cli import main
 from pipedream_fast.launch import launch
 from pipedream_fast.pipeline import Pipeline
 from runtime_reference import train_reference
+from test_dropin import TiedHead  # the output layer reusing the embedding's weight
 
 VOCAB, DIM, SEQ, BATCH, CHUNKS, TIMEOUT = 11, 8, 6, 8, 2, 20.0
 
@@ -49,17 +50,6 @@ class Mix(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.linear(h) * self.inv_freq + self.shift)
-
-
-class TiedHead(nn.Module):
-    """The output layer reuses the embedding's weight: one Parameter, two keys."""
-
-    def __init__(self, embed: nn.Embedding) -> None:
-        super().__init__()
-        self.weight = embed.weight
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(h, self.weight)
 
 
 def tied_lm() -> nn.Sequential:
