@@ -1,7 +1,7 @@
 """Discrete-event simulator: runs any validated Schedule in virtual time.
 
-It times the engine the runtime has (see `pipedream_fast.ir` for the stricter rule the
-validator checks): a rank does one action at a time, in its list's order;
+It times the engine the runtime has (see `pipedream_fast.ir.validator` for the stricter rule
+it checks): a rank does one action at a time, in its list's order;
 
 - FORWARD/BACKWARD/OPTIMIZER_STEP/AVERAGE take their cost; a forward or backward first waits
   for the arrival of the tensor its earlier RECV posted for;

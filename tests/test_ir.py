@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipedream_fast.ir import (Action, ActionKind, Schedule, ScheduleError, format_mb_list,
-                               parse_mb_list, validate)
+from pipedream_fast.ir import (KIND_SPECS, Action, ActionKind, Placement, Schedule, ScheduleError,
+                               format_mb_list, parse_mb_list, validate)
 from pipedream_fast.schedules import SCHEDULE_NAMES, make_schedule
 
 K = ActionKind
@@ -78,6 +78,16 @@ def test_token_examples() -> None:
                                               microbatches=(4, 5, 6, 7))
     assert Action.parse("2F5@1c3").copy == 3
     assert format_mb_list([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"
+
+
+def test_every_kind_has_a_token() -> None:
+    """The parser is built from KIND_SPECS: each kind's code reads back as that kind."""
+    for kind, spec in KIND_SPECS.items():
+        a = Action(kind, 1, 2 if spec.microbatch else None,
+                   peer=3 if kind.is_p2p else None, version=4 if spec.version else None,
+                   microbatches=(2, 3) if kind is K.OPTIMIZER_STEP else ())
+        assert a.to_text().startswith(f"1{spec.code}")
+        assert Action.parse(a.to_text()) == a
 
 
 @pytest.mark.parametrize("token, phrase", [
@@ -211,8 +221,19 @@ INTERLEAVED = sched(
 
 def test_several_stages_per_rank() -> None:
     assert INTERLEAVED.stages_of(0) == (0, 2)
+    assert INTERLEAVED.stages_of(1) == Placement(INTERLEAVED.stage_ranks).stages_of(1) == (1, 3)
     assert validate(INTERLEAVED).peak_versions == (2, 2)
     # Two stages on one rank hand the tensor over locally, without a send/receive.
     local = sched("0F0@0 1F0@0 1B0@0 0B0@0 0U@1:0 1U@1:0", stages="0 | 0", versions="2",
                   inflight="2")
     assert validate(local).peak_inflight == (2,)
+
+
+def test_placement_queries() -> None:
+    """One helper answers placement for Schedule, Layout and bare stage_ranks alike."""
+    p = Placement([[0, 2], [1]])
+    assert p.stage_ranks == ((0, 2), (1,)) and p.num_ranks == 3
+    assert [p.rank_of(0, m) for m in range(4)] == [0, 2, 0, 2] and p.rank_of(1, 3) == 1
+    assert p.stages_of(2) == (0,) and p.stages_of(5) == ()
+    s = make_schedule("pipedream", 2, 8, stage_ranks=[[0, 2], [1]])
+    assert (s.stages_of(2), s.rank_of(0, 3), s.num_ranks) == ((0,), 2, 3)

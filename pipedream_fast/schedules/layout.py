@@ -9,27 +9,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pipedream_fast.ir.placement import Placement
+
 
 @dataclass(frozen=True)
-class Layout:
-    """Stage -> ranks; microbatch m goes to replica m mod r of every stage."""
+class Layout(Placement):
+    """Stage -> ranks; microbatch m goes to replica m mod r of every stage (`rank_of`,
+    `stages_of` and `num_ranks` come from `pipedream_fast.ir.placement`)."""
 
     num_stages: int
     num_microbatches: int
     stage_ranks: tuple[tuple[int, ...], ...]
 
-    @property
-    def num_ranks(self) -> int:
-        return len({r for ranks in self.stage_ranks for r in ranks})
-
     def replicas(self, stage: int) -> int:
         return len(self.stage_ranks[stage])
-
-    def rank_of(self, stage: int, mb: int) -> int:
-        return self.stage_ranks[stage][mb % self.replicas(stage)]
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(s for s, ranks in enumerate(self.stage_ranks) if rank in ranks)
 
     def local_mbs(self, stage: int, replica: int) -> range:
         return range(replica, self.num_microbatches, self.replicas(stage))

@@ -181,7 +181,7 @@ def add_communication(rank: int, actions: Iterable[Action], layout: Layout,
     two computes X and Y the gap is: receives, X's sends, then X's bookkeeping (SNAPSHOT,
     ALLREDUCE, OPTIMIZER_STEP, RELEASE, AVERAGE). Early posting is what keeps neighbours that
     send to each other in the same gap (1F1B), or a rank blocked in an all-reduce, from
-    deadlocking under the blocking rule of `pipedream_fast.ir`. Without `gradients`
+    deadlocking under the blocking rule of `pipedream_fast.ir.validator`. Without `gradients`
     (forward-only programs) no gradient receive is posted.
     """
     last = layout.num_stages - 1
