@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pipedream_fast.formats import FormatError
 
 # The order here is the order in `--help`: the flow, left to right.
-COMMAND_MODULES = ("profile", "plan", "simulate", "train", "run", "export", "study")
+COMMAND_MODULES = ("profile", "plan", "simulate", "train", "run", "export")
 
 
 class UsageError(Exception):

@@ -1,15 +1,28 @@
-"""The study's RPD replay follows the IR's stale reads exactly; its CLI writes its JSON."""
+"""The study (research/study, outside the library): its RPD replay follows the IR's stale
+reads exactly, reads the split-backward kinds (the weight gradient lands at BACKWARD_WEIGHT)
+and refuses the kinds it does not model; its command line writes its JSON."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pipedream_fast import study
-from pipedream_fast.cli import main
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # research/ is not installed: it is imported from the checkout
+    sys.path.insert(0, str(ROOT))
+
+from pipedream_fast.ir import KIND_SPECS, ActionKind  # noqa: E402
+from pipedream_fast.schedules import make_schedule  # noqa: E402
+from research import study  # noqa: E402
+from research.study.cli import main  # noqa: E402
+
+K = ActionKind
 
 
 class Tiny:
@@ -88,10 +101,59 @@ def test_localsgd_replay_is_averaged_sgd_copies(stages: int, local_steps: int, n
     np.testing.assert_allclose(got, np.mean(copies, axis=0), atol=1e-12)
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_zb_h1_replay_is_1f1b_minibatch_sgd(stages: int) -> None:
+    """zb-h1 splits each backward into I and W and puts W's off; it updates the weights in
+    the same order as 1F1B with flush (one update per 4 microbatches, every read on the step's
+    version), so both replay to minibatch SGD: the gradient lands once, at W, never at I."""
+    obj, gamma, n, chunks = Tiny(dim=7), 0.1, 12, 4
+    x = obj.x0()
+    for step in range(n // chunks):
+        mbs = range(step * chunks, (step + 1) * chunks)
+        x = x - gamma * np.mean([obj.grad(x, m) for m in mbs], axis=0)
+    zb = replay(study.Method("zb-h1", chunks=chunks), stages, n, obj, gamma)
+    one_f_one_b = replay(study.Method("1f1b", chunks=chunks), stages, n, obj, gamma)
+    np.testing.assert_allclose(zb, x, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(one_f_one_b, x, rtol=0, atol=1e-12)
+    # The replayed timeline holds the W's (the weight gradients), not the I's.
+    records, _ = study.timeline(study.Method("zb-h1", chunks=chunks), stages, n)
+    kinds = {r.action.kind for r in records}
+    assert K.BACKWARD_WEIGHT in kinds and not kinds & {K.BACKWARD, K.BACKWARD_INPUT}
+    weights = [r for r in records if r.action.kind is K.BACKWARD_WEIGHT]
+    assert len(weights) == stages * n
+    # Without its W's, the same timeline leaves the weights where they started.
+    no_w = [r for r in records if r.action.kind is not K.BACKWARD_WEIGHT]
+    curve = study.replay(no_w, 1, obj, stages, gamma)
+    assert curve.params is not None
+    np.testing.assert_array_equal(curve.params, obj.x0())
+
+
+def test_replay_effects_follow_the_kind_specs() -> None:
+    """Exactly the compute kinds that end a microbatch (add its weight gradient) apply a
+    gradient in the replay; every other kind the replay knows leaves the gradients alone."""
+    for kind, effect in study.EFFECTS.items():
+        spec = KIND_SPECS[kind]
+        assert (effect == "gradient") == (spec.compute and spec.ends_microbatch), kind
+        assert (effect == "read") == (kind is K.FORWARD), kind
+
+
+def test_replay_refuses_what_it_does_not_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replicated stage's ALLREDUCE, or a kind the replay has no effect for, is refused with
+    the schedule's name and the reason, never skipped."""
+    replicated = make_schedule("1f1b", 2, 4, replicas=[2, 1])
+    with pytest.raises(study.ReplayError, match=r"schedule '1f1b' cannot be replayed.*"
+                                                r"ALLREDUCE: replicated stages"):
+        study.check_replayable(replicated)
+    monkeypatch.delitem(study.EFFECTS, K.BACKWARD_WEIGHT)
+    with pytest.raises(study.ReplayError, match=r"'zb-h1'.*BACKWARD_WEIGHT"):
+        study.check_replayable(make_schedule("zb-h1", 2, 4))
+    study.check_replayable(make_schedule("1f1b", 2, 4))  # B, not W: still replayable
+
+
 def test_cli_quick_quadratic_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "study.json"
     md = tmp_path / "study.md"
-    assert main(["study", "--objective", "quadratic", "--stages", "2", "--local-steps", "1,2",
+    assert main(["--objective", "quadratic", "--stages", "2", "--local-steps", "1,2",
                  "--quick", "--json", str(out), "--out", str(md)]) == 0
     data = json.loads(out.read_text())
     assert set(data) >= {"settings", "costs", "objectives"}
@@ -101,4 +163,27 @@ def test_cli_quick_quadratic_writes_json(tmp_path: Path, capsys: pytest.CaptureF
     row = res["table"][0]
     assert row["stages"] == 2 and row["winner_tuned"] in ("pipedream", "localsgd", "tie")
     assert {"gap", "gap_over_gamma2_s4", "gamma", "stages"} <= set(res["gap_check"]["rows"][0])
-    assert "| S |" in md.read_text() and "quadratic" in capsys.readouterr().out
+    text = md.read_text()
+    assert "| S |" in text and "python -m research.study --objective quadratic" in text
+    assert "quadratic" in capsys.readouterr().out
+
+
+def test_cli_bad_input_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--objective", "quadratic", "--stages", "2,x"]) == 2
+    assert "--stages must be comma-separated integers" in capsys.readouterr().err
+    assert main(["--objective", "lm", "--stages", "3"]) == 2
+    assert "the LM has 4 blocks" in capsys.readouterr().err
+
+
+def test_study_runs_as_a_module_and_left_the_library() -> None:
+    """`python -m research.study` from the repository root; `pipedream-fast study` is gone."""
+    from pipedream_fast import cli
+
+    env = {**os.environ, "PYTHONPATH": ""}
+    done = subprocess.run([sys.executable, "-m", "research.study", "--help"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage: python -m research.study" in done.stdout and "--quick" in done.stdout
+    assert "study" not in cli.COMMAND_MODULES
+    with pytest.raises(SystemExit):
+        cli.main(["study", "--quick"])

@@ -1,10 +1,11 @@
-"""`pipedream-fast study`: PipeDream against LocalSGD in simulated time (the theory paper's
-comparison; the method is in `pipedream_fast.study`, the results in STUDY.md).
+"""`python -m research.study`: PipeDream against LocalSGD in simulated time (the theory
+paper's comparison; the method is in `research.study`, the results in STUDY.md). Run from the
+repository root.
 
-    pipedream-fast study --objective quadratic
-    pipedream-fast study --objective all --stages 2,4,8 --local-steps 1,4,16 \\
+    python -m research.study --objective quadratic
+    python -m research.study --objective all --stages 2,4,8 --local-steps 1,4,16 \\
         --json study.json --plot-dir bench/results/study --out study.md
-    pipedream-fast study --objective quadratic --stages 2 --quick --json out.json
+    python -m research.study --objective quadratic --stages 2 --quick --json out.json
 
 Prints one line per run and the tables; --json writes every curve and figure, --out the
 tables as Markdown, --plot-dir one PNG per objective (loss against simulated time).
@@ -15,11 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from collections.abc import Sequence
 
-from pipedream_fast.cli import UsageError
-
+PROG = "python -m research.study"
 OBJECTIVE_CHOICES = ("quadratic", "logistic", "lm", "all")
+
+
+class UsageError(Exception):
+    """Bad command-line input that argparse cannot catch; printed without a traceback."""
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -33,10 +37,9 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
     return values
 
 
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "study", help="PipeDream against LocalSGD in simulated time (the theory paper's study)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--objective", choices=OBJECTIVE_CHOICES, default="all",
                    help="quadratic, logistic (breast_cancer), lm (charlm on the text corpus, "
                         "real runtime) or all (default)")
@@ -53,13 +56,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", help="write all results (curves included) as JSON here")
     p.add_argument("--out", help="write the tables as Markdown here")
     p.add_argument("--plot-dir", help="write one loss-vs-simulated-time PNG per objective here")
-    p.set_defaults(func=run)
+    return p
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from pipedream_fast import study
+    from research import study
 
     stages = _ints(args.stages, "--stages")
     local_steps = _ints(args.local_steps, "--local-steps")
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                   else [args.objective])
     console = Console(file=sys.stderr, highlight=False)
     results = study.run_study(objectives, settings, progress=console.print)
-    command = "pipedream-fast study " + " ".join(_argv(args))
+    command = f"{PROG} " + " ".join(_argv(args))
     text = study.markdown(results, command)
     if args.plot_dir:
         results["plots"] = study.plot(results, args.plot_dir)
@@ -108,3 +111,15 @@ def _argv(args: argparse.Namespace) -> list[str]:
     if args.quick:
         out.append("--quick")
     return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (UsageError, ValueError, FileNotFoundError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
