@@ -6,28 +6,32 @@
     pipe.evaluate(test_loader, metrics={"accuracy": accuracy})   # same dict on every rank
     loss = pipe.step(inputs, targets)                  # synchronous schedules: one minibatch
 
-One process per rank (under torchrun, `pipedream-fast run`, or `pipedream_fast.launch`): the
+Where the ranks live (`ranks=`) is a choice, not another class. "processes" (the default):
+one process per rank (under torchrun, `pipedream-fast run`, or `pipedream_fast.launch`); the
 Pipeline joins the default process group (gloo on CPU, NCCL on GPU; initialised from the
-environment if needed), cuts the model with the plan, keeps only its own stage(s), builds the
-schedule and hands its rank's actions to an `Executor`. A loader minibatch is split into
+environment if needed). "threads" with `workers=N`: every rank is a thread of this process,
+driven by the caller's one loop (`rank_threads`); collectives meet in memory and tensors are
+handed over, not copied. Either way each rank runs the code below in its `world` (`world.py`):
+it cuts the model with the plan, keeps only its own stage(s), builds the schedule and hands
+its rank's actions to an `Executor`. A loader minibatch is split into
 `chunks` microbatches; microbatch ids run on across steps (step k holds k*chunks ...).
 """
 
 from __future__ import annotations
 
-import atexit
+import contextlib
+import copy
+import functools
 import itertools
 import os
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torch.utils import _pytree as pytree
@@ -39,14 +43,14 @@ from pipedream_fast.ir import Schedule
 from pipedream_fast.runtime.executor import Executor
 from pipedream_fast.runtime.stage import (AUTOCAST_DTYPES, OptimizerFactory, SchedulerFactory,
                                           StageRuntime)
-from pipedream_fast.runtime.transport import ProcessTransport
+from pipedream_fast.runtime.transport import Transport
 from pipedream_fast.runtime.update_sync import GlobalUpdateSync, LossScaler, TiedWeight
 from pipedream_fast.schedules import SYNCHRONOUS, kind
 from pipedream_fast.schedules.forward_only import forward_only
 from pipedream_fast.stopping import DeferredStop, StopVote
 from pipedream_fast.tracing import LayerChain, NeedsExampleInputs, shared_parameters
 from pipedream_fast.tracing import trace as trace_model
-from pipedream_fast.training import (EpochBatches, MicrobatchFeed, StepTracker, build_schedule,
+from pipedream_fast.training import (GLOBAL_STATE, EpochBatches, MicrobatchFeed, StepTracker, build_schedule,
                                      check_backend, check_loader, check_plan_fits,
                                      check_localsgd_options, check_runtime_fits,
                                      check_trainable, data_source,
@@ -56,6 +60,8 @@ from pipedream_fast.training import (EpochBatches, MicrobatchFeed, StepTracker, 
                                      stage_runtime,
                                      steps_for, target_spec, to_device)
 from pipedream_fast.tuning import Tuning
+from pipedream_fast.rank_threads import RankThreads
+from pipedream_fast.world import Group, ProcessWorld, World
 
 
 
@@ -102,60 +108,34 @@ def _join_microbatches(*parts: Any) -> Any:
     return torch.cat(parts)
 
 
+def _on_every_rank(pick: Callable[[list[Any]], Any]) -> Callable[[Any], Any]:
+    """A collective method: with ranks='threads' it runs on every rank thread at once, and
+    `pick` chooses what the caller gets from the ranks' results."""
+    def wrap(method: Any) -> Any:
+        @functools.wraps(method)
+        def run(self: Pipeline, *args: Any, **kwargs: Any) -> Any:
+            if self._threads is None:
+                return method(self, *args, **kwargs)
+            return pick(self._threads.call(lambda r: method(self._ranks[r], *args, **kwargs)))
+        return run
+    return wrap
+
+
+def _rank_0(results: list[Any]) -> Any:
+    return results[0]
+
+
+def _first_given(results: list[Any]) -> Any:
+    """The first rank's result that is not None (the last stage's outputs)."""
+    return next((r for r in results if r is not None), None)
+
+
 class _StopAgreed(Exception):
     """Every rank read the same stop vote after the same step: leave the run there."""
 
 
 class NonFiniteLoss(RuntimeError):
     """A microbatch's loss was NaN or infinite (on_nan='stop'); names step, microbatch, stage."""
-
-
-def _default_device() -> torch.device:
-    """The rank's GPU under NCCL (LOCAL_RANK), else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    return torch.device("cpu")
-
-
-def _ensure_process_group(timeout_s: float) -> None:
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise RuntimeError("Pipeline needs a process group: run under torchrun, "
-                           "`pipedream-fast run --nproc N script.py` or pipedream_fast.launch "
-                           "(or call torch.distributed.init_process_group first)")
-    backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    atexit.register(_destroy_default_group)  # what we start, we tear down
-
-
-def _destroy_default_group() -> None:
-    """At exit, the process group a Pipeline started: left to interpreter teardown, gloo's
-    threads can outlive the objects they use (an abort at exit, 1 run in 10)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-class _Resources:
-    """What a Pipeline starts besides tensors: communication engines (threads) and process
-    groups. Released by `close()`, or when the Pipeline is collected, or at exit (before the
-    interpreter tears down the modules the threads use)."""
-
-    def __init__(self) -> None:
-        self.transports: list[ProcessTransport] = []
-        self.groups: list[Any] = []
-
-    def release(self) -> None:
-        transports, self.transports = self.transports, []
-        for transport in transports:
-            transport.close()
-        groups, self.groups = self.groups, []
-        if dist.is_initialized():
-            for group in groups:
-                try:
-                    dist.destroy_process_group(group)
-                except (ValueError, RuntimeError):
-                    pass  # already gone with the default group
 
 
 class Pipeline:
@@ -223,7 +203,18 @@ class Pipeline:
                  timeout: float = 300.0, trace: bool = False,
                  leaf_modules: Sequence[Any] = (), device: str | torch.device | None = None,
                  tuning: Tuning | None = None, local_steps: int | None = None,
-                 model_replicas: int | None = None) -> None:
+                 model_replicas: int | None = None, ranks: str = "processes",
+                 workers: int | None = None, _world: World | None = None) -> None:
+        options = {k: v for k, v in locals().items()
+                   if k not in ("self", "model", "ranks", "workers", "_world", "__class__")}
+        if ranks not in ("processes", "threads"):
+            raise ValueError(f"ranks must be 'processes' (one per process: torchrun, "
+                             f"`pipedream-fast run`) or 'threads' (every rank a thread of this "
+                             f"process), got {ranks!r}")
+        if ranks == "processes" and workers is not None:
+            raise ValueError("workers= is the number of rank threads with ranks='threads'; "
+                             "with processes, the job's world size is the number of ranks")
+        self._threads: RankThreads | None = None
         check_trainable(schedule)
         check_localsgd_options(schedule, chunks, microbatch_size, local_steps, model_replicas)
         if chunks is not None and chunks < 1:
@@ -248,22 +239,26 @@ class Pipeline:
         if len(given) > 1:
             raise ValueError(f"give one of plan, stages, balance and split_points, got "
                              f"{' and '.join(given)}")
-        _ensure_process_group(timeout)
+        if ranks == "threads" and _world is None:
+            self._start_threads(model, workers, options)
+            return
+        self._world: World = _world if _world is not None else ProcessWorld(timeout)
         # A factory: every rank builds the model on the meta device and materialises only its
         # own stages (`_setup`). Where the planner cuts it, rank 0 profiles it, which needs
         # real weights: rank 0 builds it for real, and puts it back on meta once it is cut.
         self._factory_built = False
         if not isinstance(model, nn.Module) and callable(model):
-            self._factory_built = (dist.get_rank() == 0 and dist.get_world_size() > 1
+            self._factory_built = (self._world.rank == 0 and self._world.size > 1
                                    and given in ([], ["stages"]))
             if self._factory_built:
                 model = model()
             else:
                 with torch.device("meta"):
                     model = model()
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.rank = self._world.rank
+        self.world_size = self._world.size
+        self.device = (torch.device(device) if device is not None
+                       else self._world.default_device())
         self.tuning = tuning or Tuning()
         self.tuning.check_device(self.device)
         self.schedule_name = schedule
@@ -290,7 +285,8 @@ class Pipeline:
         self._leaf_modules = tuple(leaf_modules)
         self._chain: LayerChain | None = None  # None: captured at the first minibatch
         try:
-            self._chain = trace_model(model, example_inputs, leaf_modules, check=False)
+            with GLOBAL_STATE:
+                self._chain = trace_model(model, example_inputs, leaf_modules, check=False)
         except NeedsExampleInputs:
             pass  # torch.export needs inputs: the model is cut at its first minibatch
         self.plan: Plan | None = None
@@ -300,13 +296,17 @@ class Pipeline:
         self._schedulers: dict[int, Any] = {}
         self._runtimes: dict[int, StageRuntime] = {}
         self._saved_copies: dict[int, list[dict[str, Any]]] = {}  # localsgd copies from `load`
-        self._resources = _Resources()
-        weakref.finalize(self, self._resources.release)
-        self._transport: ProcessTransport | None = None
-        self._control: Any = None  # a gloo group of every rank, with the Pipeline's timeout
+        weakref.finalize(self, self._world.release)
+        self._transport: Transport | None = None
+        # Agreement between runs (data, metrics, plans) and before updates, on CPU tensors,
+        # with the Pipeline's timeout: a dead or stuck rank fails the others within it.
+        control = self._world.new_group(list(range(self.world_size)), backend="gloo")
+        assert control is not None
+        self._control: Group = control
+        self._stop_request: DeferredStop | None = None  # the driving thread's, for threads
         # Forward-only traffic, one transport per (batch size, chunks, target structure):
         # every link keeps the shapes of its first message.
-        self._inference_transports: dict[tuple[Any, ...], ProcessTransport] = {}
+        self._inference_transports: dict[tuple[Any, ...], Transport] = {}
         self._sync: GlobalUpdateSync | None = None
         self._scaler = LossScaler() if precision == "fp16" else None
         self._step = 0  # minibatches trained so far
@@ -335,6 +335,41 @@ class Pipeline:
                 plan = self._plan_from(example_inputs if self.rank == 0 else None)
             if plan is not None:
                 self._setup(plan)
+
+    def _start_threads(self, model: nn.Module | Callable[[], nn.Module], workers: int | None,
+                       options: dict[str, Any]) -> None:
+        """ranks='threads': `workers` rank threads, each a Pipeline rank of its own in a
+        `ThreadWorld`; this object drives them (`rank_threads`). Each rank gets its own copy
+        of the model (or builds its own, from a factory), as a process would."""
+        plan = options["plan"]
+        if isinstance(plan, (str, os.PathLike)):
+            plan = options["plan"] = Plan.load(plan)
+        if workers is None:
+            if plan is None:
+                raise ValueError("ranks='threads' needs workers=N, the number of rank threads "
+                                 "(or a plan=, whose worker count is taken)")
+            workers = plan.workers
+        models: list[nn.Module | Callable[[], nn.Module]] = [model] * workers
+        if isinstance(model, nn.Module):
+            models = [model, *(copy.deepcopy(model) for _ in range(workers - 1))]
+        self.rank, self.world_size = 0, workers
+        threads = RankThreads(workers, options["timeout"])
+        self._threads = threads
+        weakref.finalize(self, threads.close)
+        self._ranks: list[Pipeline] = threads.call(
+            lambda r: Pipeline(models[r], _world=threads.worlds[r], **options))
+
+    def __getattr__(self, name: str) -> Any:
+        """ranks='threads': what is the same on every rank (plan, schedule_name, device...)
+        is rank 0's; `last_stats` is by rank, `last_events` every rank's."""
+        ranks = self.__dict__.get("_ranks")
+        if ranks is None or name.startswith("__"):
+            raise AttributeError(name)
+        if name == "last_stats":
+            return {r: p.last_stats for r, p in enumerate(ranks)}
+        if name == "last_events":
+            return [e for p in ranks for e in p.last_events]
+        return getattr(ranks[0], name)
 
     def _fixed_plan(self) -> Plan | None:
         """The plan given, or made from a manual split; None when the planner must decide."""
@@ -382,28 +417,42 @@ class Pipeline:
             payload[0] = pytree.tree_map(
                 lambda t: _TensorShape(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor)
                 else t, example_inputs)
-        dist.broadcast_object_list(payload, src=0)
+        structure = self._control.broadcast_object(payload[0], src=0)
         device = next(iter(self._model.parameters()), torch.empty(0)).device
         inputs = pytree.tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
-                                 if isinstance(t, _TensorShape) else t, payload[0])
-        self._chain = trace_model(self._model, inputs, self._leaf_modules, check=False)
+                                 if isinstance(t, _TensorShape) else t, structure)
+        with GLOBAL_STATE:
+            self._chain = trace_model(self._model, inputs, self._leaf_modules, check=False)
         self._check_ties_allowed(self._chain)
 
     # --- set-up ------------------------------------------------------------------------------
     @property
     def stage_modules(self) -> dict[int, nn.Module]:
-        """The stages this rank holds (several in interleaved plans), by stage index."""
+        """The stages this rank holds (several in interleaved plans), by stage index; with
+        ranks='threads', every stage (its first replica's)."""
+        if self._threads is not None:
+            return {i: m for p in reversed(self._ranks) for i, m in p.stage_modules.items()}
         return dict(self._modules)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        """The optimizers of this rank's stages, in stage order (one per stage with weights)."""
+        """The optimizers of this rank's stages, in stage order (one per stage with weights);
+        with ranks='threads', every stage's (its first replica's)."""
+        if self._threads is not None:
+            found = {i: o for p in reversed(self._ranks) for i, o in p._optimizers.items()}
+            self._ranks[0]._require_setup("optimizers")
+            return [found[i] for i in sorted(found)]
         self._require_setup("optimizers")
         return [self._optimizers[i] for i in sorted(self._optimizers)]
 
     @property
     def schedulers(self) -> list[Any]:
-        """The learning-rate schedulers of this rank's stages, in stage order."""
+        """The learning-rate schedulers of this rank's stages, in stage order (with
+        ranks='threads', every stage's)."""
+        if self._threads is not None:
+            found = {i: s for p in reversed(self._ranks) for i, s in p._schedulers.items()}
+            self._ranks[0]._require_setup("schedulers")
+            return [found[i] for i in sorted(found)]
         self._require_setup("schedulers")
         return [self._schedulers[i] for i in sorted(self._schedulers)]
 
@@ -426,10 +475,10 @@ class Pipeline:
                 payload[0] = {"plan": self._make_plan(example_inputs).to_dict()}
             except Exception as err:  # every rank must hear of it, not wait for a plan
                 payload[0] = {"error": f"{type(err).__name__}: {err}"}
-        dist.broadcast_object_list(payload, src=0)
-        if "error" in payload[0]:
-            raise RuntimeError(f"planning on rank 0 failed: {payload[0]['error']}")
-        return Plan.from_dict(payload[0]["plan"])
+        planned = self._control.broadcast_object(payload[0], src=0)
+        if "error" in planned:
+            raise RuntimeError(f"planning on rank 0 failed: {planned['error']}")
+        return Plan.from_dict(planned["plan"])
 
     def _make_plan(self, example_inputs: Any) -> Plan:
         from pipedream_fast.planner import make_plan
@@ -500,12 +549,7 @@ class Pipeline:
                 self._optimizers[index] = self._optimizer_factory(params)
                 if self._scheduler_factory is not None:
                     self._schedulers[index] = self._scheduler_factory(self._optimizers[index])
-        # The training links get a group of their own: a run left early abandons them with
-        # receives still posted, which must not disturb the default group of the script.
-        self._transport = self._new_transport(self._new_group(list(range(self.world_size))))
-        # Agreement between runs (data, metrics) and before updates, on CPU tensors, with
-        # the Pipeline's timeout: a dead or stuck rank fails the others within it.
-        self._control = self._new_group(list(range(self.world_size)), backend="gloo")
+        self._transport = self._new_transport()
         tied = self._tie_weights(plan)
         skip_nan = self.on_nan == "skip"
         if self.clip_grad_norm is not None or self._scaler is not None or tied or skip_nan:
@@ -524,23 +568,13 @@ class Pipeline:
         self._model = None  # only this rank's stages are kept
         self._restore_pending()
 
-    def _new_group(self, ranks: list[int], backend: str | None = None) -> Any:
-        """A process group with the Pipeline's timeout, released with it. Collective."""
-        group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=self.timeout))
-        self._resources.groups.append(group)
-        return group
-
-    def _new_transport(self, group: Any, stage_groups: bool = True) -> ProcessTransport:
-        """Point-to-point links (on `group`, default: the default group) and the replica
-        all-reduce groups, released with the Pipeline. Collective."""
+    def _new_transport(self, stage_groups: bool = True) -> Transport:
+        """Point-to-point links of their own (a run left early abandons them with receives
+        still posted, which must not disturb other traffic) and the replica all-reduce
+        groups, released with the Pipeline. Collective."""
         assert self.plan is not None
-        transport = ProcessTransport([s.ranks for s in self.plan.stages] if stage_groups else [],
-                                     self.timeout, device=self.device, group=group,
-                                     depth=self.tuning.process_queue_depth,
-                                     spin_us=self.tuning.spin_us,
-                                     recv_pool=self.tuning.recv_pool)
-        self._resources.transports.append(transport)
-        return transport
+        return self._world.transport([s.ranks for s in self.plan.stages] if stage_groups
+                                     else [], self.device, self.tuning)
 
     def _tie_weights(self, plan: Plan) -> list[TiedWeight]:
         """The weights this rank shares with other ranks' stages: each gets a process group
@@ -560,20 +594,20 @@ class Pipeline:
             if len(mine) > 1:
                 raise ValueError(f"{name} is used by stages {holders}, of which this rank holds "
                                  f"{mine}; tied weights need their stages on different ranks")
-            group = self._new_group(ranks)  # collective: every rank, same order
+            group = self._world.new_group(ranks)  # collective: every rank, same order
             if mine:
+                assert group is not None
                 param = params[pid]
                 src = plan.stages[holders[0]].ranks[0]
                 with torch.no_grad():
-                    dist.broadcast(param.data, src=src, group=group)
+                    group.broadcast(param.data, src=src)
                 tied.append(TiedWeight(param, group, counts_in_norm=mine[0] == holders[0],
                                        replicas=len(plan.stages[mine[0]].ranks)))
         return tied
 
     def _check_same_model_everywhere(self, chain: Any) -> None:
         """Every rank must have built the same model; compared before any training."""
-        prints: list[Any] = [None] * self.world_size
-        dist.all_gather_object(prints, model_fingerprint(chain))
+        prints = self._control.all_gather_object(model_fingerprint(chain))
         for rank, other in enumerate(prints):
             if other != prints[0]:
                 differ = next(i for i, (a, b) in enumerate(zip(prints[0], other)) if a != b) \
@@ -609,7 +643,8 @@ class Pipeline:
                 torch.utils.swap_tensors(t, empty(t))
         if to_meta:
             return
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with GLOBAL_STATE, torch.random.fork_rng(
+                devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(self.seed * 1_000_003 + stage)
             for sub in module.modules():
                 # nn.MultiheadAttention names its initialisation _reset_parameters
@@ -712,7 +747,8 @@ class Pipeline:
                 batches = itertools.chain([first], source)
             except Exception as err:  # every rank must hear of it
                 payload[0] = {"error": f"{type(err).__name__}: {err}"}
-        self._agree(lambda: dist.broadcast_object_list(payload, src=lead, group=self._control),
+        self._agree(lambda: payload.__setitem__(0, self._control.broadcast_object(payload[0],
+                                                                                  src=lead)),
                     f"the start of the run (rank {lead} reads the data)")
         if "error" in payload[0]:
             raise ValueError(f"the data loader on rank {lead} (first stage): "
@@ -750,9 +786,9 @@ class Pipeline:
         on the run's first batch. Collective."""
         assert self.plan is not None
         first = next(batches, None) if batches is not None else None
-        prints: list[Any] = [None] * self.world_size
-        self._agree(lambda: dist.all_gather_object(prints, None if first is None
-                                                   else fingerprint(first), group=self._control),
+        prints: list[Any] = []
+        self._agree(lambda: prints.extend(self._control.all_gather_object(
+            None if first is None else fingerprint(first))),
                     "comparing the first stage's first batches")
         seen = {prints[r] for r in self.plan.stages[0].ranks}
         if len(seen) > 1:
@@ -805,11 +841,18 @@ class Pipeline:
         `pipedream_fast.stopping`): the pipeline is left as by a `break`, a checkpoint is
         saved if there is a `checkpoint_dir`, and `Stopped` (a `SystemExit` with code 143) is
         raised. Collective: every rank must iterate it."""
+        if self._threads is not None:
+            def start(rank: int, request: DeferredStop) -> Iterator[torch.Tensor | None]:
+                self._ranks[rank]._stop_request = request
+                return self._ranks[rank].train(loader, steps, epochs=epochs)
+            yield from self._threads.train(start)
+            return
         steps, chunks, spec, batches = self._open_data(loader, steps, epochs)
         assert self.plan is not None
         done = 0
         try:
-            with DeferredStop() as request:
+            with (DeferredStop() if self._stop_request is None
+                  else contextlib.nullcontext(self._stop_request)) as request:
                 while done < steps:
                     run = steps - done
                     if self.checkpoint_every:
@@ -847,10 +890,10 @@ class Pipeline:
         the steps trained: fewer when the ranks agreed to stop (`vote.signum` then set)."""
         assert self.plan is not None
         if self._transport is None:  # the last run was abandoned: new links (collective)
-            self._transport = self._new_transport(self._new_group(list(range(self.world_size))))
+            self._transport = self._new_transport()
         schedule = build_schedule(self.plan, self.schedule_name, steps, chunks,
                                   self.local_steps, self.model_replicas)
-        check_backend(schedule, str(dist.get_backend()))
+        check_backend(schedule, self._world.backend)
         runtimes = self._runtimes_for(schedule)
         inputs = None
         if batches is not None:
@@ -913,7 +956,7 @@ class Pipeline:
             got = losses.pop(step, {})
             total = torch.tensor([sum(float(x) for x in got.values()), len(got)],
                                  dtype=torch.float64)
-            self._agree(lambda: dist.all_reduce(total, group=self._control),
+            self._agree(lambda: self._control.all_reduce(total),
                         f"agreeing on the loss of step {self._step + step + 1}")
             mean = (total[0] / total[1]).float() if total[1] else None
             if self.on_nan == "stop" and mean is not None and not mean.isfinite():
@@ -1000,13 +1043,12 @@ class Pipeline:
         return out[-1]
 
     # --- evaluation and inference ---------------------------------------------------------------
-    def _inference_transport(self, key: tuple[Any, ...]) -> ProcessTransport:
+    def _inference_transport(self, key: tuple[Any, ...]) -> Transport:
         """The transport of forward-only runs of one shape (made collectively on first use:
         every rank knows the key from the same agreed values)."""
         if key not in self._inference_transports:
             assert self.plan is not None
-            self._inference_transports[key] = self._new_transport(
-                self._new_group(list(range(self.world_size))), stage_groups=False)
+            self._inference_transports[key] = self._new_transport(stage_groups=False)
         return self._inference_transports[key]
 
     def _forward_only(self, schedule: Schedule, inputs: Any, spec: pytree.TreeSpec,
@@ -1020,6 +1062,7 @@ class Pipeline:
         for _ in executor.run():
             pass
 
+    @_on_every_rank(_rank_0)
     def evaluate(self, loader: Iterable[Any] | None,
                  metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
                  steps: int | None = None) -> dict[str, float]:
@@ -1055,12 +1098,13 @@ class Pipeline:
 
         self._forward_only(schedule, inputs, spec, sink,
                            key=(self._agreed_batch, chunks, pytree.treespec_dumps(spec)))
-        parts: list[Any] = [None] * self.world_size
-        self._agree(lambda: dist.all_gather_object(parts, (sums, count[0]), group=self._control),
+        parts: list[Any] = []
+        self._agree(lambda: parts.extend(self._control.all_gather_object((sums, count[0]))),
                     "gathering the metrics")
         total = sum(n for _, n in parts)
         return {name: sum(p[name] for p, _ in parts) / max(total, 1) for name in sums}
 
+    @_on_every_rank(_first_given)
     def predict(self, inputs: Any, everywhere: bool = False) -> Any:
         """The model's outputs for one minibatch of `inputs` (eval mode, no gradients), on the
         ranks of the last stage (None elsewhere), or on every rank with `everywhere`. Every
@@ -1082,8 +1126,8 @@ class Pipeline:
                            key=(batch_size(inputs), chunks, pytree.treespec_dumps(spec)))
         last = len(self.plan.stages) - 1
         if everywhere or len(self.plan.stages[last].ranks) > 1:
-            gathered: list[Any] = [None] * self.world_size
-            self._agree(lambda: dist.all_gather_object(gathered, outputs, group=self._control),
+            gathered: list[Any] = []
+            self._agree(lambda: gathered.extend(self._control.all_gather_object(outputs)),
                         "gathering the outputs")
             for part in gathered:
                 outputs.update(part)
@@ -1093,6 +1137,7 @@ class Pipeline:
         return pytree.tree_map(_join_microbatches, *ordered) if chunks > 1 else ordered[0]
 
     # --- state ------------------------------------------------------------------------------
+    @_on_every_rank(_rank_0)
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state under its `state_dict()` keys, on rank 0 (None elsewhere):
         a tied weight under each of its keys as one tensor, no non-persistent buffers, so a
@@ -1101,10 +1146,11 @@ class Pipeline:
         assert self.plan is not None
         mine = named_state([m for i, m in self._modules.items()
                             if self.plan.stages[i].ranks[0] == self.rank], self._names)
-        gathered: list[Any] = [None] * self.world_size if self.rank == 0 else None  # type: ignore
-        self._agree(lambda: dist.gather_object(mine, gathered, dst=0, group=self._control),
+        box: list[Any] = [None]
+        self._agree(lambda: box.__setitem__(0, self._control.gather_object(mine, dst=0)),
                     "gathering the model")
-        if self.rank != 0:
+        gathered = box[0]
+        if gathered is None:
             return None
         full: dict[str, torch.Tensor] = {}
         for part in gathered:
@@ -1115,6 +1161,7 @@ class Pipeline:
         """The groups of keys that name one tensor of the model (tied weights)."""
         return [keys for keys in self._names.values() if len(keys) > 1]
 
+    @_on_every_rank(_rank_0)
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes a checkpoint directory (see `pipedream_fast.checkpoint`): each stage's first
         rank writes its stage durably, then rank 0 commits the set with the manifest. Saving
@@ -1130,7 +1177,8 @@ class Pipeline:
                 decided[0] = ckpt.prepare_save(final)
             except ckpt.CheckpointError as err:  # every rank must hear of it, not wait
                 decided[0] = str(err)
-        self._agree(lambda: dist.broadcast_object_list(decided, src=0, group=self._control),
+        self._agree(lambda: decided.__setitem__(0, self._control.broadcast_object(decided[0],
+                                                                                  src=0)),
                     "saving a checkpoint")
         if isinstance(decided[0], str):
             raise ckpt.CheckpointError(decided[0])
@@ -1154,9 +1202,8 @@ class Pipeline:
         if 0 in self.stage_indices:
             position = (self._reading[0].position(self._step - self._reading[1])
                         if self._reading is not None else (self._epoch, self._epoch_batches))
-        gathered: list[Any] = [None] * self.world_size
-        self._agree(lambda: dist.all_gather_object(gathered, (entries, position),
-                                                   group=self._control),
+        gathered: list[Any] = []
+        self._agree(lambda: gathered.extend(self._control.all_gather_object((entries, position))),
                     "saving a checkpoint")
         if self.rank == 0:
             epoch, index = next(p for _, p in gathered if p is not None)
@@ -1166,7 +1213,7 @@ class Pipeline:
                 epoch_batches=index, seed=self.seed))
             if folder != final:
                 ckpt.swap_in(final)
-        self._agree(lambda: dist.barrier(group=self._control), "saving a checkpoint")
+        self._agree(self._control.barrier, "saving a checkpoint")
 
     def _copies_state(self, index: int) -> list[dict[str, Any]] | None:
         """localsgd: the weight copies of stage `index` beyond the module's own (copy 0), by
@@ -1233,12 +1280,19 @@ class Pipeline:
         if pipe.rank == 0:
             for note in notes:
                 print(f"pipedream_fast: {note}", flush=True)
-        pipe._pending_restore = (folder, manifest)
-        if pipe.plan is not None:  # else restored once the model is cut (first minibatch)
-            pipe._restore_pending()
-        pipe._step = int(manifest["step"])
-        pipe._epoch, pipe._epoch_batches = int(manifest["epoch"]), int(index)
+        pipe._resume(folder, manifest)
         return pipe
+
+    @_on_every_rank(_rank_0)
+    def _resume(self, folder: Path, manifest: dict[str, Any]) -> None:
+        """Where `load` puts the checkpoint: weights and states now, or once the model is
+        cut (a model captured at its first minibatch); the step and the loader's place."""
+        self._pending_restore = (folder, manifest)
+        if self.plan is not None:
+            self._restore_pending()
+        self._step = int(manifest["step"])
+        self._epoch = int(manifest["epoch"])
+        self._epoch_batches = int(manifest.get("epoch_batches", 0))
 
     def _restore_pending(self) -> None:
         """Puts a checkpoint's weights, optimizer and scheduler state into this rank's stages
@@ -1262,6 +1316,10 @@ class Pipeline:
         """Stops this Pipeline's communication threads and removes its process groups (not the
         default group, which a script may still use; one the Pipeline started goes at exit).
         Also done when the Pipeline is garbage-collected, and at exit."""
-        self._resources.release()
+        if self._threads is not None:
+            self._threads.call(lambda r: self._ranks[r].close())
+            self._threads.close()
+            return
+        self._world.release()
         self._transport = None
         self._inference_transports.clear()

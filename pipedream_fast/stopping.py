@@ -32,7 +32,6 @@ from typing import Any
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from pipedream_fast.launch import (STOP_WINDOW_S, TERM_SIGNALS, Stopped, on_stop_signal,
                                    signal_name, stop_request)
@@ -147,8 +146,7 @@ class StopVote:
         vote = torch.tensor([signum or 0, -self._proposal(step)], dtype=torch.int64)
         work = None
         if self._world_size > 1:  # MAX of the signals and of minus the proposals
-            work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group,
-                                   async_op=True)
+            work = self._group.all_reduce(vote, op="max", async_op=True)
         self._pending.append((step, vote, work))
 
     def _read(self, until: int) -> int:

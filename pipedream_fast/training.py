@@ -362,6 +362,11 @@ def steps_for(loader: Any, steps: int | None, epochs: int | None) -> int:
     return epochs * length
 
 
+# Rank threads of one process share torch's global random state, and torch.fx patches
+# nn.Module while it traces: they take turns where the library seeds, reads data or traces.
+GLOBAL_STATE = threading.RLock()
+
+
 @contextlib.contextmanager
 def seeded(seed: int, epoch: int, index: int) -> Iterator[None]:
     """The global random states of torch, Python's `random` and NumPy fixed by (seed, epoch,
@@ -369,18 +374,19 @@ def seeded(seed: int, epoch: int, index: int) -> Iterator[None]:
     without a generator, worker seeds, random transforms in the main process) then draws the
     same on every replica and in every run, whatever else (dropout) drew in between."""
     value = (seed * 1_000_003 + epoch) * 1_000_003 + index + 1
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            # The CPU generator only (what fork_rng restores): torch.manual_seed would also
-            # reseed CUDA's, and records a stack trace per call (about 1 ms).
-            torch.default_generator.manual_seed(value)
-            random.seed(value)
-            np.random.seed(value % 2 ** 32)
-            yield
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
+    with GLOBAL_STATE:
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                # The CPU generator only (what fork_rng restores): torch.manual_seed would
+                # also reseed CUDA's, and records a stack trace per call (about 1 ms).
+                torch.default_generator.manual_seed(value)
+                random.seed(value)
+                np.random.seed(value % 2 ** 32)
+                yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
 
 
 def fingerprint(batch: Any) -> tuple[float, ...]:

@@ -18,7 +18,10 @@ Each scenario is caught separately in the job, so one missing feature fails its 
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import math
+import threading
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
@@ -33,6 +36,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, Te
 
 from pipedream_fast.launch import free_port, launch
 from pipedream_fast.pipeline import NonFiniteLoss, Pipeline
+from pipedream_fast.training import GLOBAL_STATE
+from pipedream_fast.world import ThreadShared, ThreadWorld
 from runtime_reference import train_reference, train_reference_with
 
 WORLD = 2
@@ -44,6 +49,16 @@ TIMEOUT = 20.0  # every transfer and collective of a scenario; bounds a stuck sc
 
 # --- models and data (built identically in every process) -----------------------------------
 
+def built_alone(build: Callable[..., Any]) -> Callable[..., Any]:
+    """Seeded construction holds the process's random state: rank threads take turns."""
+    @functools.wraps(build)
+    def alone(*args: Any, **kwargs: Any) -> Any:
+        with GLOBAL_STATE:
+            return build(*args, **kwargs)
+    return alone
+
+
+@built_alone
 def classifier() -> nn.Sequential:
     """4 blocks (fc1, act, drop, out), with dropout; ~420 parameters."""
     torch.manual_seed(0)
@@ -80,6 +95,7 @@ def accuracy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 MLP5_BLOCKS = ["fc1", "act1", "fc2", "act2", "head"]
 
 
+@built_alone
 def mlp5() -> nn.Sequential:
     """5 named blocks, ~1.8k parameters."""
     torch.manual_seed(0)
@@ -108,6 +124,7 @@ class TiedHead(nn.Module):
         return nn.functional.linear(h, self.weight)
 
 
+@built_alone
 def tiny_lm() -> nn.Sequential:
     torch.manual_seed(0)
     embed = nn.Embedding(VOCAB, DIM)
@@ -157,6 +174,7 @@ class TinyGPT(nn.Module):
     """nanoGPT's layout: token and position embeddings, blocks, a final LayerNorm and a head
     whose weight *is* the token embedding's (`transformer.wte.weight = lm_head.weight`)."""
 
+    @built_alone
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -212,13 +230,28 @@ class RecordingDataset(Dataset):
 
 # --- the job: every scenario on every rank, each caught on its own ---------------------------
 
+# The rank's world while a scenario runs as a thread (the `job` fixture's "threads" variant):
+# the same per-rank Pipeline code, its collectives meeting in memory and its tensors handed
+# over through the activation queues instead of gloo.
+THREAD_WORLD: contextvars.ContextVar[ThreadWorld | None] = contextvars.ContextVar(
+    "THREAD_WORLD", default=None)
+
+
+def pipeline(*args: Any, **kwargs: Any) -> Pipeline:
+    """A Pipeline rank of the scenario's world: this process's, or this thread's."""
+    world = THREAD_WORLD.get()
+    if world is not None:
+        kwargs["_world"] = world
+    return Pipeline(*args, **kwargs)
+
+
 def floats(losses: Any) -> list[float | None]:
     return [None if x is None else float(x) for x in losses]
 
 
 def two_stage(model: nn.Module, loss_fn: Callable, optimizer: Callable, balance: list[int],
               **kwargs: Any) -> Pipeline:
-    return Pipeline(model, loss_fn, optimizer, schedule="1f1b", chunks=CHUNKS, balance=balance,
+    return pipeline(model, loss_fn, optimizer, schedule="1f1b", chunks=CHUNKS, balance=balance,
                     timeout=TIMEOUT, **kwargs)
 
 
@@ -338,7 +371,7 @@ def scenario_tied_clip(rank: int, world: int, out: dict[str, Any]) -> None:
 def scenario_data_parallel(rank: int, world: int, out: dict[str, Any]) -> None:
     """Both ranks replicate the whole model: global clipping and the losses yielded."""
     for name, clip, chunks in [(n, c, CHUNKS) for n, c in DP_CLIPS.items()] + [("one", None, 1)]:
-        pipe = Pipeline(mlp5(), cross_entropy, sgd(0.1), schedule="data-parallel", chunks=chunks,
+        pipe = pipeline(mlp5(), cross_entropy, sgd(0.1), schedule="data-parallel", chunks=chunks,
                         clip_grad_norm=clip, timeout=TIMEOUT)
         try:
             out[f"{name}_losses"] = floats(pipe.train(mlp_batches(DP_STEPS), steps=DP_STEPS))
@@ -357,7 +390,7 @@ def nan_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def scenario_replica_nan(rank: int, world: int, out: dict[str, Any]) -> None:
     """A NaN loss that only one replica computes stops both at the same step, unapplied."""
-    pipe = Pipeline(mlp5(), cross_entropy, sgd(0.1), schedule="data-parallel", chunks=CHUNKS,
+    pipe = pipeline(mlp5(), cross_entropy, sgd(0.1), schedule="data-parallel", chunks=CHUNKS,
                     timeout=TIMEOUT)
     try:
         losses: list[float | None] = []
@@ -374,7 +407,7 @@ def scenario_replica_nan(rank: int, world: int, out: dict[str, Any]) -> None:
 
 
 def scenario_plan_none(rank: int, world: int, out: dict[str, Any]) -> None:
-    pipe = Pipeline(mlp5(), cross_entropy, sgd(), plan=None, schedule="1f1b", chunks=CHUNKS,
+    pipe = pipeline(mlp5(), cross_entropy, sgd(), plan=None, schedule="1f1b", chunks=CHUNKS,
                     timeout=TIMEOUT)
     try:
         out["losses"] = floats(pipe.train(mlp_batches(PLAN_STEPS), steps=PLAN_STEPS))
@@ -385,7 +418,7 @@ def scenario_plan_none(rank: int, world: int, out: dict[str, Any]) -> None:
 
 
 def scenario_stages(rank: int, world: int, out: dict[str, Any]) -> None:
-    pipe = Pipeline(mlp5(), cross_entropy, sgd(), stages=2, schedule="1f1b", chunks=CHUNKS,
+    pipe = pipeline(mlp5(), cross_entropy, sgd(), stages=2, schedule="1f1b", chunks=CHUNKS,
                     timeout=TIMEOUT)
     try:
         list(pipe.train(mlp_batches(PLAN_STEPS), steps=PLAN_STEPS))
@@ -398,7 +431,7 @@ def scenario_stages(rank: int, world: int, out: dict[str, Any]) -> None:
 def scenario_manual_splits(rank: int, world: int, out: dict[str, Any]) -> None:
     for key, kwargs in (("balance", {"balance": [2, 3]}),
                         ("split_points", {"split_points": ["act2"]})):
-        pipe = Pipeline(mlp5(), cross_entropy, sgd(), schedule="1f1b", chunks=CHUNKS,
+        pipe = pipeline(mlp5(), cross_entropy, sgd(), schedule="1f1b", chunks=CHUNKS,
                         timeout=TIMEOUT, **kwargs)
         out[key] = [(s.start, s.stop, tuple(s.ranks)) for s in pipe.plan.stages]
         pipe.close()
@@ -406,7 +439,7 @@ def scenario_manual_splits(rank: int, world: int, out: dict[str, Any]) -> None:
 
 def scenario_wrong_balance(rank: int, world: int, out: dict[str, Any]) -> None:
     try:
-        pipe = Pipeline(mlp5(), cross_entropy, sgd(), schedule="1f1b", chunks=CHUNKS,
+        pipe = pipeline(mlp5(), cross_entropy, sgd(), schedule="1f1b", chunks=CHUNKS,
                         balance=[2, 2], timeout=TIMEOUT)
     except Exception as err:  # noqa: BLE001 - the message is what the test checks
         out["message"] = f"{type(err).__name__}: {err}"
@@ -465,8 +498,37 @@ def one_thread() -> Any:
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def job() -> list[dict[str, Outcome]]:
+def threads_job(world: int) -> list[dict[str, Outcome]]:
+    """Every scenario with its ranks as threads of this process, each scenario in a world
+    of its own (as `dropin_job` gives each a process group of its own)."""
+    results: list[dict[str, Outcome]] = [{} for _ in range(world)]
+
+    def rank_thread(rank: int, name: str, shared: ThreadShared) -> None:
+        out: dict[str, Any] = {}
+        THREAD_WORLD.set(ThreadWorld(rank, shared))
+        try:
+            SCENARIOS[name](rank, world, out)
+            results[rank][name] = (out, None)
+        except Exception:  # noqa: BLE001 - reported by the scenario's own tests
+            results[rank][name] = (out, traceback.format_exc())
+            shared.abort(f"rank {rank} failed")  # its peers must not wait for it
+
+    for name in SCENARIOS:
+        shared = ThreadShared(world, 2 * TIMEOUT)
+        threads = [threading.Thread(target=rank_thread, args=(r, name, shared), daemon=True)
+                   for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(4 * TIMEOUT)
+    return results
+
+
+@pytest.fixture(scope="module", params=["processes", "threads"])
+def job(request: Any) -> list[dict[str, Outcome]]:
+    """Every scenario on 2 ranks: processes (one launched job) or threads of this process."""
+    if request.param == "threads":
+        return threads_job(WORLD)
     ports: set[int] = set()
     while len(ports) < len(SCENARIOS):
         ports.add(free_port())
@@ -872,7 +934,7 @@ def shared_loss_job(rank: int, world: int) -> dict[str, Any]:
         stages = [StagePlan(0, 2, len(ranks[0]), tuple(ranks[0]), 1.0),
                   StagePlan(2, 5, len(ranks[1]), tuple(ranks[1]), 1.0)]
         plan = Plan("mlp5", BATCH, world, schedule, stages, 1.0, 1.0)
-        pipe = Pipeline(mlp5(), cross_entropy, sgd(0.1), plan=plan, schedule=schedule,
+        pipe = pipeline(mlp5(), cross_entropy, sgd(0.1), plan=plan, schedule=schedule,
                         chunks=CHUNKS, timeout=TIMEOUT)
         try:
             losses = []

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pipedream_fast.runtime.stage import StageRuntime
@@ -75,7 +74,7 @@ class GlobalUpdateSync:
     def __init__(self, group: Any, stage_replicas: dict[int, int],
                  clip_grad_norm: float | None = None, scaler: LossScaler | None = None,
                  tied: Sequence[TiedWeight] = (), skip_nonfinite: bool = False) -> None:
-        self.group = group  # gloo: the norm travels as a CPU tensor
+        self.group = group  # every rank (a world.Group); gloo: the norm is a CPU tensor
         self.stage_replicas = stage_replicas  # stage index -> its replica count
         self.clip_grad_norm = clip_grad_norm
         self.scaler = scaler
@@ -109,9 +108,9 @@ class GlobalUpdateSync:
             if grad is not None:
                 if tie.replicas > 1:
                     grad.div_(tie.replicas)
-                dist.all_reduce(grad, group=tie.group)
+                tie.group.all_reduce(grad)
         squares = self._squared_norm(stages)
-        dist.all_reduce(squares, group=self.group)
+        self.group.all_reduce(squares)
         norm = math.sqrt(float(squares))
         overflow = not math.isfinite(norm)
         self.last_norm = norm
