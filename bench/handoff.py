@@ -3,7 +3,8 @@
 Two questions, each against the baseline the issue names:
 
 (a) Latency from a native producer thread (what the communication engine will be) to a
-    Python consumer already blocked in `pop`: `ThreadedProducer` pushes one bundle every
+    Python consumer already blocked in `pop`: `ThreadedProducer` (bench/csrc, a bench-only
+    extension that bench/native_ext.py builds on first use) pushes one bundle every
     `interval_us`, the consumer takes `_C.now_ns()` when `pop` returns and subtracts the
     bundle's `enqueued_ns`. Baseline: `queue.Queue` fed by a Python thread that sleeps the
     same interval and stamps `time.monotonic_ns()` right before `put`. Both stamps come from
@@ -46,6 +47,9 @@ from pathlib import Path
 import torch
 
 from pipedream_fast import _C
+
+# A script next to this one: bench/ is on sys.path when run as `python bench/handoff.py`.
+import native_ext  # the bench-only extension with ThreadedProducer, built on first use
 
 RESULTS = Path(__file__).resolve().parent / "results" / "core.md"
 
@@ -108,7 +112,7 @@ def native_to_python(count: int, interval_us: int, payload: list[torch.Tensor],
                      started: Started = _nothing, spin_us: float = 0.0) -> list[int]:
     """Latencies (ns) of `count` hand-offs from a ThreadedProducer to a blocked Python pop."""
     q = _C.ActivationQueue(4, "handoff", spin_us=spin_us)
-    producer = _C.ThreadedProducer(q, payload, count, interval_us)
+    producer = native_ext.load().ThreadedProducer(q, payload, count, interval_us)
     started()
     latencies = []
     for _ in range(count):
@@ -150,7 +154,7 @@ def split_native_latency(count: int, interval_us: int, payload: list[torch.Tenso
     Bundle. Hand-offs that found the queue non-empty (no wait) are left out.
     """
     q = _C.ActivationQueue(4, "split")
-    producer = _C.ThreadedProducer(q, payload, count, interval_us)
+    producer = native_ext.load().ThreadedProducer(q, payload, count, interval_us)
     started()
     wake, after = [], []
     waited_before = 0.0

@@ -10,7 +10,6 @@
 #include "activation_queue.h"
 #include "comm_engine.h"
 #include "errors.h"
-#include "threaded_producer.h"
 #include "weight_ring.h"
 
 namespace py = pybind11;
@@ -93,15 +92,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["high_water"] = s.high_water;
         return d;
       });
-
-  // Destructors that join threads run without the GIL: a thread may need it to drop the last
-  // reference to a tensor that Python also holds.
-  py::class_<ThreadedProducer>(m, "ThreadedProducer", py::release_gil_before_calling_cpp_dtor(),
-                               "A native thread pushing `count` bundles into a queue.")
-      .def(py::init<std::shared_ptr<ActivationQueue>, std::vector<at::Tensor>, int64_t,
-                    int64_t>(),
-           py::arg("queue"), py::arg("tensors"), py::arg("count"), py::arg("interval_us") = 0)
-      .def("join", &ThreadedProducer::join, py::call_guard<py::gil_scoped_release>());
 
   py::class_<WeightRing>(
       m, "WeightRing",

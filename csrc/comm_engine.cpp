@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <exception>
 #include <sstream>
 #include <thread>
 
@@ -146,27 +147,58 @@ int64_t nbytes(const std::vector<at::Tensor>& tensors) {
   return total;
 }
 
+// Waits for a process-group transfer. One still unfinished after `timeout` raises QueueTimeout
+// (its message made by `timed_out` from what the backend said), the type a timeout on the
+// compute thread raises, whatever the backend throws for it (gloo: an IoException, NCCL: a
+// DistBackendError, both plain RuntimeErrors in Python). Any other failure propagates as it
+// was thrown.
+template <typename TimedOut>
+void wait_transfer(c10d::Work& work, std::chrono::milliseconds timeout, TimedOut timed_out) {
+  const auto start = std::chrono::steady_clock::now();
+  std::string detail = "the process group reported it unfinished";
+  try {
+    if (work.wait(timeout)) return;
+  } catch (const std::exception& e) {
+    if (std::chrono::steady_clock::now() - start < timeout) throw;
+    detail = e.what();
+  }
+  throw QueueTimeout(timed_out(detail));
+}
+
 }  // namespace
 
 const char* channel_name(Channel channel) {
   return channel == Channel::kActivation ? "activation" : "gradient";
 }
 
+// One (peer, channel, stage) link: its queues, its two threads' state and what failed them.
+// The threads hold the link by shared ownership, so a thread that outlives a shutdown grace
+// period (stuck in a transfer) never touches freed memory.
 struct CommEngine::Link {
-  Link(int peer, Channel channel, int stage, int64_t depth, double spin_us, int64_t recv_pool,
-       std::string what)
-      : peer(peer),
+  Link(c10::intrusive_ptr<c10d::ProcessGroup> group, int rank, int peer, Channel channel,
+       int stage, std::chrono::milliseconds timeout, at::Device device, int64_t depth,
+       double spin_us, int64_t recv_pool)
+      : group(std::move(group)),
+        rank(rank),
+        peer(peer),
         channel(channel),
         stage(stage),
+        timeout(timeout),
+        device(device),
         recv_pool(recv_pool),
-        what(std::move(what)),
-        sends(depth, this->what + " (sends)", spin_us),
-        requests(1 << 16, this->what + " (posted receives)", spin_us),
-        done(depth, this->what + " (received)", spin_us) {}
+        what(std::string(channel_name(channel)) + " link of rank " + std::to_string(rank) +
+             " with rank " + std::to_string(peer) + " for stage " + std::to_string(stage)),
+        sends(depth, what + " (sends)", spin_us),
+        requests(1 << 16, what + " (posted receives)", spin_us),
+        done(depth, what + " (received)", spin_us) {}
 
+  const c10::intrusive_ptr<c10d::ProcessGroup> group;
+  const int rank;
   const int peer;
   const Channel channel;
-  const int stage;          // the stage that receives this link's messages
+  const int stage;  // the stage that receives this link's messages
+  const std::chrono::milliseconds timeout;
+  const at::Device device;  // where received tensors are allocated
   const int64_t recv_pool;  // most buffer sets kept in `pool`
   const std::string what;   // "activation link of rank 0 with rank 1 for stage 3", for messages
   ActivationQueue sends;
@@ -177,11 +209,9 @@ struct CommEngine::Link {
   std::vector<TensorMeta> sent_metas;  // negotiated on the first send
   bool negotiated = false;
 
-  // Send-thread state.
+  // Send-thread state: whether the header went out, and the byte buffer packed messages go
+  // out from (each send completes before the next is packed, so one is enough).
   bool sent_header = false;
-
-  // Send-thread state: the byte buffer packed messages go out from (each send completes
-  // before the next is packed, so one is enough).
   at::Tensor send_flat;
 
   // Receive-thread state.
@@ -193,16 +223,135 @@ struct CommEngine::Link {
   std::mutex mutex;
   std::condition_variable idle;
   int64_t sends_in_flight = 0;  // guarded by mutex
-  std::string send_error;       // guarded by mutex
-  std::string recv_error;       // guarded by mutex
-  int threads_running = 0;      // guarded by mutex
+  // What stopped a thread, as thrown there (so a timeout stays a QueueTimeout when the
+  // compute thread rethrows it); null while the thread runs or when it stopped on close.
+  std::exception_ptr send_error;  // guarded by mutex
+  std::exception_ptr recv_error;  // guarded by mutex
+  int threads_running = 0;        // guarded by mutex
   std::vector<std::thread> threads;
 
   std::atomic<int64_t> messages_sent{0}, messages_received{0}, bytes_sent{0},
       bytes_received{0}, send_ns{0}, recv_ns{0};
 
+  // Starts the send and the receive thread of `self`; each owns a reference to it.
+  static void start_threads(const std::shared_ptr<Link>& self) {
+    self->threads_running = 2;
+    self->threads.emplace_back(
+        [self] { self->run(&Link::send_loop, &Link::send_error, self->sends); });
+    self->threads.emplace_back(
+        [self] { self->run(&Link::recv_loop, &Link::recv_error, self->done); });
+  }
+
+  // Runs `loop` until its queue closes or it fails; a failure is kept in `error` for the
+  // compute thread. Either way the thread then closes `out` so that nobody waits on it.
+  void run(void (Link::*loop)(), std::exception_ptr Link::*error, ActivationQueue& out) {
+    try {
+      (this->*loop)();
+    } catch (const QueueClosed&) {
+      // shut down: not an error
+    } catch (...) {
+      std::lock_guard<std::mutex> guard(mutex);
+      this->*error = std::current_exception();
+    }
+    out.close();
+    std::lock_guard<std::mutex> guard(mutex);
+    --threads_running;
+    idle.notify_all();  // wakes flush (a failed send) and shutdown
+  }
+
+  // Send thread: hands each queued message to the process group, header first.
+  void send_loop() {
+    while (true) {
+      Bundle bundle = sends.pop();
+      const int64_t start = now_ns();
+      send_message(bundle);
+      send_ns += now_ns() - start;
+      bytes_sent += nbytes(bundle.tensors);
+      ++messages_sent;
+      std::lock_guard<std::mutex> guard(mutex);
+      --sends_in_flight;
+      idle.notify_all();
+    }
+  }
+
+  void send_message(const Bundle& bundle) {
+    const auto metas = metas_of(bundle.tensors);  // the negotiated ones (checked in send)
+    if (!sent_header) {
+      std::vector<at::Tensor> header{encode_header(metas, what).to(device)};
+      transfer(group->send(header, peer, header_tag(channel, stage)), "sending", bundle.microbatch,
+               /*header=*/true);
+      sent_header = true;
+    }
+    const int tag = message_tag(channel, stage, bundle.microbatch);
+    if (const int64_t packed = packed_bytes(metas)) {
+      if (!send_flat.defined()) {
+        send_flat = at::empty(
+            {packed}, at::TensorOptions().dtype(at::kByte).device(bundle.tensors[0].device()));
+      }
+      pack_into(send_flat, bundle.tensors, metas);
+      std::vector<at::Tensor> one{send_flat};
+      transfer(group->send(one, peer, tag), "sending", bundle.microbatch);
+    } else {
+      for (const auto& t : bundle.tensors) {
+        std::vector<at::Tensor> one{t};
+        transfer(group->send(one, peer, tag), "sending", bundle.microbatch);
+      }
+    }
+  }
+
+  // Receive thread: receives each posted message into pooled buffers, header first.
+  void recv_loop() {
+    while (true) {
+      Bundle request = requests.pop();
+      const int64_t start = now_ns();
+      std::vector<at::Tensor> out = receive_message(request.microbatch);
+      recv_ns += now_ns() - start;
+      bytes_received += nbytes(out);
+      ++messages_received;
+      done.push(Bundle{std::move(out), request.microbatch, -1});
+    }
+  }
+
+  std::vector<at::Tensor> receive_message(int64_t microbatch) {
+    if (!got_header) {
+      std::vector<at::Tensor> header{
+          at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(device))};
+      transfer(group->recv(header, peer, header_tag(channel, stage)), "receiving", microbatch,
+               /*header=*/true);
+      recv_metas = decode_header(header[0].cpu());
+      recv_packed = packed_bytes(recv_metas);
+      got_header = true;
+    }
+    std::vector<at::Tensor> buffers = take_buffers();
+    const int tag = message_tag(channel, stage, microbatch);
+    std::vector<at::Tensor> out;
+    for (auto& t : buffers) {
+      std::vector<at::Tensor> one{t};
+      transfer(group->recv(one, peer, tag), "receiving", microbatch);
+      out.push_back(t.detach());  // a fresh handle; the pool keeps the buffer itself
+    }
+    if (recv_packed > 0) out = unpack(out[0], recv_metas);  // views, no copy
+    return out;
+  }
+
+  // Waits for one transfer of `microbatch` (or for the link's header, sent before its first
+  // message); a timeout raises a QueueTimeout naming the transfer and the likely cause.
+  void transfer(const c10::intrusive_ptr<c10d::Work>& work, const char* doing,
+                int64_t microbatch, bool header = false) {
+    wait_transfer(*work, timeout, [&](const std::string& detail) {
+      const bool sending = doing[0] == 's';
+      std::ostringstream msg;
+      msg << "rank " << rank << " timed out after " << static_cast<double>(timeout.count()) / 1e3
+          << " s " << doing << " the " << channel_name(channel) << " of stage " << stage
+          << ", microbatch " << microbatch << (sending ? " to rank " : " from rank ") << peer
+          << (header ? " (the header before the link's first message)" : "") << "; is rank "
+          << peer << " alive and running the same schedule? (" << detail << ")";
+      return msg.str();
+    });
+  }
+
   // Buffers for the next receive: a pooled set nobody else holds any more, or a new one.
-  std::vector<at::Tensor> take_buffers(const at::Device& device) {
+  std::vector<at::Tensor> take_buffers() {
     for (auto& set : pool) {
       bool free = true;
       for (const auto& t : set) free = free && t.storage().use_count() == 1;
@@ -244,9 +393,7 @@ CommEngine::CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, double time
 
 CommEngine::~CommEngine() { shutdown(); }
 
-CommEngine::Link& CommEngine::link(int peer, Channel channel, int stage) {
-  std::lock_guard<std::mutex> lock(links_mutex_);
-  if (shut_down_) throw QueueClosed("CommEngine of rank " + std::to_string(rank_) + " is shut down");
+void CommEngine::check_link(int peer, Channel channel, int stage) const {
   if (peer < 0 || peer >= group_->getSize() || peer == rank_) {
     throw std::invalid_argument("CommEngine of rank " + std::to_string(rank_) + ": peer " +
                                 std::to_string(peer) + " is not another rank of the group (size " +
@@ -259,102 +406,18 @@ CommEngine::Link& CommEngine::link(int peer, Channel channel, int stage) {
                                 " is out of range: message tags have room for stages 0.." +
                                 std::to_string(kMaxStages - 1));
   }
+}
+
+CommEngine::Link& CommEngine::link(int peer, Channel channel, int stage) {
+  std::lock_guard<std::mutex> lock(links_mutex_);
+  if (shut_down_) throw QueueClosed("CommEngine of rank " + std::to_string(rank_) + " is shut down");
+  check_link(peer, channel, stage);
   auto& slot = links_[{peer, static_cast<int>(channel), stage}];
-  if (slot) return *slot;
-  auto link = std::make_shared<Link>(peer, channel, stage, depth_, spin_us_, recv_pool_,
-                                     std::string(channel_name(channel)) + " link of rank " +
-                                         std::to_string(rank_) + " with rank " +
-                                         std::to_string(peer) + " for stage " +
-                                         std::to_string(stage));
-  const auto timeout = millis(timeout_s_);
-  auto group = group_;
-  // The threads hold the link and the group by shared ownership, so a thread that outlives a
-  // shutdown grace period (stuck in a transfer) never touches freed memory.
-  auto finish = [](Link& l) {
-    std::lock_guard<std::mutex> guard(l.mutex);
-    --l.threads_running;
-    l.idle.notify_all();
-  };
-  link->threads_running = 2;
-  const at::Device device = device_;
-  link->threads.emplace_back([link, group, timeout, finish, device] {
-    try {
-      while (true) {
-        Bundle bundle = link->sends.pop();
-        const int64_t start = now_ns();
-        const auto metas = metas_of(bundle.tensors);  // the negotiated ones (checked in send)
-        if (!link->sent_header) {
-          std::vector<at::Tensor> header{encode_header(metas, link->what).to(device)};
-          group->send(header, link->peer, header_tag(link->channel, link->stage))->wait(timeout);
-          link->sent_header = true;
-        }
-        const int tag = message_tag(link->channel, link->stage, bundle.microbatch);
-        if (const int64_t packed = packed_bytes(metas)) {
-          if (!link->send_flat.defined()) {
-            link->send_flat = at::empty(
-                {packed}, at::TensorOptions().dtype(at::kByte).device(bundle.tensors[0].device()));
-          }
-          pack_into(link->send_flat, bundle.tensors, metas);
-          std::vector<at::Tensor> one{link->send_flat};
-          group->send(one, link->peer, tag)->wait(timeout);
-        } else {
-          for (auto& t : bundle.tensors) {
-            std::vector<at::Tensor> one{t};
-            group->send(one, link->peer, tag)->wait(timeout);
-          }
-        }
-        link->send_ns += now_ns() - start;
-        link->bytes_sent += nbytes(bundle.tensors);
-        ++link->messages_sent;
-        std::lock_guard<std::mutex> guard(link->mutex);
-        --link->sends_in_flight;
-        link->idle.notify_all();
-      }
-    } catch (const QueueClosed&) {
-    } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> guard(link->mutex);
-      link->send_error = e.what();
-      link->idle.notify_all();
-    }
-    link->sends.close();
-    finish(*link);
-  });
-  link->threads.emplace_back([link, group, timeout, finish, device] {
-    try {
-      while (true) {
-        Bundle request = link->requests.pop();
-        const int64_t start = now_ns();
-        if (!link->got_header) {
-          std::vector<at::Tensor> header{
-              at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(device))};
-          group->recv(header, link->peer, header_tag(link->channel, link->stage))->wait(timeout);
-          link->recv_metas = decode_header(header[0].cpu());
-          link->recv_packed = packed_bytes(link->recv_metas);
-          link->got_header = true;
-        }
-        std::vector<at::Tensor> buffers = link->take_buffers(device);
-        const int tag = message_tag(link->channel, link->stage, request.microbatch);
-        std::vector<at::Tensor> out;
-        for (auto& t : buffers) {
-          std::vector<at::Tensor> one{t};
-          group->recv(one, link->peer, tag)->wait(timeout);
-          out.push_back(t.detach());  // a fresh handle; the pool keeps the buffer itself
-        }
-        if (link->recv_packed > 0) out = unpack(out[0], link->recv_metas);  // views, no copy
-        link->recv_ns += now_ns() - start;
-        link->bytes_received += nbytes(out);
-        ++link->messages_received;
-        link->done.push(Bundle{std::move(out), request.microbatch, -1});
-      }
-    } catch (const QueueClosed&) {
-    } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> guard(link->mutex);
-      link->recv_error = e.what();
-    }
-    link->done.close();
-    finish(*link);
-  });
-  slot = link;
+  if (!slot) {
+    slot = std::make_shared<Link>(group_, rank_, peer, channel, stage, millis(timeout_s_), device_,
+                                  depth_, spin_us_, recv_pool_);
+    Link::start_threads(slot);
+  }
   return *slot;
 }
 
@@ -377,9 +440,7 @@ void CommEngine::send(int peer, Channel channel, int stage, int64_t microbatch,
   l.negotiated = true;
   {
     std::lock_guard<std::mutex> guard(l.mutex);
-    if (!l.send_error.empty()) {
-      throw std::runtime_error(l.what + ": an earlier send failed: " + l.send_error);
-    }
+    if (l.send_error) std::rethrow_exception(l.send_error);  // an earlier send failed
     ++l.sends_in_flight;
   }
   try {
@@ -387,6 +448,8 @@ void CommEngine::send(int peer, Channel channel, int stage, int64_t microbatch,
   } catch (...) {
     std::lock_guard<std::mutex> guard(l.mutex);
     --l.sends_in_flight;
+    // The send thread closes its queue when it fails: report why, not that it is closed.
+    if (l.send_error) std::rethrow_exception(l.send_error);
     throw;
   }
 }
@@ -410,13 +473,18 @@ std::vector<at::Tensor> CommEngine::wait_recv(int peer, Channel channel, int sta
         << "; is rank " << peer << " alive and running the same schedule?";
     throw QueueTimeout(msg.str());
   } catch (const QueueClosed&) {
-    std::lock_guard<std::mutex> guard(l.mutex);
-    throw std::runtime_error("rank " + std::to_string(rank_) + " receiving the " +
-                             channel_name(channel) + " of stage " + std::to_string(stage) +
-                             ", microbatch " + std::to_string(microbatch) + " from rank " +
-                             std::to_string(peer) +
-                             " failed: " +
-                             (l.recv_error.empty() ? "the engine was shut down" : l.recv_error));
+    // The receive thread stopped: rethrow what stopped it as it was thrown there (a timeout
+    // stays a QueueTimeout), or say the engine was shut down.
+    std::exception_ptr error;
+    {
+      std::lock_guard<std::mutex> guard(l.mutex);
+      error = l.recv_error;
+    }
+    if (error) std::rethrow_exception(error);
+    throw QueueClosed("rank " + std::to_string(rank_) + " stopped waiting for the " +
+                      channel_name(channel) + " of stage " + std::to_string(stage) +
+                      ", microbatch " + std::to_string(microbatch) + " from rank " +
+                      std::to_string(peer) + ": the engine was shut down");
   }
   wait_recv_ns_ += now_ns() - start;
   if (bundle.microbatch != microbatch) {
@@ -438,9 +506,9 @@ void CommEngine::flush() {
   for (auto& l : links) {
     std::unique_lock<std::mutex> guard(l->mutex);
     const bool drained = l->idle.wait_until(guard, deadline, [&] {
-      return l->sends_in_flight == 0 || !l->send_error.empty();
+      return l->sends_in_flight == 0 || l->send_error;
     });
-    if (!l->send_error.empty()) throw std::runtime_error(l->what + ": send failed: " + l->send_error);
+    if (l->send_error) std::rethrow_exception(l->send_error);
     if (!drained) {
       throw QueueTimeout(l->what + ": " + std::to_string(l->sends_in_flight) +
                          " sends still pending after " + std::to_string(timeout_s_) +

@@ -89,7 +89,8 @@ class CommEngine {
   static constexpr int kMaxStages = 512;
 
   // Queues `tensors` of `microbatch` for `stage` on `peer`; returns at once unless the link's
-  // queue is full. Raises the error of an earlier failed send on this link.
+  // queue is full. Raises the error of an earlier failed send on this link, as the send
+  // thread caught it (a transfer that timed out there: QueueTimeout).
   void send(int peer, Channel channel, int stage, int64_t microbatch,
             std::vector<at::Tensor> tensors);
 
@@ -98,11 +99,14 @@ class CommEngine {
   void post_recv(int peer, Channel channel, int stage, int64_t microbatch);
 
   // Blocks until the posted receive of `microbatch` for `stage` from `peer` has arrived;
-  // receives are handed out in the order they were posted on the link. Raises on timeout or
-  // peer failure.
+  // receives are handed out in the order they were posted on the link. Raises QueueTimeout
+  // on timeout, whether this wait or the receive thread's transfer ran out of time; other
+  // failures of the receive thread are rethrown as they were thrown there (their type kept);
+  // QueueClosed once the engine is shut down.
   std::vector<at::Tensor> wait_recv(int peer, Channel channel, int stage, int64_t microbatch);
 
   // Blocks until every queued send has been handed to the process group and completed.
+  // Raises QueueTimeout after the timeout, or a send thread's error as it was thrown.
   void flush();
 
   // Stops every thread (waits at most `grace_s` for transfers in progress). Idempotent.
@@ -116,8 +120,11 @@ class CommEngine {
   int64_t recv_pool() const { return recv_pool_; }
 
  private:
-  struct Link;
+  struct Link;  // a link's queues, its send and receive loops and their state
+  // The link of (peer, channel, stage), created and its threads started on first use.
   Link& link(int peer, Channel channel, int stage);
+  // invalid_argument unless `peer` is another rank of the group and `stage` fits in a tag.
+  void check_link(int peer, Channel channel, int stage) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   const int rank_;

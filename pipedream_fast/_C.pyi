@@ -65,13 +65,6 @@ class ActivationQueue:
     def stats(self) -> dict[str, float]:
         """A new dict: pushed, popped, high_water (int); push_wait_s, pop_wait_s (float)."""
 
-class ThreadedProducer:
-    """A native thread pushing `count` bundles of `tensors` (microbatch 0..count-1)."""
-
-    def __init__(self, queue: ActivationQueue, tensors: Sequence[torch.Tensor], count: int,
-                 interval_us: int = 0) -> None: ...
-    def join(self) -> None: ...
-
 class WeightRing:
     """K preallocated weight-version slots of a stage (weight stashing)."""
 

@@ -1,5 +1,9 @@
 """Tests of `pipedream_fast._C.ActivationQueue` and the native `ThreadedProducer`.
 
+`ThreadedProducer` is bench-only: it lives in the extension that bench/native_ext.py builds on
+first use (cached in build/bench_ext/), not in the library; its tests skip only where no
+compiler or ninja can build it.
+
 The queue is the hand-off between pipeline stages and between communication threads and the
 compute thread, so what matters is exactly what a deadlocked or lossy pipeline would get
 wrong: FIFO order with tags intact, blocking on both sides, timeouts and close() that wake
@@ -17,6 +21,8 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -24,6 +30,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipedream_fast import _C
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+import native_ext  # noqa: E402  (bench/native_ext.py: the bench-only extension's loader)
 
 WAKE_S = 10.0  # how long a woken thread may take to finish (generous: 2 busy cores)
 STILL_BLOCKED_S = 0.2  # time a thread gets to reach its blocking call; it must still wait
@@ -333,10 +343,19 @@ def test_many_producers_and_consumers_lose_and_duplicate_nothing() -> None:
 
 # ---- the native producer thread --------------------------------------------------------------
 
-def test_threaded_producer_delivers_everything_in_order() -> None:
+@pytest.fixture(scope="module")
+def bench_ext() -> ModuleType:
+    """The bench-only extension with ThreadedProducer, built here if no build is cached."""
+    missing = native_ext.missing_tools()
+    if missing:
+        pytest.skip(missing)
+    return native_ext.load()
+
+
+def test_threaded_producer_delivers_everything_in_order(bench_ext: ModuleType) -> None:
     q = _C.ActivationQueue(4, "native")
     payload = [torch.arange(6.0), torch.ones(2, dtype=torch.int64)]
-    producer = _C.ThreadedProducer(q, payload, 300)
+    producer = bench_ext.ThreadedProducer(q, payload, 300)
     previous_stamp = 0
     for mb in range(300):
         b = q.pop(timeout=WAKE_S)
@@ -350,18 +369,18 @@ def test_threaded_producer_delivers_everything_in_order() -> None:
     assert q.stats()["pushed"] == 300
 
 
-def test_threaded_producer_with_interval_meets_a_blocked_consumer() -> None:
+def test_threaded_producer_with_interval_meets_a_blocked_consumer(bench_ext: ModuleType) -> None:
     q = _C.ActivationQueue(2, "paced")
-    producer = _C.ThreadedProducer(q, [torch.zeros(1)], 5, interval_us=2000)
+    producer = bench_ext.ThreadedProducer(q, [torch.zeros(1)], 5, interval_us=2000)
     got = [q.pop(timeout=WAKE_S).microbatch for _ in range(5)]
     producer.join()
     assert got == [0, 1, 2, 3, 4]
     assert q.stats()["pop_wait_s"] > 0
 
 
-def test_threaded_producer_join_raises_when_queue_closed_under_it() -> None:
+def test_threaded_producer_join_raises_when_queue_closed_under_it(bench_ext: ModuleType) -> None:
     q = _C.ActivationQueue(1, "shut")
-    producer = _C.ThreadedProducer(q, [torch.zeros(1)], 10)
+    producer = bench_ext.ThreadedProducer(q, [torch.zeros(1)], 10)
     deadline = time.monotonic() + WAKE_S
     while len(q) < 1 and time.monotonic() < deadline:  # producer fills the queue and blocks
         time.sleep(0.001)
@@ -375,8 +394,10 @@ def test_threaded_producer_join_raises_when_queue_closed_under_it() -> None:
 DROP_WITHOUT_JOIN = textwrap.dedent("""
     import faulthandler, sys, torch
     from pipedream_fast import _C
+    sys.path.insert(0, sys.argv[1])
+    import native_ext
     q = _C.ActivationQueue(4, "dropped")
-    producer = _C.ThreadedProducer(q, [torch.zeros(3)], 2, interval_us=200_000)
+    producer = native_ext.load().ThreadedProducer(q, [torch.zeros(3)], 2, interval_us=200_000)
     q.pop()  # the thread now sleeps before its second push
     faulthandler.dump_traceback_later(3, exit=True)  # native watchdog: needs no GIL
     del producer  # ~ThreadedProducer: close the queue, join the thread
@@ -385,8 +406,10 @@ DROP_WITHOUT_JOIN = textwrap.dedent("""
 """)
 
 
-def test_dropping_an_unjoined_producer_does_not_deadlock() -> None:
-    done = subprocess.run([sys.executable, "-c", DROP_WITHOUT_JOIN], capture_output=True,
+def test_dropping_an_unjoined_producer_does_not_deadlock(bench_ext: ModuleType) -> None:
+    # The fixture has built the extension: the child process loads the cached build.
+    done = subprocess.run([sys.executable, "-c", DROP_WITHOUT_JOIN, str(BENCH)],
+                          capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == 0 and "dropped" in done.stdout, done.stderr[-2000:]
 

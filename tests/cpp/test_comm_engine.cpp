@@ -179,15 +179,71 @@ TEST(CommEngine, WaitingForAMessageThatNeverComesTimesOut) {
     engine.wait_recv(0, Channel::kActivation, 3, 7);
     FAIL() << "expected a timeout";
   } catch (const QueueTimeout& e) {
-    EXPECT_NE(std::string(e.what()).find("activation of stage 3, microbatch 7 from rank 0"),
-              std::string::npos)
-        << e.what();
-  } catch (const std::runtime_error& e) {
-    // The receive thread's own timeout can win the race; the message names the same transfer.
+    // This wait's timeout or the receive thread's (which can win the race): the same type,
+    // and both messages name the transfer.
     EXPECT_NE(std::string(e.what()).find("activation of stage 3, microbatch 7 from rank 0"),
               std::string::npos)
         << e.what();
   }
+  engine.shutdown(0.5);
+}
+
+TEST(CommEngine, ATransferTimingOutInALinkThreadStaysAQueueTimeout) {
+  auto box = std::make_shared<Mailbox>();
+  CommEngine engine(c10::make_intrusive<LoopbackGroup>(box, 1, 2), 0.2);
+  engine.post_recv(0, Channel::kGradient, 2, 9);
+  // The receive thread's transfer times out (the loopback group throws a runtime_error for
+  // it); wait_recv then finds the link closed and rethrows what the thread stored.
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  try {
+    engine.wait_recv(0, Channel::kGradient, 2, 9);
+    FAIL() << "expected a timeout";
+  } catch (const QueueTimeout& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("timed out after 0.2 s receiving the gradient of stage 2, microbatch 9 "
+                        "from rank 0"),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find("loopback receive timed out"), std::string::npos) << what;
+  }
+  engine.shutdown(0.5);
+}
+
+namespace {
+
+// An error type of a backend, to check that link threads pass errors on with their type.
+class PeerGone : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class FailingWork : public c10d::Work {
+ public:
+  bool wait(std::chrono::milliseconds) override { throw PeerGone("connection closed by peer"); }
+};
+
+// Every transfer fails at once, as a backend's does when the peer died.
+class FailingGroup : public c10d::ProcessGroup {
+ public:
+  FailingGroup(int rank, int size) : c10d::ProcessGroup(rank, size) {}
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>&, int, int) override {
+    return c10::make_intrusive<FailingWork>();
+  }
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>&, int, int) override {
+    return c10::make_intrusive<FailingWork>();
+  }
+};
+
+}  // namespace
+
+TEST(CommEngine, LinkThreadErrorsAreRethrownWithTheirType) {
+  CommEngine engine(c10::make_intrusive<FailingGroup>(0, 2), 5.0);
+  engine.post_recv(1, Channel::kGradient, 0, 0);
+  EXPECT_THROW(engine.wait_recv(1, Channel::kGradient, 0, 0), PeerGone);
+  engine.send(1, Channel::kActivation, 1, 0, {at::zeros(2)});
+  EXPECT_THROW(engine.flush(), PeerGone);
+  // The failed link refuses later sends with the same error.
+  EXPECT_THROW(engine.send(1, Channel::kActivation, 1, 1, {at::zeros(2)}), PeerGone);
   engine.shutdown(0.5);
 }
 

@@ -1,6 +1,7 @@
 // ThreadedProducer: a native thread that pushes bundles into an ActivationQueue, as the
-// communication engine's receive thread will. Used by the hand-off benchmarks and tests to
-// measure C++-producer -> Python-consumer latency without any Python in the producer.
+// communication engine's receive threads do. Bench-only (not in the library extension): the
+// hand-off benchmarks and the queue tests use it, through bench/native.py, to measure
+// C++-producer -> Python-consumer latency without any Python in the producer.
 #pragma once
 
 #include <atomic>

@@ -1,0 +1,64 @@
+"""The bench-only C++ extension `pipedream_fast_bench`, built on first use.
+
+It holds what only the benchmarks and the tests need from C++ (`ThreadedProducer`, a native
+thread pushing into a `pipedream_fast._C.ActivationQueue`), so that none of it ships in the
+installed library. `load()` compiles bench/csrc/*.cpp with csrc/activation_queue.cpp through
+`torch.utils.cpp_extension.load` (ninja) into build/bench_ext/ at the repository root and
+caches it there: later calls, and later processes, reuse the build until a source changes.
+
+Import it from a script in bench/ (`import native_ext`) or, elsewhere, with bench/ on sys.path.
+`missing_tools()` says what stops a build on this machine (no C++ compiler, no ninja), for
+tests that skip rather than fail there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD_DIR = ROOT / "build" / "bench_ext"
+NAME = "pipedream_fast_bench"
+
+_module: ModuleType | None = None
+
+
+def sources() -> list[str]:
+    """The extension's sources: the bench-only ones and the queue it pushes into."""
+    return [str(p) for p in sorted((ROOT / "bench" / "csrc").glob("*.cpp"))] + \
+        [str(ROOT / "csrc" / "activation_queue.cpp")]
+
+
+def missing_tools() -> str | None:
+    """Why the extension cannot be built here (a missing compiler or ninja), or None."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} is not on PATH) to build the bench extension"
+    if not is_ninja_available():
+        return "ninja is not installed (pip install ninja): the bench extension builds with it"
+    return None
+
+
+def load(verbose: bool = False) -> ModuleType:
+    """The built module (compiled on the first call if no cached build is current)."""
+    global _module
+    if _module is None:
+        from torch.utils import cpp_extension
+
+        from pipedream_fast import _C  # the queue type must be registered before ours binds it
+
+        flags = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                 "-Wno-missing-field-initializers"]
+        if _C.cuda_enabled:  # a Bundle carries a CUDA event then: the layouts must agree
+            flags.append("-DPIPEDREAM_FAST_WITH_CUDA")
+        BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        _module = cpp_extension.load(
+            name=NAME, sources=sources(),
+            extra_include_paths=[str(ROOT / "csrc"), str(ROOT / "bench" / "csrc")],
+            extra_cflags=flags, with_cuda=bool(_C.cuda_enabled),
+            build_directory=str(BUILD_DIR), verbose=verbose)
+    return _module
