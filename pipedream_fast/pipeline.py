@@ -24,6 +24,7 @@ import copy
 import functools
 import itertools
 import os
+import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ from pipedream_fast.training import (GLOBAL_STATE, EpochBatches, MicrobatchFeed,
                                      steps_for, target_spec, to_device)
 from pipedream_fast.tuning import Tuning
 from pipedream_fast.rank_threads import RankThreads
-from pipedream_fast.world import Group, ProcessWorld, World
+from pipedream_fast.world import Group, ProcessWorld, ThreadWorld, World
 
 
 
@@ -281,6 +282,9 @@ class Pipeline:
         self._scheduler_factory = scheduler
         self._stages_wanted = stages
         self._model: nn.Module | None = model  # until the stages are cut
+        # Rank threads share the caller's model (copies only where a rank needs its own).
+        self._shares_model = isinstance(self._world, ThreadWorld) and isinstance(model, nn.Module)
+        self._copied: dict[int, Any] = {}  # id of a model tensor -> this rank's copy of it
         self._names = original_names(model)
         self._leaf_modules = tuple(leaf_modules)
         self._chain: LayerChain | None = None  # None: captured at the first minibatch
@@ -304,6 +308,7 @@ class Pipeline:
         assert control is not None
         self._control: Group = control
         self._stop_request: DeferredStop | None = None  # the driving thread's, for threads
+        self._executor: Executor | None = None  # the last run's (what a stuck rank was doing)
         # Forward-only traffic, one transport per (batch size, chunks, target structure):
         # every link keeps the shapes of its first message.
         self._inference_transports: dict[tuple[Any, ...], Transport] = {}
@@ -339,8 +344,9 @@ class Pipeline:
     def _start_threads(self, model: nn.Module | Callable[[], nn.Module], workers: int | None,
                        options: dict[str, Any]) -> None:
         """ranks='threads': `workers` rank threads, each a Pipeline rank of its own in a
-        `ThreadWorld`; this object drives them (`rank_threads`). Each rank gets its own copy
-        of the model (or builds its own, from a factory), as a process would."""
+        `ThreadWorld`; this object drives them (`rank_threads`). The ranks share
+        the caller's model: each stage's first rank trains the user's own modules, a replica
+        (or a weight tied across stages) gets a copy; a factory is called by every rank."""
         plan = options["plan"]
         if isinstance(plan, (str, os.PathLike)):
             plan = options["plan"] = Plan.load(plan)
@@ -349,15 +355,32 @@ class Pipeline:
                 raise ValueError("ranks='threads' needs workers=N, the number of rank threads "
                                  "(or a plan=, whose worker count is taken)")
             workers = plan.workers
-        models: list[nn.Module | Callable[[], nn.Module]] = [model] * workers
-        if isinstance(model, nn.Module):
-            models = [model, *(copy.deepcopy(model) for _ in range(workers - 1))]
         self.rank, self.world_size = 0, workers
-        threads = RankThreads(workers, options["timeout"])
+        threads = RankThreads(workers, options["timeout"], on_reset=self._after_abort,
+                              describe=self._describe_rank)
         self._threads = threads
-        weakref.finalize(self, threads.close)
         self._ranks: list[Pipeline] = threads.call(
-            lambda r: Pipeline(models[r], _world=threads.worlds[r], **options))
+            lambda r: Pipeline(model, _world=threads.worlds[r], **options))
+
+    def _describe_rank(self, rank: int) -> str:
+        """What rank thread `rank` is doing, for a report that it is stuck."""
+        ranks = self.__dict__.get("_ranks")
+        executor = ranks[rank]._executor if ranks else None
+        current = executor.current if executor is not None else None
+        if current is None:
+            return f"rank {rank} is outside the schedule's actions (reading data, agreeing)"
+        index, action, since = current
+        return (f"rank {rank} is in action {index} ({action.to_text()}) since "
+                f"{time.perf_counter() - since:.1f} s")
+
+    def _after_abort(self) -> None:
+        """ranks='threads', after a failure aborted every rank's waits: the transports it
+        closed are dropped (the ranks make new ones), what was in flight is discarded."""
+        for pipe in self._ranks:
+            pipe._transport = None
+            pipe._inference_transports.clear()
+            for runtime in pipe._runtimes.values():
+                runtime.abandon_run()
 
     def __getattr__(self, name: str) -> Any:
         """ranks='threads': what is the same on every rank (plan, schedule_name, device...)
@@ -426,6 +449,22 @@ class Pipeline:
         self._check_ties_allowed(self._chain)
 
     # --- set-up ------------------------------------------------------------------------------
+    @property
+    def trace(self) -> bool:
+        """Whether the next runs record a trace of their actions (`last_events`); may be
+        switched between runs."""
+        if self._threads is not None:
+            return self._ranks[0].trace
+        return self._trace
+
+    @trace.setter
+    def trace(self, value: bool) -> None:
+        if self.__dict__.get("_threads") is not None:
+            for pipe in self._ranks:
+                pipe.trace = value
+        else:
+            self._trace = value
+
     @property
     def stage_modules(self) -> dict[int, nn.Module]:
         """The stages this rank holds (several in interleaved plans), by stage index; with
@@ -541,6 +580,8 @@ class Pipeline:
         for index in self.stage_indices:
             stage_plan = plan.stages[index]
             module = self._chain.stage_module(stage_plan.start, stage_plan.stop)
+            if self._shares_model and self._needs_own_copy(plan, index):
+                module = self._own_copy(module)
             self._materialize(module, self.device, index)
             self._modules[index] = module.to(self.device)
         for index, module in self._modules.items():
@@ -597,13 +638,37 @@ class Pipeline:
             group = self._world.new_group(ranks)  # collective: every rank, same order
             if mine:
                 assert group is not None
-                param = params[pid]
+                param = self._copied.get(pid, params[pid])
                 src = plan.stages[holders[0]].ranks[0]
                 with torch.no_grad():
                     group.broadcast(param.data, src=src)
                 tied.append(TiedWeight(param, group, counts_in_norm=mine[0] == holders[0],
                                        replicas=len(plan.stages[mine[0]].ranks)))
         return tied
+
+    def _needs_own_copy(self, plan: Plan, index: int) -> bool:
+        """Rank threads share the caller's model: a stage's first rank trains the user's own
+        modules; a replica, or a later stage holding a weight tied to an earlier one, needs
+        tensors of its own (as a process has), made from the same values."""
+        if plan.stages[index].ranks[0] != self.rank:
+            return True
+        assert self._chain is not None
+        stage_of_block = {b: i for i, s in enumerate(plan.stages) for b in range(s.start, s.stop)}
+        return any(index in holders and min(holders) < index
+                   for holders in ({stage_of_block[b] for b in blocks}
+                                   for blocks in shared_parameters(self._chain).values()))
+
+    def _own_copy(self, module: nn.Module) -> nn.Module:
+        """A deep copy of a stage for this rank alone; its tensors keep the model's names
+        (`_names`), and `_copied` finds a copy from the original's id."""
+        memo: dict[int, Any] = {}
+        with GLOBAL_STATE:
+            copied = copy.deepcopy(module, memo)
+        for pid, keys in list(self._names.items()):
+            if pid in memo and isinstance(memo[pid], torch.Tensor):
+                self._names[id(memo[pid])] = keys
+                self._copied[pid] = memo[pid]
+        return copied
 
     def _check_same_model_everywhere(self, chain: Any) -> None:
         """Every rank must have built the same model; compared before any training."""
@@ -901,6 +966,7 @@ class Pipeline:
             inputs = data_source(feed, schedule, self.rank, self._flatten, self.device)
         executor = Executor(schedule, self.rank, runtimes, self._transport, inputs,
                             target_spec=spec, trace=self.trace, update_sync=self._sync)
+        self._executor = executor
         tracker = StepTracker(schedule, self.rank, chunks)
         for runtime in runtimes.values():
             runtime.begin_run()
@@ -1059,6 +1125,7 @@ class Pipeline:
                     for i, m in self._modules.items()}
         executor = Executor(schedule, self.rank, runtimes, self._inference_transport(key),
                             inputs, target_spec=spec, outputs=sink)
+        self._executor = executor
         for _ in executor.run():
             pass
 
@@ -1317,8 +1384,8 @@ class Pipeline:
         default group, which a script may still use; one the Pipeline started goes at exit).
         Also done when the Pipeline is garbage-collected, and at exit."""
         if self._threads is not None:
-            self._threads.call(lambda r: self._ranks[r].close())
-            self._threads.close()
+            for pipe in self._ranks:
+                pipe.close()
             return
         self._world.release()
         self._transport = None

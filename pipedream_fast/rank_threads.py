@@ -13,15 +13,15 @@ rank's waits at once (`ThreadShared.abort`), as a dead process's closed sockets 
 error is what the caller gets. Errors every rank raises together at the same step (an agreed
 stop, a NaN loss) are not failures: each rank finishes its part (a checkpoint) first. A thread
 stuck in its own code cannot be interrupted: it is left behind (a daemon thread), the call
-raises `WorkerStuck`, and the Pipeline refuses further calls; its rank threads share aborted
-state after a failure, so a new Pipeline is needed to go on.
+raises `WorkerStuck`, and the Pipeline refuses further calls until it returns. Then the
+shared state is reset and the ranks run again, each having discarded what was in flight (as
+after a `break`, the stages may be an update apart).
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,49 +32,29 @@ from pipedream_fast.launch import Stopped
 from pipedream_fast.stopping import DeferredStop
 from pipedream_fast.world import Aborted, ThreadShared, ThreadWorld
 
-_SETTLE_S = 1.0  # how long an aborted rank gets to come back before it is left behind
+_SETTLE_S = 0.5  # how long an aborted rank gets to come back before it is left behind
 
 
 class WorkerStuck(TimeoutError):
     """A rank thread did not come back within the timeout; it is left behind."""
 
 
-class _Worker:
-    """One rank's thread: runs the calls given to it, in order (a daemon, so that one stuck
+def _in_thread(rank: int, fn: Callable[[], Any]) -> tuple[Future[Any], threading.Thread]:
+    """Runs `fn` in a new thread of rank `rank`, in the caller's context (a daemon: one stuck
     in user code never keeps the process from exiting)."""
+    future: Future[Any] = Future()
+    context = contextvars.copy_context()
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self._jobs: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
-        self.thread = threading.Thread(target=self._loop, daemon=True,
-                                       name=f"pipedream-rank{rank}")
-        self.thread.start()
-        self.busy_since: float | None = None
+    def run() -> None:
+        try:
+            future.set_result(context.run(fn))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            future.failed_at = time.monotonic()  # type: ignore[attr-defined]
+            future.set_exception(err)
 
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fn, future = job
-            self.busy_since = time.monotonic()
-            try:
-                future.set_result(fn())
-            except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
-                future.failed_at = time.monotonic()  # type: ignore[attr-defined]
-                future.set_exception(err)
-            finally:
-                self.busy_since = None
-
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        """Runs `fn` in this thread, in the caller's context (`checkpoint.resuming`...)."""
-        future: Future[Any] = Future()
-        context = contextvars.copy_context()
-        self._jobs.put((lambda: context.run(fn), future))
-        return future
-
-    def stop(self) -> None:
-        self._jobs.put(None)
+    thread = threading.Thread(target=run, daemon=True, name=f"pipedream-rank{rank}")
+    thread.start()
+    return future, thread
 
 
 def _failed_at(future: Future[Any]) -> float:
@@ -88,38 +68,50 @@ def _together(err: BaseException) -> bool:
 
 
 class RankThreads:
-    """`size` rank threads and the state they share (see the module's docstring)."""
+    """`size` rank threads and the state they share (see the module's docstring). Each call
+    has threads of its own, gone when it returns."""
 
-    def __init__(self, size: int, timeout_s: float) -> None:
+    def __init__(self, size: int, timeout_s: float,
+                 on_reset: Callable[[], None] | None = None,
+                 describe: Callable[[int], str] | None = None) -> None:
         if size < 1:
             raise ValueError(f"workers must be >= 1 rank threads, got {size}")
         self.size = size
         self.timeout_s = timeout_s
         self.shared = ThreadShared(size, timeout_s)
         self.worlds = [ThreadWorld(r, self.shared) for r in range(size)]
-        self._workers = [_Worker(r) for r in range(size)]
-        self._failure: str | None = None  # why no call can run any more
-
-    def close(self) -> None:
-        for worker in self._workers:
-            worker.stop()
+        self._on_reset = on_reset  # the Pipeline drops what the abort closed
+        self._describe = describe or (lambda rank: f"rank {rank}")  # what a rank is doing
+        self._left_behind: list[tuple[int, threading.Thread]] = []
 
     def _check_usable(self) -> None:
-        if self._failure is not None:
-            stuck = [w.rank for w in self._workers if w.busy_since is not None]
-            still = (f"; rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} "
-                     f"{'are' if len(stuck) > 1 else 'is'} still running in the background"
-                     if stuck else "")
-            raise RuntimeError(f"this Pipeline cannot run any more: {self._failure}{still}. "
-                               f"Make a new Pipeline (from a checkpoint, to go on)")
+        """After a failure: refused while a thread left behind still runs; once every one is
+        back, the shared state is reset and the ranks can run again."""
+        if self.shared.aborted is None:
+            return
+        stuck = [rank for rank, t in self._left_behind if t.is_alive()]
+        if stuck:
+            doing = "; ".join(self._describe(rank) for rank in stuck)
+            raise RuntimeError(f"this Pipeline cannot run: {doing}, left behind after "
+                               f"{self.shared.aborted} (a thread cannot be interrupted). Wait "
+                               f"for {'them' if len(stuck) > 1 else 'it'} to return, or make a "
+                               f"new Pipeline")
+        self._left_behind = []
+        self.shared.reset()
+        made = max(w.made for w in self.worlds)
+        for world in self.worlds:  # ranks that failed early made fewer: align the counts
+            world.made = made
+        if self._on_reset is not None:
+            self._on_reset()
 
     def call(self, fn: Callable[[int], Any]) -> list[Any]:
         """`fn(rank)` on every rank thread at once; every rank's result, in rank order."""
         self._check_usable()
-        futures = [w.submit(functools.partial(fn, w.rank)) for w in self._workers]
-        return self._results(futures)
+        started = [_in_thread(r, functools.partial(fn, r)) for r in range(self.size)]
+        return self._results(started)
 
-    def _results(self, futures: list[Future[Any]]) -> list[Any]:
+    def _results(self, started: list[tuple[Future[Any], threading.Thread]]) -> list[Any]:
+        futures = [f for f, _ in started]
         # Every wait of a rank is bounded by the timeout, so a rank stuck in its own code makes
         # the others fail within it: no deadline is needed here.
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
@@ -135,14 +127,14 @@ class RankThreads:
         reason = (f"rank {futures.index(failed)} failed ({failed.exception()})" if failed
                   is not None else f"no rank thread finished within {self.timeout_s:g} s")
         self.shared.abort(reason)
-        self._failure = reason
         wait(pending, timeout=_SETTLE_S)
         stuck = [i for i, f in enumerate(futures) if not f.done()]
+        self._left_behind = [(i, started[i][1]) for i in stuck]
         if stuck:
-            names = ", ".join(map(str, stuck))
-            error = WorkerStuck(f"rank{'s' if len(stuck) > 1 else ''} {names} did not return "
-                                f"after {reason}: a thread cannot be interrupted in the middle "
-                                f"of its work, so {'they are' if len(stuck) > 1 else 'it is'} "
+            doing = "; ".join(self._describe(rank) for rank in stuck)
+            error = WorkerStuck(f"{doing}, over the timeout of {self.timeout_s:g} s, and did "
+                                f"not return after {reason}: a thread cannot be interrupted in "
+                                f"the middle of its work, so {'they are' if len(stuck) > 1 else 'it is'} "
                                 f"left behind, running in the background")
             if failed is not None:
                 error.__cause__ = failed.exception()
@@ -165,7 +157,8 @@ class RankThreads:
         with DeferredStop() as request:  # the caller's thread gets the signal
             def follow(rank: int) -> None:
                 gate.follow(rank, start(rank, request))
-            futures = [w.submit(functools.partial(follow, w.rank)) for w in self._workers]
+            started = [_in_thread(r, functools.partial(follow, r)) for r in range(self.size)]
+            futures = [f for f, _ in started]
             taken = 0
             try:
                 while True:
@@ -177,7 +170,7 @@ class RankThreads:
                     gate.go()
             finally:
                 gate.stop()  # a break, an error, or (harmless) every rank done
-                self._results(futures)
+                self._results(started)
 
 
 _END = object()

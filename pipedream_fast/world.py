@@ -182,6 +182,12 @@ class _Meeting:
         self.ranks = tuple(ranks)
         self._slots: dict[int, list[Any]] = {}
         self._reads: dict[int, int] = {}
+        self.calls = [0] * len(self.ranks)  # each member's calls so far
+
+    def reset(self) -> None:
+        self._slots.clear()
+        self._reads.clear()
+        self.calls = [0] * len(self.ranks)
 
     def bring(self, member: int, call: int, value: Any) -> None:
         with self._shared.cond:
@@ -229,10 +235,10 @@ class ThreadGroup:
         self.ranks = meeting.ranks
         self.rank = rank
         self._member = meeting.ranks.index(rank)
-        self._calls = 0
 
     def _exchange(self, value: Any) -> Callable[[], list[Any]]:
-        call, self._calls = self._calls, self._calls + 1
+        call = self._meeting.calls[self._member]
+        self._meeting.calls[self._member] += 1
         self._meeting.bring(self._member, call, value)
         return lambda: self._meeting.collect(call, self.rank)
 
@@ -288,6 +294,15 @@ class ThreadShared:
                     self._made[index].close()
             return self._made[index]
 
+    def reset(self) -> None:
+        """After an abort, once every rank thread is back: the groups start afresh (the
+        aborted hubs stay closed: the ranks make new transports)."""
+        with self.cond:
+            self.aborted = None
+            for made in self._made.values():
+                if isinstance(made, _Meeting):
+                    made.reset()
+
     def abort(self, reason: str) -> None:
         """Wakes every wait of every rank thread with an error (idempotent)."""
         with self.cond:
@@ -309,14 +324,14 @@ class ThreadWorld:
         self.size = shared.size
         self.shared = shared
         self.timeout_s = shared.timeout_s
-        self._made = 0  # groups and transports made so far, counted alike on every rank
+        self.made = 0  # groups and transports made so far, counted alike on every rank
 
     def default_device(self) -> torch.device:
         return torch.device("cpu")
 
     def _next(self) -> int:
-        self._made += 1
-        return self._made - 1
+        self.made += 1
+        return self.made - 1
 
     def new_group(self, ranks: Sequence[int], backend: str | None = None) -> ThreadGroup | None:
         index = self._next()

@@ -179,7 +179,7 @@ def test_local_pipeline_threads_equal_reference_localsgd(case):
     pipe = LocalPipeline(mlp(), loss_fn, sgd, plan_for(stages), schedule="localsgd",
                          local_steps=h, model_replicas=r, timeout=60)
     losses = [float(loss) for loss in pipe.train(data(steps), steps)]
-    copies = {stage: stage_copies(rt) for (stage, _), rt in pipe._runtimes.items()}
+    copies = {stage: stage_copies(rt) for p in pipe._ranks for stage, rt in p._runtimes.items()}
     check(stages, r, h, [data(steps)], losses, pipe.state_dict(), [copies])
 
 
@@ -188,7 +188,7 @@ def test_local_pipeline_runs_continue_with_the_same_copies():
                          local_steps=1, model_replicas=2, timeout=60)
     losses = [float(loss) for loss in pipe.train(data(3), 3)]
     losses += [float(loss) for loss in pipe.train(data(4, seed=2), 4)]
-    copies = {stage: stage_copies(rt) for (stage, _), rt in pipe._runtimes.items()}
+    copies = {stage: stage_copies(rt) for p in pipe._ranks for stage, rt in p._runtimes.items()}
     check(2, 2, 1, [data(3), data(4, seed=2)], losses, pipe.state_dict(), [copies])
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -175,20 +176,21 @@ class Failing(nn.Module):
         return loss_fn(out, y)
 
 
-def test_an_error_on_one_rank_reaches_the_caller_at_once_and_the_pipeline_refuses_more():
+def test_an_error_on_one_rank_reaches_the_caller_at_once_and_the_pipeline_runs_again():
     pipe = threads(loss=Failing(at=3), timeout=30.0)
     began = time.monotonic()
     with pytest.raises(RuntimeFailure, match=r"rank 1, action \d+ .*injected fault"):
         list(pipe.train(batches(4)))
     assert time.monotonic() - began < 10, "the other rank waited for its timeout"
-    with pytest.raises(RuntimeError, match="cannot run any more: rank 1 failed"):
-        pipe.evaluate(batches(1))
+    assert not [t for t in threading.enumerate() if t.name.startswith("pipedream-rank")]
+    assert len(list(pipe.train(batches(2), steps=2))) == 2  # every thread is back: it runs
+    assert set(pipe.evaluate(batches(1))) == {"loss"}
 
 
 def test_a_rank_stuck_in_user_code_is_reported_within_the_timeout_not_waited_for():
     pipe = threads(loss=Failing(at=3, hang_s=6.0), timeout=1.0)
     began = time.monotonic()
-    with pytest.raises(WorkerStuck, match="rank 1 did not return"):
+    with pytest.raises(WorkerStuck, match=r"rank 1 is in action \d+ \(1F.*left behind"):
         list(pipe.train(batches(4)))
     assert time.monotonic() - began < 5
 

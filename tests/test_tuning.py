@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -143,11 +145,16 @@ def train_threads(plan: Plan, schedule: str, tuning: Tuning, monkeypatch: pytest
             super().__init__(*args, **kwargs)
             hubs.append(self)
 
-    monkeypatch.setattr("pipedream_fast.local_pipeline.ThreadHub", RecordedHub)
+    monkeypatch.setattr("pipedream_fast.world.ThreadHub", RecordedHub)
     pipe = LocalPipeline(mlp(), loss_fn, sgd, plan, schedule=schedule, chunks=CHUNKS,
                          timeout=60, tuning=tuning)
     losses = [float(loss) for loss in pipe.train(batches(), STEPS)]
     return (losses, pipe.state_dict()), pipe, hubs
+
+
+def thread_runtimes(pipe: LocalPipeline) -> dict[tuple[int, int], Any]:
+    """Every rank thread's stage runtimes, by (stage, rank)."""
+    return {(i, r): rt for r, p in enumerate(pipe._ranks) for i, rt in p._runtimes.items()}
 
 
 def test_every_knob_reaches_the_threads_and_none_changes_the_results(monkeypatch):
@@ -156,11 +163,12 @@ def test_every_knob_reaches_the_threads_and_none_changes_the_results(monkeypatch
     got, pipe, hubs = train_threads(FIRST_REPLICATED, "pipedream", tuned, monkeypatch)
     assert_same_run(got, want)
     assert (hubs[0].depth, hubs[0].spin_us) == (1, 50.0)
-    rings = {key: rt.ring.capacity for key, rt in pipe._runtimes.items()}
+    rings = {key: rt.ring.capacity for key, rt in thread_runtimes(pipe).items()}
     assert set(rings.values()) == {tuned.weight_slots}
-    buckets = {key: rt.buckets.num_buckets for key, rt in pipe._runtimes.items() if rt.buckets}
-    default_buckets = {key: rt.buckets.num_buckets for key, rt in plain._runtimes.items()
-                       if rt.buckets}
+    buckets = {key: rt.buckets.num_buckets for key, rt in thread_runtimes(pipe).items()
+               if rt.buckets}
+    default_buckets = {key: rt.buckets.num_buckets
+                       for key, rt in thread_runtimes(plain).items() if rt.buckets}
     assert set(buckets) == set(default_buckets) == {(0, 0), (0, 1)}  # stage 0's replicas
     assert set(default_buckets.values()) == {1} and min(buckets.values()) > 1
 

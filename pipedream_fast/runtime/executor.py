@@ -92,6 +92,8 @@ class Executor:
         self.sink = outputs
         self.update_sync = update_sync
         self.stats = ExecutorStats()
+        # The action in progress (its index, itself, since when): what a stuck rank was doing.
+        self.current: tuple[int, Action, float] | None = None
         self._carried: dict[tuple[int, int], Any] = {}  # (stage, mb) -> target to pass on
         self._losses: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> loss to pass back
         self.events: list[TraceEvent] | None = [] if trace else None
@@ -297,6 +299,7 @@ class Executor:
         index = 0
         while (action := self._program.pop()) is not None:
             t0, waited = time.perf_counter(), self.stats.wait_s
+            self.current = (index, action, t0)
             try:
                 result = handlers[action.kind](action)
             except Exception as err:
@@ -315,6 +318,7 @@ class Executor:
                     duration_ms=(t1 - t0) * 1e3, stage=action.stage,
                     microbatch=action.microbatch, version=action.version,
                     args={"token": action.to_text(), "waited_ms": waited * 1e3}))
+            self.current = None
             yield index, action, result
             index += 1
         self.transport.flush()

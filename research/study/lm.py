@@ -1,5 +1,5 @@
 """The language model through the real runtime: `build_charlm(layers=2)` (blocks embed,
-block1, block2, head: S = 2 or 4) on the `text` corpus, trained by `LocalPipeline` (threads,
+block1, block2, head: S = 2 or 4) on the `text` corpus, trained by `Pipeline(ranks="threads")` (threads,
 plain SGD, one microbatch of 16 windows per step). Time: the unit-cost simulation of the same
 schedule; loss: the training loss of microbatch m (computed by the last stage at the weights
 m read), placed at the end of m's last-stage forward, averaged over windows of 16
@@ -25,14 +25,14 @@ BLOCKS = 4  # embed, block1, block2, head: S must divide it
 
 def lm_run(schedule: str, stages: int, gamma: float, steps: int, batch: int,
            local_steps: int | None = None, seed: int = 0) -> dict[str, Any]:
-    """Train `build_charlm(layers=2)` with LocalPipeline on `stages` stages (blocks of layers)
+    """Train `build_charlm(layers=2)` with Pipeline(ranks="threads") on `stages` stages (blocks of layers)
     for `steps` microbatches; loss of each microbatch against the unit-cost simulated time of
     its last-stage forward."""
     import torch
 
     from pipedream_fast.datasets import char_corpus
     from pipedream_fast.formats import Plan, StagePlan
-    from pipedream_fast.local_pipeline import LocalPipeline
+    from pipedream_fast.pipeline import Pipeline
     from pipedream_fast.models import build_charlm, loss_fn
 
     torch.manual_seed(seed)
@@ -54,10 +54,10 @@ def lm_run(schedule: str, stages: int, gamma: float, steps: int, batch: int,
     kwargs: dict[str, Any] = {}
     if local_steps is not None:
         kwargs = {"local_steps": local_steps, "model_replicas": stages}
-    pipe = LocalPipeline(model, loss_fn, lambda params: torch.optim.SGD(params, lr=gamma),
-                         plan, schedule=schedule, chunks=1, timeout=120, **kwargs)
+    pipe = Pipeline(model, loss_fn, lambda params: torch.optim.SGD(params, lr=gamma),
+                    plan=plan, schedule=schedule, timeout=120, ranks="threads", **kwargs)
     start = time.perf_counter()
-    losses = [float(v) for v in pipe.train(data, steps)]
+    losses = [float("nan") if v is None else float(v) for v in pipe.train(data, steps)]
     wall = time.perf_counter() - start
     method = (Method("localsgd", local_steps) if schedule == "localsgd"
               else Method("sync") if schedule == "gpipe" else Method(schedule))
