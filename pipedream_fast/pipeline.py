@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import itertools
 import os
@@ -42,7 +43,7 @@ from pipedream_fast.formats import FormatError, Plan
 from pipedream_fast.launch import Stopped, signal_name
 from pipedream_fast.ir import Schedule
 from pipedream_fast.runtime.executor import Executor
-from pipedream_fast.runtime.stage import (AUTOCAST_DTYPES, OptimizerFactory, SchedulerFactory,
+from pipedream_fast.runtime.stage import (OptimizerFactory, SchedulerFactory,
                                           StageRuntime)
 from pipedream_fast.runtime.transport import Transport
 from pipedream_fast.runtime.update_sync import GlobalUpdateSync, LossScaler, TiedWeight
@@ -53,14 +54,14 @@ from pipedream_fast.tracing import LayerChain, NeedsExampleInputs, shared_parame
 from pipedream_fast.tracing import trace as trace_model
 from pipedream_fast.training import (GLOBAL_STATE, EpochBatches, MicrobatchFeed, StepTracker, build_schedule,
                                      check_backend, check_loader, check_plan_fits,
-                                     check_localsgd_options, check_runtime_fits,
-                                     check_trainable, data_source,
+                                     check_runtime_fits, data_source,
                                      feed_uses, manual_plan, model_fingerprint, named_state,
                                      original_names, resolve_schedule, InputsOnly, model_loss,
                                      batch_size, fingerprint, pad_batch, split_microbatches,
                                      stage_runtime,
                                      steps_for, target_spec, to_device)
 from pipedream_fast.tuning import Tuning
+from pipedream_fast.options import OptionError, PipelineOptions
 from pipedream_fast.rank_threads import RankThreads
 from pipedream_fast.world import Group, ProcessWorld, ThreadWorld, World
 
@@ -193,64 +194,46 @@ class Pipeline:
     def __init__(self, model: nn.Module | Callable[[], nn.Module],
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                  optimizer: OptimizerFactory, plan: None | str | os.PathLike[str] | Plan = None,
-                 schedule: str = "pipedream", microbatch_size: int | None = None,
-                 chunks: int | None = None, *, stages: int | None = None,
-                 balance: Sequence[int] | None = None, split_points: Sequence[str] | None = None,
-                 scheduler: SchedulerFactory | None = None, clip_grad_norm: float | None = None,
-                 precision: str = "fp32", seed: int = 0, on_nan: str = "stop",
-                 checkpoint_dir: str | os.PathLike[str] | None = None,
-                 checkpoint_every: int | None = None, checkpoint_keep: int = 3,
-                 example_inputs: Any = None,
-                 timeout: float = 300.0, trace: bool = False,
-                 leaf_modules: Sequence[Any] = (), device: str | torch.device | None = None,
-                 tuning: Tuning | None = None, local_steps: int | None = None,
-                 model_replicas: int | None = None, ranks: str = "processes",
-                 workers: int | None = None, _world: World | None = None) -> None:
-        options = {k: v for k, v in locals().items()
-                   if k not in ("self", "model", "ranks", "workers", "_world", "__class__")}
-        if ranks not in ("processes", "threads"):
-            raise ValueError(f"ranks must be 'processes' (one per process: torchrun, "
-                             f"`pipedream-fast run`) or 'threads' (every rank a thread of this "
-                             f"process), got {ranks!r}")
-        if ranks == "processes" and workers is not None:
-            raise ValueError("workers= is the number of rank threads with ranks='threads'; "
-                             "with processes, the job's world size is the number of ranks")
+                 schedule: str | None = None, microbatch_size: int | None = None,
+                 chunks: int | None = None, *, scheduler: SchedulerFactory | None = None,
+                 example_inputs: Any = None, leaf_modules: Sequence[Any] = (),
+                 tuning: Tuning | None = None, options: PipelineOptions | None = None,
+                 _world: World | None = None, **values: Any) -> None:
+        """`values`: the options of `PipelineOptions` by name (`clip_grad_norm=1.0`,
+        `ranks="threads"`, `workers=2`...) and those the schedule declares
+        (`local_steps=4`), on top of `options` if given; checked once, here."""
+        for name, value in (("schedule", schedule), ("microbatch_size", microbatch_size),
+                            ("chunks", chunks)):
+            if value is not None:
+                values[name] = value
+        if options is not None:
+            values = {**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)},
+                      **values}
+        opts = PipelineOptions.of(**values)
+        self.options = opts
         self._threads: RankThreads | None = None
-        check_trainable(schedule)
-        check_localsgd_options(schedule, chunks, microbatch_size, local_steps, model_replicas)
-        if chunks is not None and chunks < 1:
-            raise ValueError(f"chunks must be >= 1, got {chunks}")
-        if precision not in AUTOCAST_DTYPES:
-            raise ValueError(f"precision must be one of {', '.join(AUTOCAST_DTYPES)}, got "
-                             f"{precision!r}")
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm must be a positive norm, got {clip_grad_norm}")
-        if on_nan not in ("stop", "skip"):
-            raise ValueError(f"on_nan must be 'stop' or 'skip', got {on_nan!r}")
-        if (checkpoint_dir is None) != (checkpoint_every is None):
-            raise ValueError("give checkpoint_dir and checkpoint_every together (save every N "
-                             "steps into checkpoint_dir/step-N)")
-        if checkpoint_every is not None and checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1 steps, got {checkpoint_every}")
-        if checkpoint_keep < 1:
-            raise ValueError(f"checkpoint_keep must be >= 1, got {checkpoint_keep}")
-        self._run_id = ckpt.claim_run(checkpoint_dir)  # refuses another run's checkpoint_dir
-        given = [n for n, v in (("plan", plan), ("stages", stages), ("balance", balance),
-                                ("split_points", split_points)) if v is not None]
-        if len(given) > 1:
-            raise ValueError(f"give one of plan, stages, balance and split_points, got "
-                             f"{' and '.join(given)}")
-        if ranks == "threads" and _world is None:
-            self._start_threads(model, workers, options)
+        self._run_id = ckpt.claim_run(opts.checkpoint_dir)  # refuses another run's folder
+        if plan is not None and opts.stages is not None:
+            raise ValueError("give one of plan, stages, balance and split_points, got plan "
+                             "and stages")
+        if plan is not None and (opts.balance is not None or opts.split_points is not None):
+            raise ValueError(f"give one of plan, stages, balance and split_points, got plan "
+                             f"and {'balance' if opts.balance is not None else 'split_points'}")
+        if opts.ranks == "threads" and _world is None:
+            self._start_threads(model, plan, dict(scheduler=scheduler,
+                                                  example_inputs=example_inputs,
+                                                  leaf_modules=leaf_modules, tuning=tuning,
+                                                  loss_fn=loss_fn, optimizer=optimizer))
             return
-        self._world: World = _world if _world is not None else ProcessWorld(timeout)
+        self._world: World = _world if _world is not None else ProcessWorld(opts.timeout)
         # A factory: every rank builds the model on the meta device and materialises only its
         # own stages (`_setup`). Where the planner cuts it, rank 0 profiles it, which needs
         # real weights: rank 0 builds it for real, and puts it back on meta once it is cut.
         self._factory_built = False
         if not isinstance(model, nn.Module) and callable(model):
             self._factory_built = (self._world.rank == 0 and self._world.size > 1
-                                   and given in ([], ["stages"]))
+                                   and plan is None and opts.balance is None
+                                   and opts.split_points is None)
             if self._factory_built:
                 model = model()
             else:
@@ -258,29 +241,27 @@ class Pipeline:
                     model = model()
         self.rank = self._world.rank
         self.world_size = self._world.size
-        self.device = (torch.device(device) if device is not None
+        self.device = (torch.device(opts.device) if opts.device is not None
                        else self._world.default_device())
         self.tuning = tuning or Tuning()
         self.tuning.check_device(self.device)
-        self.schedule_name = schedule
-        self.microbatch_size = microbatch_size
-        self.chunks = chunks
-        self.local_steps = local_steps
-        self.model_replicas = model_replicas
+        self.schedule_name = opts.schedule
+        self.microbatch_size = opts.microbatch_size
+        self.chunks = opts.chunks
         self.loss_fn: Callable[[Any, Any], torch.Tensor] = loss_fn or model_loss
         self._inputs_only = loss_fn is None  # loader items are the model's inputs alone
-        self.timeout = timeout
-        self.trace = trace
-        self.seed = seed
-        self.precision = precision
-        self.clip_grad_norm = clip_grad_norm
-        self.on_nan = on_nan
-        self.checkpoint_dir = checkpoint_dir
-        self.checkpoint_every = checkpoint_every
-        self.checkpoint_keep = checkpoint_keep
+        self.timeout = opts.timeout
+        self.trace = opts.trace
+        self.seed = opts.seed
+        self.precision = opts.precision
+        self.clip_grad_norm = opts.clip_grad_norm
+        self.on_nan = opts.on_nan
+        self.checkpoint_dir = opts.checkpoint_dir
+        self.checkpoint_every = opts.checkpoint_every
+        self.checkpoint_keep = opts.checkpoint_keep
         self._optimizer_factory = optimizer
         self._scheduler_factory = scheduler
-        self._stages_wanted = stages
+        self._stages_wanted = opts.stages
         self._model: nn.Module | None = model  # until the stages are cut
         # Rank threads share the caller's model (copies only where a rank needs its own).
         self._shares_model = isinstance(self._world, ThreadWorld) and isinstance(model, nn.Module)
@@ -313,7 +294,7 @@ class Pipeline:
         # every link keeps the shapes of its first message.
         self._inference_transports: dict[tuple[Any, ...], Transport] = {}
         self._sync: GlobalUpdateSync | None = None
-        self._scaler = LossScaler() if precision == "fp16" else None
+        self._scaler = LossScaler() if opts.precision == "fp16" else None
         self._step = 0  # minibatches trained so far
         self._pending_restore: tuple[Path, dict[str, Any]] | None = None  # from `load`
         self._peeked: tuple[EpochBatches, Any] | None = None  # a batch read to plan with
@@ -332,7 +313,7 @@ class Pipeline:
             plan = Plan.load(plan)
         if plan is not None and not isinstance(plan, Plan):
             raise TypeError(f"plan must be None, a path or a Plan, got {type(plan).__name__}")
-        self._split = (plan, balance, split_points)  # how to cut, once the chain is known
+        self._split = (plan, opts.balance, opts.split_points)  # how to cut, once the chain is known
         if self._chain is not None:
             self._check_ties_allowed(self._chain)
             plan = self._fixed_plan()
@@ -341,26 +322,28 @@ class Pipeline:
             if plan is not None:
                 self._setup(plan)
 
-    def _start_threads(self, model: nn.Module | Callable[[], nn.Module], workers: int | None,
-                       options: dict[str, Any]) -> None:
+    def _start_threads(self, model: nn.Module | Callable[[], nn.Module], plan: Any,
+                       objects: dict[str, Any]) -> None:
         """ranks='threads': `workers` rank threads, each a Pipeline rank of its own in a
         `ThreadWorld`; this object drives them (`rank_threads`). The ranks share
         the caller's model: each stage's first rank trains the user's own modules, a replica
         (or a weight tied across stages) gets a copy; a factory is called by every rank."""
-        plan = options["plan"]
         if isinstance(plan, (str, os.PathLike)):
-            plan = options["plan"] = Plan.load(plan)
+            plan = Plan.load(plan)
+        workers = self.options.workers
         if workers is None:
             if plan is None:
-                raise ValueError("ranks='threads' needs workers=N, the number of rank threads "
-                                 "(or a plan=, whose worker count is taken)")
+                raise OptionError("workers", "ranks='threads' needs workers=N, the number of "
+                                             "rank threads (or a plan=, whose worker count is "
+                                             "taken)")
             workers = plan.workers
         self.rank, self.world_size = 0, workers
-        threads = RankThreads(workers, options["timeout"], on_reset=self._after_abort,
+        threads = RankThreads(workers, self.options.timeout, on_reset=self._after_abort,
                               describe=self._describe_rank)
         self._threads = threads
         self._ranks: list[Pipeline] = threads.call(
-            lambda r: Pipeline(model, _world=threads.worlds[r], **options))
+            lambda r: Pipeline(model, plan=plan, options=self.options, _world=threads.worlds[r],
+                               **objects))
 
     def _describe_rank(self, rank: int) -> str:
         """What rank thread `rank` is doing, for a report that it is stuck."""
@@ -550,8 +533,8 @@ class Pipeline:
         while True:
             plan = choose_schedule(profile, topology, candidates=tuple(candidates))
             try:
-                build_schedule(plan, plan.schedule, self.world_size, chunks, self.local_steps,
-                               self.model_replicas)
+                build_schedule(plan, plan.schedule, self.world_size, chunks,
+                               self.options.schedule_options)
                 return plan
             except ValueError:
                 candidates.remove(plan.schedule)
@@ -566,8 +549,7 @@ class Pipeline:
                               f"{self.world_size} ranks; start {plan.workers} processes or make "
                               f"a plan for {self.world_size}")
         self.schedule_name = resolve_schedule(self.schedule_name, plan)
-        check_localsgd_options(self.schedule_name, self.chunks, self.microbatch_size,
-                               self.local_steps, self.model_replicas)
+        self.options = self.options.replace(schedule=self.schedule_name)  # auto: now known
         assert self._chain is not None  # captured before any plan is set up
         check_plan_fits(plan, self._chain)
         self._check_same_model_everywhere(self._chain)
@@ -957,7 +939,7 @@ class Pipeline:
         if self._transport is None:  # the last run was abandoned: new links (collective)
             self._transport = self._new_transport()
         schedule = build_schedule(self.plan, self.schedule_name, steps, chunks,
-                                  self.local_steps, self.model_replicas)
+                                  self.options.schedule_options)
         check_backend(schedule, self._world.backend)
         runtimes = self._runtimes_for(schedule)
         inputs = None

@@ -476,52 +476,21 @@ class EpochBatches:
 _END = object()
 
 
-def check_localsgd_options(name: str, chunks: int | None, microbatch_size: int | None,
-                           local_steps: int | None, model_replicas: int | None) -> None:
-    """localsgd trains one microbatch per step (a whole loader minibatch: chunks 1 or unset, no
-    microbatch_size) and takes H and R; the other schedules take neither. `name` "auto" is
-    checked once the plan names one."""
-    if name == "auto":
-        return
-    if name != "localsgd":
-        given = [n for n, v in (("local_steps", local_steps), ("model_replicas", model_replicas))
-                 if v is not None]
-        if given:
-            raise ValueError(f"{' and '.join(given)} apply only to schedule='localsgd', not "
-                             f"{name!r}")
-        return
-    for what, value in (("local_steps", local_steps), ("model_replicas", model_replicas)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 1):
-            raise ValueError(f"localsgd: {what} must be an integer >= 1, got {value!r}")
-    given = [f"{n}={v}" for n, v, ok in (("chunks", chunks, (None, 1)),
-                                          ("microbatch_size", microbatch_size, (None,)))
-             if v not in ok]
-    if given:
-        raise ValueError(f"localsgd trains each minibatch of the loader as one microbatch (one "
-                         f"local step of one model replica); it takes local_steps and "
-                         f"model_replicas, not {' and '.join(given)}")
-
-
 def weight_copies(schedule: Schedule) -> int:
     """The weight copies each stage keeps: localsgd's model replicas, else 1."""
     return int(schedule.params.get("model_replicas", 1)) if schedule.name == "localsgd" else 1
 
 
 def build_schedule(plan: Plan, name: str, steps: int, chunks: int,
-                   local_steps: int | None = None,
-                   model_replicas: int | None = None) -> Schedule:
+                   schedule_options: Mapping[str, Any] | None = None) -> Schedule:
     """The IR for `steps` minibatches of `chunks` microbatches on the plan's stages and ranks,
-    as a stream (nothing is generated before the run walks it). localsgd: one microbatch per
-    step, H and R as given (defaults: 1 and the number of stages)."""
+    as a stream (nothing is generated before the run walks it), with the options the
+    schedule declares (localsgd: one microbatch per step, H and R)."""
     kwargs: dict[str, Any] = {"stage_ranks": [list(s.ranks) for s in plan.stages]}
     if kind(name).chunked_steps:
         kwargs["chunks"] = chunks  # one update per minibatch
-    if local_steps is not None:
-        kwargs["local_steps"] = local_steps
-    if model_replicas is not None:
-        kwargs["model_replicas"] = model_replicas
-    schedule = make_schedule(name, len(plan.stages), steps * chunks, **kwargs)
+    schedule = make_schedule(name, len(plan.stages), steps * chunks, **kwargs,
+                             **dict(schedule_options or {}))
     validate(schedule)  # proven on its window before any rank runs it
     return schedule
 

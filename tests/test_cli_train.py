@@ -118,16 +118,17 @@ def test_threads_run_writes_every_file_and_a_bounded_trace(tmp_path, capsys):
     assert main(["train", "--threads", "2", "--steps", "6", "--batch-size", "16",
                  "--trace-steps", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    data = check_run_dir(out, {0, 1}, ["model.pt", "plan.json"])
+    data = check_run_dir(out, {0, 1}, ["manifest.json", "stage0.pt", "stage1.pt"])
     assert data["ranks_as"] == "threads" and data["runs"][0]["steps"] == 6
     from pipedream_fast.trace import read_chrome_trace
     microbatches = {e.microbatch for e in read_chrome_trace(out / "run_trace.json")
                     if e.kind == "forward"}
     assert microbatches == {0, 1}  # only the traced window of 2 steps
     assert len(re.findall(r"loss \d+\.\d+", printed)) >= 1
-    # the checkpoint is the whole model under its own names
+    # the processes' checkpoint format: exported, the whole model under its own names
+    from pipedream_fast.checkpoint import export
     from pipedream_fast.models import build_convnet
-    build_convnet().load_state_dict(torch.load(out / "checkpoint" / "model.pt"))
+    build_convnet().load_state_dict(export(out / "checkpoint"), strict=True)
 
 
 def test_without_matplotlib_the_job_runs_and_skips_the_plots(tmp_path, capsys, monkeypatch):
@@ -209,10 +210,12 @@ def test_localsgd_trains_with_local_steps_and_model_replicas(tmp_path, capsys, w
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--schedule", "1f1b", "--local-steps", "2"], "--local-steps apply only to --schedule "
-                                                   "localsgd"),
-    (["--schedule", "localsgd", "--chunks", "4"], "drop --chunks 4"),
-    (["--schedule", "localsgd", "--model-replicas", "0"], "--model-replicas must be a positive"),
+    (["--schedule", "1f1b", "--local-steps", "2"], "--local-steps: local_steps is an option "
+                                                   "of localsgd, not of '1f1b'"),
+    (["--schedule", "localsgd", "--chunks", "4"], "--chunks: localsgd trains each minibatch of "
+                                                  "the loader as one microbatch"),
+    (["--schedule", "localsgd", "--model-replicas", "0"], "--model-replicas: localsgd: "
+                                                          "model_replicas must be an integer >= 1"),
 ])
 def test_localsgd_options_fail_with_a_clear_message(tmp_path, capsys, args, message):
     assert main(["train", "--threads", "2", "--out", str(tmp_path / "run"), *args]) == 2
@@ -260,7 +263,7 @@ def test_user_model_and_data_factories(tmp_path, monkeypatch):
     (["--batch-size", "30", "--schedule", "1f1b", "--chunks", "4"], "does not split into 4"),
     (["--epochs", "0"], "--epochs must be a positive integer"),
     (["--lr", "nan"], "--lr must be a positive, finite learning rate, got nan"),
-    (["--timeout", "nan"], "--timeout must be positive seconds, got nan"),
+    (["--timeout", "nan"], "--timeout: timeout must be positive, finite seconds, got nan"),
 ])
 def test_bad_options_fail_with_a_clear_message(tmp_path, capsys, args, message):
     assert main(["train", "--threads", "2", "--out", str(tmp_path / "run"), *args]) == 2

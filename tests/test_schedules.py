@@ -261,7 +261,7 @@ def test_custom_stage_ranks() -> None:
 @pytest.mark.parametrize("call, phrase", [
     (lambda: make_schedule("zero-bubble", 2, 4), "unknown schedule"),
     (lambda: make_schedule("gpipe", 2, 4, replicas=[1]), "one count"),
-    (lambda: make_schedule("gpipe", 2, 4, local_steps=2), "only to localsgd"),
+    (lambda: make_schedule("gpipe", 2, 4, local_steps=2), "not an option of schedule 'gpipe'"),
     (lambda: make_schedule("pipedream", 2, 4, chunks=2), "takes no chunks"),
     (lambda: make_schedule("2bw", 3, 9, chunks=2), "at most 2"),
     (lambda: make_schedule("2bw", 2, 9, replicas=[2, 1], chunks=3), "multiple"),

@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from pipedream_fast.commands.train_run import load_datasets, train_processes, tr
 from pipedream_fast.formats import Plan, Profile
 from pipedream_fast.models import (BUILTIN_MODELS, ModelSpecError, build_model, loss_fn,
                                    resolve_model)
+from pipedream_fast.options import OptionError, PipelineOptions, add_flags, from_args
 from pipedream_fast.schedules import TRAINABLE, kind
 from pipedream_fast.tuning import OFFLOAD_NEEDS_CUDA, Tuning, TuningError
 
@@ -106,10 +107,6 @@ def register(subparsers: Any) -> None:
     sched.add_argument("--chunks", type=int, default=None,
                        help="microbatches per minibatch (default: 1 for pipedream and the "
                             "other asynchronous schedules, the worker count for the rest)")
-    sched.add_argument("--local-steps", type=int, default=None,
-                       help="localsgd: local steps H between averages")
-    sched.add_argument("--model-replicas", type=int, default=None,
-                       help="localsgd: model replicas R sharing the pipeline (default: stages)")
     opt = parser.add_argument_group("training")
     opt.add_argument("--epochs", type=int, default=None,
                      help="epochs to train (default: the data's, 10 for digits and text)")
@@ -120,13 +117,9 @@ def register(subparsers: Any) -> None:
                      help="sgd (momentum 0.9), adam or adamw (default: adam; sgd for synthetic)")
     opt.add_argument("--lr", type=float, default=None,
                      help="learning rate (default: the data's, 1e-3 for digits)")
-    opt.add_argument("--seed", type=int, default=0,
-                     help="seed of the weights, the shuffling and synthetic data")
-    opt.add_argument("--timeout", type=float, default=300.0,
-                     help="seconds any transfer may take before the run fails (default 300)")
-    opt.add_argument("--on-nan", default="stop", choices=("stop", "skip"),
-                     help="a non-finite loss stops training, naming the step and microbatch "
-                          "(default), or its update is skipped (synchronous schedules)")
+    # One flag per Pipeline option marked for the command line, and per option a schedule
+    # declares (--local-steps): made from their declarations (pipedream_fast.options).
+    add_flags(parser.add_argument_group("pipeline options"))
     opt.add_argument("--torch-threads", type=int, default=1,
                      help="intra-op threads per rank (default 1: ranks share the cores)")
     knobs = parser.add_argument_group(
@@ -183,8 +176,8 @@ class Settings:
     plan_file: Plan | None
     notes: list[str]
     tuning: Tuning
-    local_steps: int | None = None  # localsgd: H (None: its default)
-    model_replicas: int | None = None  # localsgd: R (None: its default)
+    # every Pipeline option of the flags; each run sets its schedule and chunks
+    options: PipelineOptions = field(default_factory=PipelineOptions)
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
@@ -197,11 +190,13 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 def settings(args: argparse.Namespace) -> Settings:
     """Resolves the model, the data and the defaults that depend on them; checks the options."""
     _positive(args, "batch_size", "steps", "epochs", "chunks", "nproc", "threads",
-              "torch_threads", "log_every", "stages_per_rank", "local_steps", "model_replicas")
+              "torch_threads", "log_every", "stages_per_rank")
     if args.trace_steps < 0:
         raise UsageError(f"--trace-steps must be >= 0, got {args.trace_steps}")
-    if not 0 < args.timeout < float("inf"):
-        raise UsageError(f"--timeout must be positive seconds, got {args.timeout}")
+    try:  # every Pipeline option (and the schedule's own) checked once, naming the flag
+        options = from_args(args, schedule=args.schedule, chunks=args.chunks)
+    except (OptionError, TypeError) as err:
+        raise UsageError(str(err)) from err
     if args.lr is not None and not 0 < args.lr < float("inf"):
         raise UsageError(f"--lr must be a positive, finite learning rate, got {args.lr}")
     _check_outputs(args)
@@ -251,13 +246,6 @@ def settings(args: argparse.Namespace) -> Settings:
         epochs = 0  # only --steps: as many epochs as the steps need
     schedule = args.schedule
     chunks = args.chunks
-    localsgd = [f"--{n.replace('_', '-')}" for n in ("local_steps", "model_replicas")
-                if getattr(args, n) is not None]
-    if localsgd and schedule != "localsgd":
-        raise UsageError(f"{' and '.join(localsgd)} apply only to --schedule localsgd")
-    if schedule == "localsgd" and chunks not in (None, 1):
-        raise UsageError(f"--schedule localsgd trains each minibatch as one microbatch (one "
-                         f"local step of one model replica); drop --chunks {chunks}")
     if chunks is None and schedule != "auto":
         chunks = workers if kind(schedule).chunked_steps else 1
     tuning = _tuning(args, on_gpus=args.threads is None and torch.cuda.is_available()
@@ -271,8 +259,7 @@ def settings(args: argparse.Namespace) -> Settings:
                     lr=args.lr if args.lr is not None else defaults["lr"],
                     workers=workers, threads=args.threads is not None, schedule=schedule,
                     chunks=chunks, target=target, plan_file=plan_file, notes=notes,
-                    tuning=tuning, local_steps=args.local_steps,
-                    model_replicas=args.model_replicas)
+                    tuning=tuning, options=options)
 
 
 def usable_cores() -> int:
@@ -391,12 +378,16 @@ def _check_plan_fits_model(plan: Plan, s: Settings, micro: int) -> None:
         raise UsageError(f"--plan does not fit model {s.model!r}: {err}") from err
 
 
-def _localsgd_options(s: Settings, schedule: str) -> dict[str, Any]:
-    """H and R as given, for a localsgd run (empty for every other schedule)."""
-    if schedule != "localsgd":
-        return {}
-    return {k: v for k, v in (("local_steps", s.local_steps),
-                              ("model_replicas", s.model_replicas)) if v is not None}
+def _schedule_options(s: Settings, schedule: str) -> dict[str, Any]:
+    """The options the flags gave `schedule` (localsgd's H and R; none for the others: the
+    data-parallel comparison run takes none of the main run's)."""
+    return dict(s.options.schedule_options) if schedule == s.options.schedule else {}
+
+
+def _run_options(s: Settings, setup: RunSetup) -> PipelineOptions:
+    """What the ranks of one run build their Pipeline with."""
+    return s.options.replace(schedule=setup.schedule, chunks=setup.chunks, microbatch_size=None,
+                             schedule_options=_schedule_options(s, setup.schedule))
 
 
 def _simulate(profile: Profile, plan: Plan, schedule: str, chunks: int, steps: int,
@@ -490,7 +481,7 @@ def run(args: argparse.Namespace) -> int:
             for setup in setups:
                 cfg = dict(config, run=setup.name, schedule=setup.schedule,
                            chunks=setup.chunks, plan=setup.plan.to_dict(),
-                           **_localsgd_options(s, setup.schedule),
+                           options=_run_options(s, setup),
                            reporter=setup.plan.stages[-1].ranks[0],
                            trace_steps=args.trace_steps if setup is setups[0] else 0,
                            checkpoint=str((run_dir / "checkpoint").resolve())
@@ -584,11 +575,11 @@ def _prepare(s: Settings, args: argparse.Namespace, schedule: str, chunks: int |
         per_epoch = max(1, len(train_data) // s.batch_size)
         steps = min(per_epoch, SIM_MAX_STEPS, s.steps or SIM_MAX_STEPS)
         result = _simulate(profile, plan, schedule, chunks, steps, args.bandwidth,
-                           _localsgd_options(s, schedule))
+                           _schedule_options(s, schedule))
         simulated = steps * s.batch_size / result.makespan * 1e3 if result.makespan else None
         if main and args.trace_steps:
             window = _simulate(profile, plan, schedule, chunks, min(args.trace_steps, steps),
-                               args.bandwidth, _localsgd_options(s, schedule))
+                               args.bandwidth, _schedule_options(s, schedule))
         if simulated:
             say(f"simulated: {simulated:,.0f} samples/s for {schedule} ({steps} steps)")
     except ValueError as err:  # FormatError included: a --plan made for another profile
@@ -724,7 +715,7 @@ def _summary_json(s: Settings, setups: list[RunSetup], histories: list[Any],
         final = h.final or {}
         runs.append({
             "name": st.name, "schedule": st.schedule, "chunks": st.chunks,
-            **_localsgd_options(s, st.schedule), "plan": st.plan.to_dict(), "steps": final.get("step", 0),
+            **_schedule_options(s, st.schedule), "plan": st.plan.to_dict(), "steps": final.get("step", 0),
             "epochs": final.get("epoch", -1) + 1, "samples": h.samples,
             "train_s": h.train_s, "elapsed_s": h.elapsed_s, "first_step_s": h.first_step_s,
             "samples_per_s": h.samples_per_s,

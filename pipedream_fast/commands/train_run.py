@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,23 +87,6 @@ def build(config: dict[str, Any]) -> nn.Module:
     torch.manual_seed(config["seed"])  # every rank builds the same initial weights
     module, _ = build_model(config["model"], config["batch_size"])
     return module
-
-
-def evaluate_model(model: nn.Module, loader: DataLoader) -> dict[str, float]:
-    """Sample-weighted test loss and accuracy of a whole model (eval mode, no grads)."""
-    was_training = model.training
-    model.eval()
-    totals = {"loss": 0.0, "accuracy": 0.0}
-    count = 0
-    with torch.no_grad():
-        for inputs, targets in loader:
-            out = model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
-            n = int(targets.shape[0])
-            totals["loss"] += float(loss_fn(out, targets)) * n
-            totals["accuracy"] += float(accuracy(out, targets)) * n
-            count += n
-    model.train(was_training)
-    return {k: v / max(count, 1) for k, v in totals.items()}
 
 
 def trace_window(events: list[Any], microbatches: int) -> list[Any]:
@@ -190,11 +172,8 @@ def _rank_job(rank: int, world: int, config: dict[str, Any], queue: Any) -> dict
     torch.set_num_threads(config["torch_threads"])
     train, test = loaders(config)
     pipe = Pipeline(build(config), loss_fn, optimizer_factory(config["optimizer"], config["lr"]),
-                    plan=Plan.from_dict(config["plan"]), schedule=config["schedule"],
-                    chunks=config["chunks"], seed=config["seed"], timeout=config["timeout"],
-                    on_nan=config.get("on_nan", "stop"), tuning=tuning(config),
-                    local_steps=config.get("local_steps"),
-                    model_replicas=config.get("model_replicas"))
+                    plan=Plan.from_dict(config["plan"]), options=config["options"],
+                    tuning=tuning(config))
     emit = queue.put if rank == config["reporter"] else (lambda event: None)
     try:
         outcome = train_loop(pipe, train, config, emit,
@@ -273,46 +252,31 @@ def train_processes(config: dict[str, Any], workers: int,
     return list(values)
 
 
-def _save_threads_checkpoint(pipe: Any, plan: Plan, folder: Path) -> None:
-    """A thread run's checkpoint: the whole model's state dict and the plan."""
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save(pipe.state_dict(), folder / "model.pt")
-    plan.save(folder / "plan.json")
-
-
 def train_threads(config: dict[str, Any], handle: Callable[[dict[str, Any]], None]
                   ) -> list[dict[str, Any]]:
-    """The same run with every rank a thread of this process (`LocalPipeline`, which has no
-    pipeline evaluation: the test split is evaluated on a gathered copy of the model).
+    """The same run with every rank a thread of this process: the same Pipeline
+    (`ranks="threads"`), its evaluation and its checkpoint.
 
-    SIGTERM or SIGHUP during training stops every rank after the same step (`LocalPipeline`),
+    SIGTERM or SIGHUP during training stops every rank after the same step (`Pipeline.train`),
     where the run's checkpoint is saved; elsewhere (evaluating) it stops at once, without
     one. Either way this command says so and exits with 128 + the signal's number."""
     from pipedream_fast.launch import Stopped, raising_stop_signals
-    from pipedream_fast.local_pipeline import LocalPipeline
+    from pipedream_fast.pipeline import Pipeline
 
     torch.set_num_threads(config["torch_threads"])
     train, test = loaders(config)
     plan = Plan.from_dict(config["plan"])
-    pipe = LocalPipeline(build(config), loss_fn,
-                         optimizer_factory(config["optimizer"], config["lr"]), plan,
-                         schedule=config["schedule"], chunks=config["chunks"],
-                         timeout=config["timeout"], seed=config["seed"], tuning=tuning(config),
-                         local_steps=config.get("local_steps"),
-                         model_replicas=config.get("model_replicas"))
-    evaluator = build(config)
-
-    def evaluate() -> dict[str, float]:
-        evaluator.load_state_dict(pipe.state_dict())
-        return evaluate_model(evaluator, test)
-
+    pipe = Pipeline(build(config), loss_fn, optimizer_factory(config["optimizer"], config["lr"]),
+                    plan=plan, options=config["options"].replace(ranks="threads"),
+                    tuning=tuning(config))
     try:
         with raising_stop_signals():
-            outcome = train_loop(pipe, train, config, handle, evaluate)
+            outcome = train_loop(pipe, train, config, handle,
+                                 lambda: pipe.evaluate(test, metrics={"accuracy": accuracy}))
     except Stopped as stopped:
         saved = ""
         if stopped.step is not None and config["checkpoint"]:
-            _save_threads_checkpoint(pipe, plan, Path(config["checkpoint"]))
+            pipe.save(config["checkpoint"])
             saved = f"the run's checkpoint (step {stopped.step}) saved to {config['checkpoint']}"
             handle({"event": "note", "text": saved})
         elif config["checkpoint"]:
@@ -321,5 +285,6 @@ def train_threads(config: dict[str, Any], handle: Callable[[dict[str, Any]], Non
               file=sys.stderr, flush=True)
         raise SystemExit(128 + stopped.signum) from None
     if config["checkpoint"]:
-        _save_threads_checkpoint(pipe, plan, Path(config["checkpoint"]))
+        pipe.save(config["checkpoint"])
+    pipe.close()
     return [{"rank": 0, **outcome, "stats": pipe.last_stats}]

@@ -17,10 +17,11 @@ import importlib
 import math
 import pkgutil
 from collections.abc import Sequence
+from typing import Any
 
 from pipedream_fast.ir import Schedule
 from pipedream_fast.schedules.layout import Layout
-from pipedream_fast.schedules.registry import Options, kind, names
+from pipedream_fast.schedules.registry import Options, declared_options, kind, names
 
 _INFRASTRUCTURE = {"common", "layout", "lowering", "registry"}
 for _module in pkgutil.iter_modules(__path__):
@@ -80,11 +81,10 @@ def validation_window(layout: Layout, period: int) -> int:
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int,
-                  replicas: Sequence[int] | None = None, local_steps: int | None = None, *,
+                  replicas: Sequence[int] | None = None, *,
                   stage_ranks: Sequence[Sequence[int]] | None = None,
                   chunks: int | None = None,
-                  model_replicas: int | None = None,
-                  stages_per_rank: int | None = None) -> Schedule:
+                  stages_per_rank: int | None = None, **schedule_options: Any) -> Schedule:
     """Generate schedule `name` (one of SCHEDULE_NAMES) as a stream.
 
     replicas: ranks per stage (default 1 each); stage_ranks: explicit stage -> ranks mapping;
@@ -92,12 +92,15 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
     chunks: microbatches per optimizer step for gpipe, 1f1b and data-parallel
       (default: all of them, one minibatch) and for 2bw (default: the number of workers,
       rounded up to a multiple of every replica count).
-    local_steps (H, default 1) and model_replicas (R, default num_stages): localsgd only.
+    schedule_options: the options the schedule declares (`registry.ScheduleOption`), such as
+      localsgd's local_steps (H, default 1) and model_replicas (R, default num_stages).
     Raises ValueError for an unknown name or parameters that do not apply or do not fit.
     """
     spec = kind(name)
     layout = _layout(num_stages, num_microbatches, replicas, stage_ranks, stages_per_rank)
-    options = Options(chunks, local_steps, model_replicas)
+    given = {k: v for k, v in schedule_options.items() if v is not None}
+    spec.check_options(given)
+    options = Options(chunks, given)
     config, params = spec.options(layout, options)
     schedule = spec.generate(config)
     schedule.params = {"replicas": [layout.replicas(s) for s in range(num_stages)], **params}
@@ -105,12 +108,12 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
     ranks = [list(r) for r in layout.stage_ranks]
 
     def window(n: int) -> Schedule:
-        return make_schedule(name, num_stages, n, local_steps=local_steps, stage_ranks=ranks,
-                             chunks=chunks, model_replicas=model_replicas)
+        return make_schedule(name, num_stages, n, stage_ranks=ranks, chunks=chunks,
+                             **schedule_options)
 
     schedule.attach_window(window, validation_window(layout, period))
     return schedule
 
 
-__all__ = ["AUTOMATIC", "SCHEDULE_NAMES", "SYNCHRONOUS", "TRAINABLE", "kind", "looped_ranks", "make_schedule",
-           "names"]
+__all__ = ["AUTOMATIC", "SCHEDULE_NAMES", "SYNCHRONOUS", "TRAINABLE", "declared_options", "kind",
+           "looped_ranks", "make_schedule", "names"]

@@ -20,6 +20,7 @@ def generate(config: Config) -> Schedule:
 
 register(ScheduleKind(
     name="data-parallel", order=6, generate=generate, options=flush_options, synchronous=True,
+    automatic=True,
     summary="the whole model on every worker, gradients all-reduced every step",
     plans_as="1f1b", planning={"strategy": "data-parallel"}, weight_versions=lambda noam: 1,
     stashed=lambda noam, microbatches: 1))

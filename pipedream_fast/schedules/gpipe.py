@@ -31,5 +31,6 @@ def generate(config: Config) -> Schedule:
 
 register(ScheduleKind(
     name="gpipe", order=0, generate=generate, options=flush_options, synchronous=True,
+    automatic=True,
     summary="fill-drain: all forwards, all backwards, one update per step (GPipe)",
     weight_versions=lambda noam: 1, stashed=lambda noam, microbatches: microbatches))

@@ -92,6 +92,7 @@ def _options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
 
 register(ScheduleKind(
     name="interleaved-1f1b", order=7, generate=generate, options=_options, synchronous=True,
+    automatic=True,
     summary="interleaved 1F1B: v looped stages per rank, bubble / v, flushed every step",
     plans_as="1f1b", planning={"stages_per_rank": 2}, weight_versions=lambda noam: 1,
     stashed=lambda noam, microbatches: min(noam, microbatches)))

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pipedream_fast.ir import Action, Schedule
 from pipedream_fast.schedules.common import Config, Program, build, one_f_one_b
 from pipedream_fast.schedules.layout import Layout
-from pipedream_fast.schedules.registry import Options, ScheduleKind, register
+from pipedream_fast.schedules.registry import Options, ScheduleKind, ScheduleOption, register
 
 
 def generate(config: Config) -> Schedule:
@@ -61,8 +61,8 @@ def _options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
     if {len(r) for r in layout.stage_ranks} != {1}:
         raise ValueError(f"localsgd replicates the whole model (model_replicas), not stages; "
                          f"got stage replicas {[len(r) for r in layout.stage_ranks]}")
-    h = 1 if options.local_steps is None else options.local_steps
-    r = layout.num_stages if options.model_replicas is None else options.model_replicas
+    h = options.get("local_steps") or 1
+    r = options.get("model_replicas") or layout.num_stages
     if h < 1 or r < 1:
         raise ValueError(f"local_steps and model_replicas must be >= 1, got {h} and {r}")
     return Config(layout, local_steps=h, model_replicas=r), {"local_steps": h,
@@ -71,7 +71,13 @@ def _options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
 
 register(ScheduleKind(
     name="localsgd", order=5, generate=generate, options=_options,
-    automatic=False, chunked_steps=False, plans_as="pipedream", planning={"straight": True},
+    chunked_steps=False, whole_minibatches=True, plans_as="pipedream",
+    planning={"straight": True},
+    own_options=(ScheduleOption("local_steps", int, "H: local steps of each model replica "
+                                                    "between averages (default 1)"),
+                 ScheduleOption("model_replicas", int, "R: model replicas on the pipeline, "
+                                                       "averaged every R*H minibatches "
+                                                       "(default: the number of stages)")),
     summary="LocalSGD: R model replicas on one pipeline, averaged every H local steps",
     weight_versions=lambda noam: noam, stashed=lambda noam, microbatches: noam,
     period=lambda c: c.model_replicas * c.local_steps))

@@ -34,5 +34,6 @@ def generate(config: Config, name: str = "1f1b") -> Schedule:
 
 register(ScheduleKind(
     name="1f1b", order=1, generate=generate, options=flush_options, synchronous=True,
+    automatic=True,
     summary="one forward, one backward, flushed: one update per step (PipeDream-Flush)",
     weight_versions=lambda noam: 1, stashed=lambda noam, microbatches: min(noam, microbatches)))

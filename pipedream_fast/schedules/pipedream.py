@@ -82,5 +82,6 @@ def _options(layout: Layout, options: Options) -> tuple[Config, dict]:
 
 register(ScheduleKind(
     name="pipedream", order=2, generate=generate, options=_options, chunked_steps=False,
+    automatic=True,
     summary="asynchronous 1F1B with weight stashing: an update after every round",
     weight_versions=lambda noam: noam, stashed=lambda noam, microbatches: noam))

@@ -15,6 +15,7 @@ def generate(config: Config) -> Schedule:
 
 register(ScheduleKind(
     name="pipedream-vsync", order=3, generate=generate, options=pipedream._options,
+    automatic=True,
     chunked_steps=False, plans_as="pipedream",
     summary="PipeDream where every stage reads the version stage 0 used (vertical sync)",
     weight_versions=lambda noam: noam, stashed=lambda noam, microbatches: noam))

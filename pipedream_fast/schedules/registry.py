@@ -19,12 +19,25 @@ from pipedream_fast.schedules.layout import Layout
 
 
 @dataclass(frozen=True)
+class ScheduleOption:
+    """An option a schedule declares: a `Pipeline` keyword, and the flag `--name-with-dashes`
+    of `pipedream-fast train` and `simulate`, both made from this declaration."""
+
+    name: str
+    type: type
+    help: str
+
+
+@dataclass(frozen=True)
 class Options:
-    """What a caller may set beyond the layout; None means the schedule's default."""
+    """What a caller may set beyond the layout: chunks, and the values of the options the
+    schedule declares (`ScheduleKind.own_options`); absent or None means its default."""
 
     chunks: int | None = None
-    local_steps: int | None = None
-    model_replicas: int | None = None
+    values: Mapping[str, Any] = field(default_factory=dict)
+
+    def get(self, name: str) -> Any:
+        return self.values.get(name)
 
 
 # (layout, options) -> the generator's Config and the parameters to record in the Schedule.
@@ -38,8 +51,13 @@ class ScheduleKind:
     synchronous: flushes every step, so training equals gradient accumulation over the step's
       microbatches; `Pipeline.step` works. Otherwise microbatches stream across steps.
     trainable: the runtime can train it (else simulate only).
-    automatic: `--schedule auto` may choose it by predicted throughput (False for localsgd,
-      which trains another algorithm: R models averaged, with H and R chosen by the user).
+    automatic: `--schedule auto` may choose it by predicted throughput; a schedule joins
+      only by saying so (not localsgd, which trains another algorithm: R models averaged,
+      with H and R chosen by the user).
+    own_options: the options only this schedule takes (localsgd's local_steps and
+      model_replicas); callers pass them by name, and nothing else lists them.
+    whole_minibatches: a step is one loader minibatch trained as one microbatch (no
+      chunks, no microbatch_size).
     chunked_steps: a step is one minibatch split into microbatches; the train command then
       defaults to one microbatch per worker (otherwise one microbatch per step).
     plans_as: the schedule whose memory rules the planner uses for it (default: itself).
@@ -60,7 +78,9 @@ class ScheduleKind:
     stashed: Callable[[int, int], int]
     synchronous: bool = False
     trainable: bool = True
-    automatic: bool = True
+    automatic: bool = False
+    own_options: tuple[ScheduleOption, ...] = ()
+    whole_minibatches: bool = False
     chunked_steps: bool = True
     plans_as: str | None = None
     split_backward: bool = False
@@ -68,6 +88,30 @@ class ScheduleKind:
     period: Callable[[Config], int] = field(
         default=lambda c: math.lcm(c.chunks,
                                    *(len(r) for r in c.layout.stage_ranks)))
+
+    def check_options(self, values: Mapping[str, Any]) -> None:
+        """Refuses options this schedule does not declare, and values below 1."""
+        own = {o.name: o for o in self.own_options}
+        for name, value in values.items():
+            if name not in own:
+                raise ValueError(f"{name} is not an option of schedule {self.name!r}"
+                                 + (f" (its options: {', '.join(own)})" if own else ""))
+            wrong = not isinstance(value, own[name].type) or isinstance(value, bool)
+            if value is not None and (wrong or (isinstance(value, int) and value < 1)):
+                what = "an integer" if own[name].type is int else own[name].type.__name__
+                raise ValueError(f"{self.name}: {name} must be {what} >= 1, got {value!r}")
+
+    def check_microbatching(self, chunks: int | None, microbatch_size: int | None) -> None:
+        """`whole_minibatches`: no chunks (but 1) and no microbatch size."""
+        if not self.whole_minibatches:
+            return
+        given = [f"{n}={v}" for n, v, ok in (("chunks", chunks, (None, 1)),
+                                              ("microbatch_size", microbatch_size, (None,)))
+                 if v not in ok]
+        if given:
+            own = ", ".join(o.name for o in self.own_options) or "no options"
+            raise ValueError(f"{self.name} trains each minibatch of the loader as one "
+                             f"microbatch; it takes {own}, not {' and '.join(given)}")
 
 
 _KINDS: dict[str, ScheduleKind] = {}
@@ -98,18 +142,23 @@ def kind(name: str) -> ScheduleKind:
     return _KINDS[name]
 
 
+def declared_options() -> dict[str, tuple[ScheduleOption, list[str]]]:
+    """Every option a registered schedule declares, with the schedules declaring it."""
+    out: dict[str, tuple[ScheduleOption, list[str]]] = {}
+    for name in names():
+        for option in _KINDS[name].own_options:
+            out.setdefault(option.name, (option, []))[1].append(name)
+    return out
+
+
 def no_options(name: str, options: Options) -> None:
-    given = [k for k in ("chunks", "local_steps", "model_replicas")
-             if getattr(options, k) is not None]
-    if given:
-        raise ValueError(f"{name} takes no {', '.join(given)}; it updates after every round "
-                         f"of microbatches")
+    if options.chunks is not None:
+        raise ValueError(f"{name} takes no chunks; it updates after every round of "
+                         f"microbatches")
 
 
 def flush_options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
     """Synchronous schedules: one update per `chunks` (default: all of them)."""
-    if options.local_steps is not None or options.model_replicas is not None:
-        raise ValueError("local_steps and model_replicas apply only to localsgd")
     m = layout.num_microbatches if options.chunks is None else \
         options.chunks
     if m < 1:

@@ -48,8 +48,6 @@ def generate(config: Config) -> Schedule:
 
 
 def _options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
-    if options.local_steps is not None or options.model_replicas is not None:
-        raise ValueError("local_steps and model_replicas apply only to localsgd")
     reps = [len(r) for r in layout.stage_ranks]
     workers, lcm = layout.num_ranks, math.lcm(*reps)
     m = options.chunks or math.ceil(workers / lcm) * lcm
@@ -62,5 +60,6 @@ def _options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
 
 register(ScheduleKind(
     name="2bw", order=4, generate=generate, options=_options,
+    automatic=True,
     summary="PipeDream-2BW: double-buffered weights, an update every chunks",
     weight_versions=lambda noam: 2, stashed=lambda noam, microbatches: noam))

@@ -63,6 +63,7 @@ def generate(config: Config) -> Schedule:
 
 register(ScheduleKind(
     name="zb-h1", order=8, generate=generate, options=flush_options, synchronous=True,
+    automatic=True,
     summary="zero-bubble H1: 1F1B with the weight gradients put off into the bubbles",
     plans_as="1f1b", split_backward=True, weight_versions=lambda noam: 1,
     stashed=lambda noam, microbatches: min(noam, microbatches)))

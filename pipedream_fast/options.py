@@ -1,0 +1,204 @@
+"""`PipelineOptions`: every plain-value option of a `Pipeline`, typed and checked once.
+
+The one declaration the API, the CLI and the ranks share. `Pipeline(..., clip_grad_norm=1.0)`
+builds it from keywords; `pipedream-fast train` gets a flag for each field marked for the
+command line (`--clip-grad-norm`) and for each option a schedule declares in the registry
+(`--local-steps`, localsgd's), builds it from its arguments and hands it to every rank as is.
+So an option with its flag is one field here (type, default, help, check) and its use in the
+Pipeline: two files. A bad value is refused when the options are made, with an error that
+names the argument (and, from the command line, the flag).
+
+What is not a plain value stays an argument of its own: the model, the loss and optimizer
+factories, a plan, tuning knobs (`Tuning`, with its own flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipedream_fast.runtime.stage import AUTOCAST_DTYPES
+from pipedream_fast.schedules import TRAINABLE, declared_options, kind
+
+
+class OptionError(ValueError):
+    """A Pipeline option with a bad value; `option` is its name."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+def _option(default: Any, help: str, *, flag: bool = False,
+            choices: Sequence[str] | None = None, metavar: str | None = None) -> Any:
+    """A field; `flag`: `pipedream-fast train` has a flag for it, made from this."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "metavar": metavar}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The options of a Pipeline (see `Pipeline` for what each does in a run)."""
+
+    schedule: str = _option("pipedream", "the schedule, or 'auto' (the fastest that fits)")
+    microbatch_size: int | None = _option(None, "samples per microbatch (sets chunks)")
+    chunks: int | None = _option(None, "microbatches per minibatch")
+    stages: int | None = _option(None, "a straight pipeline of N stages, planned by time")
+    balance: tuple[int, ...] | None = _option(None, "blocks per stage")
+    split_points: tuple[str, ...] | None = _option(None, "names of the blocks starting stages")
+    clip_grad_norm: float | None = _option(
+        None, "clip the gradients by the global norm of every stage's (synchronous schedules)",
+        flag=True, metavar="NORM")
+    precision: str = _option("fp32", "fp32, or each stage's forward under autocast (bf16, "
+                                     "fp16 with loss scaling)", flag=True,
+                             choices=tuple(AUTOCAST_DTYPES))
+    seed: int = _option(0, "seeds the loader's shuffling (per epoch and batch) and the "
+                           "initialisation of stages built on the meta device", flag=True)
+    on_nan: str = _option("stop", "a NaN or infinite loss stops the run at its step (stop), or "
+                                  "its update is skipped (skip, synchronous schedules)",
+                          flag=True, choices=("stop", "skip"))
+    checkpoint_dir: str | None = _option(None, "save checkpoint_dir/step-N every "
+                                               "checkpoint_every steps and on SIGTERM")
+    checkpoint_every: int | None = _option(None, "steps between checkpoints")
+    checkpoint_keep: int = _option(3, "checkpoints kept in checkpoint_dir")
+    timeout: float = _option(300.0, "seconds any wait of a rank may take before the run fails, "
+                                    "naming the rank that did not answer", flag=True,
+                             metavar="S")
+    trace: bool = _option(False, "record the actions of each run (`last_events`)")
+    device: str | None = _option(None, "this rank's device (default: its GPU under NCCL, else "
+                                       "the CPU)")
+    ranks: str = _option("processes", "where the ranks live: processes, or threads of this "
+                                      "process")
+    workers: int | None = _option(None, "rank threads (ranks='threads'; default: the plan's)")
+    schedule_options: Mapping[str, Any] = _option(
+        {}, "options the schedule declares (localsgd's local_steps, model_replicas)")
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("schedule", self.schedule in TRAINABLE or self.schedule == "auto",
+             f"schedule must be 'auto' or one of {', '.join(TRAINABLE)}"),
+            ("chunks", self.chunks is None or self.chunks >= 1, "chunks must be >= 1"),
+            ("microbatch_size", self.microbatch_size is None or self.microbatch_size >= 1,
+             "microbatch_size must be >= 1"),
+            ("stages", self.stages is None or self.stages >= 1, "stages must be >= 1"),
+            ("precision", self.precision in AUTOCAST_DTYPES,
+             f"precision must be one of {', '.join(AUTOCAST_DTYPES)}"),
+            ("clip_grad_norm", self.clip_grad_norm is None or self.clip_grad_norm > 0,
+             "clip_grad_norm must be a positive norm"),
+            ("on_nan", self.on_nan in ("stop", "skip"), "on_nan must be 'stop' or 'skip'"),
+            ("checkpoint_every", self.checkpoint_every is None or self.checkpoint_every >= 1,
+             "checkpoint_every must be >= 1 steps"),
+            ("checkpoint_keep", self.checkpoint_keep >= 1, "checkpoint_keep must be >= 1"),
+            ("timeout", 0 < self.timeout < float("inf"), "timeout must be positive, finite "
+                                                          "seconds"),
+            ("ranks", self.ranks in ("processes", "threads"),
+             "ranks must be 'processes' (one per process: torchrun, `pipedream-fast run`) or "
+             "'threads' (every rank a thread of this process)"),
+            ("workers", self.workers is None or self.workers >= 1, "workers must be >= 1"),
+        ]
+        for name, ok, message in checks:
+            if not ok:
+                raise OptionError(name, f"{message}, got {getattr(self, name)!r}")
+        if (self.checkpoint_dir is None) != (self.checkpoint_every is None):
+            raise OptionError("checkpoint_every", "give checkpoint_dir and checkpoint_every "
+                                                  "together (save every N steps into "
+                                                  "checkpoint_dir/step-N)")
+        given = [n for n in ("stages", "balance", "split_points") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise OptionError(given[1], f"give one of stages, balance and split_points, got "
+                                        f"{' and '.join(given)}")
+        if self.ranks == "processes" and self.workers is not None:
+            raise OptionError("workers", "workers= is the number of rank threads with "
+                                         "ranks='threads'; with processes, the job's world "
+                                         "size is the number of ranks")
+        self._check_schedule_options()
+
+    def _check_schedule_options(self) -> None:
+        """Each schedule option must be declared by the schedule chosen, with its type."""
+        declared = declared_options()
+        for name in self.schedule_options:
+            if name not in declared:
+                raise OptionError(name, f"unknown option {name!r}")
+            owners = declared[name][1]
+            if self.schedule not in owners:
+                raise OptionError(name, f"{name} is an option of {' and '.join(owners)}, not of "
+                                        f"{self.schedule!r}")
+        if self.schedule == "auto":
+            return
+        spec = kind(self.schedule)
+        for name, value in self.schedule_options.items():
+            try:
+                spec.check_options({name: value})
+            except ValueError as err:
+                raise OptionError(name, str(err)) from None
+        try:
+            spec.check_microbatching(self.chunks, self.microbatch_size)
+        except ValueError as err:
+            raise OptionError("chunks" if self.chunks not in (None, 1) else "microbatch_size",
+                              str(err)) from None
+
+    @classmethod
+    def of(cls, **values: Any) -> PipelineOptions:
+        """From keywords: fields, and the options schedules declare (collected into
+        `schedule_options`); an unknown keyword is named with the ones there are."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        declared = declared_options()
+        own = {k: v for k, v in values.items() if k in fields}
+        extra = {k: v for k, v in values.items() if k not in fields}
+        unknown = sorted(k for k in extra if k not in declared)
+        if unknown:
+            known = sorted(fields - {"schedule_options"}) + sorted(declared)
+            raise TypeError(f"Pipeline got an unexpected option {unknown[0]!r}; its options "
+                            f"are {', '.join(known)}")
+        for name in ("balance", "split_points"):
+            if own.get(name) is not None:
+                own[name] = tuple(own[name])
+        if isinstance(own.get("checkpoint_dir"), os.PathLike):
+            own["checkpoint_dir"] = os.fspath(own["checkpoint_dir"])
+        if own.get("device") is not None:
+            own["device"] = str(own["device"])
+        schedule_options = {**own.pop("schedule_options", {}),
+                            **{k: v for k, v in extra.items() if v is not None}}
+        return cls(**own, schedule_options=schedule_options)
+
+    def replace(self, **values: Any) -> PipelineOptions:
+        return dataclasses.replace(self, **values)
+
+
+def flag_name(option: str) -> str:
+    return "--" + option.replace("_", "-")
+
+
+def add_flags(parser: argparse._ActionsContainer) -> None:
+    """A flag for every option marked for the command line, and for every option a schedule
+    declares (its help says which schedules take it)."""
+    for f in dataclasses.fields(PipelineOptions):
+        if not f.metadata.get("flag"):
+            continue
+        kind_of = {"float | None": float, "float": float, "int": int, "int | None": int}
+        parser.add_argument(flag_name(f.name), dest=f.name, default=f.default,
+                            type=kind_of.get(str(f.type), str), choices=f.metadata["choices"],
+                            metavar=f.metadata["metavar"],
+                            help=f"{f.metadata['help']} (default: {f.default})")
+    for name, (option, owners) in declared_options().items():
+        parser.add_argument(flag_name(name), dest=name, default=None, type=option.type,
+                            metavar=name.split("_")[-1][0].upper(),
+                            help=f"{' and '.join(owners)}: {option.help}")
+
+
+def from_args(args: argparse.Namespace, **values: Any) -> PipelineOptions:
+    """The options of the flags `add_flags` made (and `values`); a bad value names its flag."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(PipelineOptions)
+             if f.metadata.get("flag")}
+    given.update({name: getattr(args, name) for name in declared_options()})
+    given.update(values)
+    try:
+        return PipelineOptions.of(**given)
+    except OptionError as err:
+        raise OptionError(err.option, f"{flag_name(err.option)}: {err}") from None
