@@ -63,7 +63,7 @@ def _failed_at(future: Future[Any]) -> float:
 
 def _together(err: BaseException) -> bool:
     """Raised by every rank at the same step on its own: not a failure to abort for."""
-    from pipedream_fast.pipeline import NonFiniteLoss
+    from pipedream_fast.rank.state import NonFiniteLoss
     return isinstance(err, (Stopped, NonFiniteLoss))
 
 

@@ -1,0 +1,140 @@
+"""A rank's part of checkpoints: its stages written to a checkpoint folder (the manifest
+committed by rank 0 once every stage file is on disk), and a checkpoint's state restored
+into its stages (`load`). The files themselves are `pipedream_fast.checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+from pipedream_fast import checkpoint as ckpt
+from pipedream_fast.runtime.stage import (StageRuntime)
+from pipedream_fast.training import (named_state)
+from pipedream_fast.rank.state import RankState
+
+
+class Checkpointing(RankState):
+    """Saving this rank's stages and restoring them (see the module's docstring)."""
+
+    def _save_rank(self, path: str | os.PathLike[str]) -> None:
+        """Writes a checkpoint directory (see `pipedream_fast.checkpoint`): each stage's first
+        rank writes its stage durably, then rank 0 commits the set with the manifest. Saving
+        over an existing checkpoint stages the new one and swaps it in; a file, or a folder
+        holding anything but a checkpoint, is refused on every rank (a save never deletes
+        other files). Collective."""
+        self._require_setup("save()")
+        assert self.plan is not None
+        final = Path(path)
+        decided: list[Any] = [None]  # rank 0's: the folder to write, or why not
+        if self.rank == 0:
+            try:
+                decided[0] = ckpt.prepare_save(final)
+            except ckpt.CheckpointError as err:  # every rank must hear of it, not wait
+                decided[0] = str(err)
+        self._agree(lambda: decided.__setitem__(0, self._control.broadcast_object(decided[0],
+                                                                                  src=0)),
+                    "saving a checkpoint")
+        if isinstance(decided[0], str):
+            raise ckpt.CheckpointError(decided[0])
+        folder: Path = decided[0]
+        folder.mkdir(parents=True, exist_ok=True)
+        entries = []
+        for index, module in self._modules.items():
+            if self.plan.stages[index].ranks[0] != self.rank:
+                continue  # replicas hold the same weights: the first one writes them
+            optimizer, scheduler = self._optimizers.get(index), self._schedulers.get(index)
+            payload = {"model": named_state([module], self._names),
+                       "optimizer": optimizer.state_dict() if optimizer else None,
+                       "scheduler": scheduler.state_dict() if scheduler is not None else None}
+            copies = self._copies_state(index)
+            if copies is not None:
+                payload["copies"] = copies
+            entries.append((index, ckpt.write_stage(folder, index, payload)))
+        # Where the loader stands, known to the first stage's ranks: during train() (a
+        # periodic save, a stop) after the steps trained so far, whatever was read ahead.
+        position = None
+        if 0 in self.stage_indices:
+            position = (self._reading[0].position(self._step - self._reading[1])
+                        if self._reading is not None else (self._epoch, self._epoch_batches))
+        gathered: list[Any] = []
+        self._agree(lambda: gathered.extend(self._control.all_gather_object((entries, position))),
+                    "saving a checkpoint")
+        if self.rank == 0:
+            epoch, index = next(p for _, p in gathered if p is not None)
+            ckpt.write_manifest(folder, ckpt.manifest_for(
+                self._step, epoch, self.schedule_name, self.plan.to_dict(),
+                [e for part, _ in gathered for e in part], self._run_id, self._aliases(),
+                epoch_batches=index, seed=self.seed))
+            if folder != final:
+                ckpt.swap_in(final)
+        self._agree(self._control.barrier, "saving a checkpoint")
+
+    def _copies_state(self, index: int) -> list[dict[str, Any]] | None:
+        """localsgd: the weight copies of stage `index` beyond the module's own (copy 0), by
+        the stage module's parameter names, with their optimizer and scheduler state."""
+        runtime = self._runtimes.get(index)
+        if runtime is None or len(runtime.copies) < 2:
+            return self._saved_copies.get(index)  # loaded, not trained since: kept as read
+        return [{"params": {n: p.detach().clone() for n, p in zip(runtime.param_names, c.params)},
+                 "optimizer": c.optimizer.state_dict() if c.optimizer is not None else None,
+                 "scheduler": c.scheduler.state_dict() if c.scheduler is not None else None}
+                for c in runtime.copies[1:]]
+
+    def _restore_copies(self, runtime: StageRuntime) -> None:
+        """Puts the weight copies a checkpoint saved (`load`) into a new stage runtime."""
+        saved = self._saved_copies.pop(runtime.stage, None)
+        if saved is None:
+            return
+        if len(saved) != len(runtime.copies) - 1:
+            raise ckpt.CheckpointError(f"the checkpoint holds {len(saved) + 1} weight copies of "
+                                       f"stage {runtime.stage} (localsgd model_replicas) but this "
+                                       f"run keeps {len(runtime.copies)}; use the same "
+                                       f"model_replicas")
+        for weights, state in zip(runtime.copies[1:], saved):
+            with torch.no_grad():
+                for name, p in zip(runtime.param_names, weights.params):
+                    p.copy_(state["params"][name])
+            if state["optimizer"] is not None and weights.optimizer is not None:
+                weights.optimizer.load_state_dict(state["optimizer"])
+            if state.get("scheduler") is not None and weights.scheduler is not None:
+                weights.scheduler.load_state_dict(state["scheduler"])
+
+    def _save_periodic(self) -> None:
+        assert self.checkpoint_dir is not None
+        root = Path(self.checkpoint_dir)
+        self._save_rank(root / f"step-{self._step}")
+        if self.rank == 0:
+            ckpt.prune(root, self.checkpoint_keep, self._run_id)
+
+    def _resume(self, folder: Path, manifest: dict[str, Any]) -> None:
+        """Where `load` puts the checkpoint: weights and states now, or once the model is
+        cut (a model captured at its first minibatch); the step and the loader's place."""
+        self._pending_restore = (folder, manifest)
+        if self.plan is not None:
+            self._restore_pending()
+        self._step = int(manifest["step"])
+        self._epoch = int(manifest["epoch"])
+        self._epoch_batches = int(manifest.get("epoch_batches", 0))
+
+    def _restore_pending(self) -> None:
+        """Puts a checkpoint's weights, optimizer and scheduler state into this rank's stages
+        (`load`; deferred to the cut for a model captured at its first minibatch)."""
+        if self._pending_restore is None:
+            return
+        (folder, manifest), self._pending_restore = self._pending_restore, None
+        for index in self.stage_indices:
+            saved = ckpt.load_stage(folder, manifest, index)
+            ckpt.restore(self._modules[index], self._names, saved["model"],
+                         str(folder / manifest["files"][str(index)]["file"]),
+                         exact=manifest["format"] != ckpt.LEGACY)
+            if saved["optimizer"] is not None and index in self._optimizers:
+                self._optimizers[index].load_state_dict(saved["optimizer"])
+            if saved.get("scheduler") is not None and index in self._schedulers:
+                self._schedulers[index].load_state_dict(saved["scheduler"])
+            if saved.get("copies") is not None:  # localsgd: restored into the first run's stage
+                self._saved_copies[index] = saved["copies"]

@@ -1,0 +1,143 @@
+"""A run's data, agreed by every rank: the first stage's first rank reads the first batch and
+tells the others the steps, chunks, target structure and where the loader's reading begins;
+replicas of the first stage check that they read alike.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+from collections.abc import Iterator
+
+import torch
+
+from torch.utils import _pytree as pytree
+
+from pipedream_fast.training import (EpochBatches, check_loader, InputsOnly, batch_size,
+                                     fingerprint, pad_batch, steps_for, target_spec)
+from pipedream_fast.rank.cutting import Cutting
+
+
+class DataAgreement(Cutting):
+    """Where a run reads its loader (see the module's docstring)."""
+
+    def _open_data(self, loader: Any, steps: int | None, epochs: int | None,
+                   evaluation: bool = False
+                   ) -> tuple[int, int, pytree.TreeSpec, Iterator[Any] | None]:
+        """Agrees on a run's data: the first stage's first rank reads the first batch, checks
+        the loader and tells every rank the steps, chunks, target structure and where the
+        loader's reading begins. Returns those and, on first-stage ranks, the batches.
+        Collective.
+
+        Training goes on where the last run stopped (or the checkpoint `load` read): the same
+        loader, or the first one after `load`, at the next batch of the epoch in progress;
+        another loader at the start of a new epoch. `epochs=N` then trains to the end of the
+        N-th epoch, counting the one in progress. Evaluation reads its loader from the start.
+
+        `evaluation`: a short last batch is padded to the full size and each target gets a
+        mask of the real samples, so that nothing is dropped and nothing counted twice (not
+        for a model that computes its own loss: padding would enter its mean, so a short last
+        batch is refused)."""
+        user_loader = loader
+        if self._inputs_only and loader is not None:
+            loader = InputsOnly(loader)
+        epoch, index = self._epoch, 0 if evaluation else self._epoch_batches
+        if (not evaluation and index and self._last_loader is not None
+                and user_loader is not self._last_loader):
+            epoch, index = epoch + 1, 0  # another loader: a new epoch
+        if self.plan is None:  # cut and plan on the first minibatch
+            if self.rank == 0:
+                self._peeked = self._peek(loader, self._open_batches(
+                    user_loader, loader, epoch, index, evaluation))
+            first = self._peeked[1][0] if self._peeked else None
+            if self._chain is None:
+                self._capture(first)
+            self._setup(self._fixed_plan() or self._plan_from(first))
+        assert self.plan is not None
+        lead = self.plan.stages[0].ranks[0]
+        payload: list[Any] = [None]
+        batches: Iterator[Any] | None = None
+        source: EpochBatches | None = None
+        if self.rank == lead:
+            try:
+                peeked, self._peeked = self._peeked, None
+                source, first = peeked if peeked is not None else self._peek(
+                    loader, self._open_batches(user_loader, loader, epoch, index, evaluation))
+                chunks = self._chunks_for(first[0])
+                check_loader(loader, chunks, allow_short_last=evaluation and not self._inputs_only)
+                size = batch_size(first[0])
+                target = (first[1], torch.ones(size, dtype=torch.bool)) if evaluation else first[1]
+                total = steps_for(loader, steps, epochs)
+                if steps is None:  # epochs: the rest of the epoch in progress is the first
+                    total -= index
+                payload[0] = {"steps": total, "chunks": chunks,
+                              "target": pytree.treespec_dumps(target_spec(target)),
+                              "epoch": epoch, "index": index, "batch_size": size}
+                batches = itertools.chain([first], source)
+            except Exception as err:  # every rank must hear of it
+                payload[0] = {"error": f"{type(err).__name__}: {err}"}
+        self._agree(lambda: payload.__setitem__(0, self._control.broadcast_object(payload[0],
+                                                                                  src=lead)),
+                    f"the start of the run (rank {lead} reads the data)")
+        if "error" in payload[0]:
+            raise ValueError(f"the data loader on rank {lead} (first stage): "
+                             f"{payload[0]['error']}")
+        agreed = payload[0]
+        self._agreed_batch = agreed["batch_size"]
+        if 0 in self.stage_indices and batches is None:  # a replica of the first stage
+            source = self._open_batches(user_loader, loader, agreed["epoch"], agreed["index"],
+                                        evaluation)
+            batches = source
+        if not evaluation:
+            self._epoch, self._epoch_batches = agreed["epoch"], agreed["index"]
+            self._reading = (source, self._step) if source is not None else None
+        if len(self.plan.stages[0].ranks) > 1:
+            batches = self._check_replicas_read_alike(batches)
+        if evaluation and batches is not None:
+            batches = (pad_batch(b, agreed["batch_size"]) for b in batches)
+        return agreed["steps"], agreed["chunks"], pytree.treespec_loads(agreed["target"]), batches
+
+    def _open_batches(self, user_loader: Any, loader: Any, epoch: int, index: int,
+                      evaluation: bool) -> EpochBatches:
+        """The batches of `loader` from batch `index` of `epoch` on: the last run's, read on,
+        when it stopped there on this loader, else read again from the epoch's start."""
+        live = self._live
+        if (not evaluation and live is not None and user_loader is self._last_loader
+                and live.position(live.read) == (epoch, index)):
+            return live.rest()
+        return EpochBatches(loader, self.seed, epoch, index,
+                            one_shot=isinstance(user_loader, Iterator))
+
+    def _check_replicas_read_alike(self, batches: Iterator[Any] | None) -> Iterator[Any] | None:
+        """The replicas of the first stage must read the same batches (each takes its share of
+        every one). The seeded random state makes torch's, Python's and NumPy's shuffling
+        agree; a loader drawing from a random state of its own would not, and is caught here
+        on the run's first batch. Collective."""
+        assert self.plan is not None
+        first = next(batches, None) if batches is not None else None
+        prints: list[Any] = []
+        self._agree(lambda: prints.extend(self._control.all_gather_object(
+            None if first is None else fingerprint(first))),
+                    "comparing the first stage's first batches")
+        seen = {prints[r] for r in self.plan.stages[0].ranks}
+        if len(seen) > 1:
+            raise ValueError(f"the replicas of the first stage (ranks {list(self.plan.stages[0].ranks)}) "
+                             f"read different first batches: the loader's order depends on a "
+                             f"random state other than torch's, Python's or NumPy's global one "
+                             f"(a generator of its own?); seed it the same on every rank, or "
+                             f"derive it from the epoch")
+        if batches is None or first is None:
+            return batches
+        return itertools.chain([first], batches)
+
+    def _peek(self, loader: Any, source: EpochBatches) -> tuple[EpochBatches, Any]:
+        """Reads the first batch of `source` (the batches of `loader`), checked."""
+        if loader is None:
+            raise ValueError("the first stage's ranks need the loader; got None")
+        first = next(source, None)
+        if first is None:
+            raise ValueError("the data loader is empty")
+        if not isinstance(first, (tuple, list)) or len(first) != 2:
+            raise TypeError(f"the loader must yield (inputs, targets) pairs, got "
+                            f"{type(first).__name__}")
+        return source, first
