@@ -118,6 +118,16 @@ class PipelineOptions:
                                          "ranks='threads'; with processes, the job's world "
                                          "size is the number of ranks")
         self._check_schedule_options()
+        if self.schedule != "auto" and not kind(self.schedule).synchronous:
+            wants = [name for name, on in (("clip_grad_norm", self.clip_grad_norm is not None),
+                                           ("precision", self.precision == "fp16"),
+                                           ("on_nan", self.on_nan == "skip")) if on]
+            if wants:
+                raise OptionError(wants[0], f"{wants[0]}={getattr(self, wants[0])!r} needs "
+                                            f"every stage to agree before each update, which "
+                                            f"only synchronous schedules allow; "
+                                            f"{self.schedule!r} updates its stages at different "
+                                            f"times")
 
     def _check_schedule_options(self) -> None:
         """Each schedule option must be declared by the schedule chosen, with its type."""

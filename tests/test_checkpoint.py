@@ -200,11 +200,11 @@ def killed_save_job(rank: int, world: int, root: str, case: str) -> None:
     else:
         pipe = pipeline(checkpoint_dir=root, checkpoint_every=2)
         list(pipe.train(batches(2), steps=2))
-    commit, replace = ckpt._commit, os.replace
+    commit, replace = ckpt.files._commit, os.replace
     if case == "stage file" and rank == 1:
-        ckpt._commit = lambda tmp, final: stall_here(root)  # type: ignore[assignment]
+        ckpt.files._commit = lambda tmp, final: stall_here(root)  # type: ignore[assignment]
     if case == "manifest" and rank == 0:
-        ckpt._commit = lambda tmp, final: (  # type: ignore[assignment]
+        ckpt.files._commit = lambda tmp, final: (  # type: ignore[assignment]
             stall_here(root) if final.name == ckpt.MANIFEST else commit(tmp, final))
 
     def replace_then_stall(src: Any, dst: Any) -> None:
@@ -213,7 +213,7 @@ def killed_save_job(rank: int, world: int, root: str, case: str) -> None:
             stall_here(root)
 
     if case == "swap" and rank == 0:  # the module's own `os`, so nothing else is touched
-        ckpt.os = types.SimpleNamespace(**{**vars(os), "replace": replace_then_stall})  # type: ignore[assignment]
+        ckpt.folders.os = types.SimpleNamespace(**{**vars(os), "replace": replace_then_stall})  # type: ignore[assignment]
     list(pipe.train(batches(4)[2:], steps=2))
     if case == "swap":
         pipe.save(Path(root) / "ckpt")

@@ -410,3 +410,29 @@ def test_run_stops_every_rank_when_one_fails(tmp_path):
     result = cli("run", "--nproc", "2", str(script))
     assert result.returncode == 3
     assert "rank 1 exited with code 3" in result.stderr
+
+
+def test_every_pipeline_option_flag_reaches_the_ranks_options_unchanged():
+    """The flags of PipelineOptions come from its fields, and the options a run hands its
+    ranks carry each given value: an option with its flag needs no edit of the command."""
+    import dataclasses
+
+    from pipedream_fast.cli import build_parser
+    from pipedream_fast.commands.train import RunSetup, _run_options, settings
+    from pipedream_fast.options import PipelineOptions, flag_name
+
+    flagged = [f for f in dataclasses.fields(PipelineOptions) if f.metadata.get("flag")]
+    assert {"clip_grad_norm", "precision", "seed", "on_nan", "timeout"} <= {f.name for f in flagged}
+    given = {"clip_grad_norm": "0.25", "precision": "bf16", "seed": "7", "on_nan": "skip",
+             "timeout": "12.5"}
+    argv = ["train", "--threads", "2", "--schedule", "1f1b"]
+    for name, value in given.items():
+        argv += [flag_name(name), value]
+    args = build_parser().parse_args(argv)
+    s = settings(args)
+    setup = RunSetup(name="1f1b", schedule="1f1b", plan=None, chunks=2, profile=None,  # type: ignore[arg-type]
+                     simulated_samples_per_s=None, sim_window=None)
+    options = _run_options(s, setup)
+    assert (options.clip_grad_norm, options.precision, options.seed, options.on_nan,
+            options.timeout) == (0.25, "bf16", 7, "skip", 12.5)
+    assert (options.schedule, options.chunks) == ("1f1b", 2)
