@@ -12,10 +12,12 @@ import torch as _torch  # noqa: F401  (loads libtorch, which the C++ core links 
 from pipedream_fast.formats import FormatError, Plan, Profile
 from pipedream_fast.launch import LaunchError, Stopped, launch
 from pipedream_fast.local_pipeline import LocalPipeline
-from pipedream_fast.pipeline import Pipeline
+from pipedream_fast.options import OptionError, PipelineOptions
+from pipedream_fast.pipeline import NonFiniteLoss, Pipeline
 from pipedream_fast.tuning import Tuning, TuningError
 
 __version__ = "0.1.0"
 
-__all__ = ["FormatError", "LaunchError", "LocalPipeline", "Pipeline", "Plan", "Profile",
-           "Stopped", "Tuning", "TuningError", "__version__", "launch"]
+__all__ = ["FormatError", "LaunchError", "LocalPipeline", "NonFiniteLoss", "OptionError",
+           "Pipeline", "PipelineOptions", "Plan", "Profile", "Stopped", "Tuning", "TuningError",
+           "__version__", "launch"]
