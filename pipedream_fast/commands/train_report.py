@@ -1,0 +1,175 @@
+"""`pipedream-fast train`'s report: the run directory's files (plan, profile, traces, plots),
+the summary table and summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+
+from pipedream_fast.formats import Plan
+from pipedream_fast.tuning import Tuning
+from pipedream_fast.commands.train_settings import RunSetup, Settings, _schedule_options
+
+
+def describe_plan(plan: Plan, names: list[str] | None = None) -> str:
+    def blocks(start: int, stop: int) -> str:
+        if names and len(names) >= stop:
+            return names[start] if stop - start == 1 else f"{names[start]}..{names[stop - 1]}"
+        return f"blocks {start}-{stop - 1}"
+
+    parts = [f"{blocks(st.start, st.stop)} on rank{'s' if len(st.ranks) > 1 else ''} "
+             f"{','.join(map(str, st.ranks))}" for st in plan.stages]
+    return f"{plan.num_stages} stage{'s' if plan.num_stages > 1 else ''}: " + " | ".join(parts)
+
+
+def _write(run_dir: Path, args: argparse.Namespace, s: Settings, setups: list[RunSetup],
+           histories: list[Any], outcomes: list[list[dict[str, Any]]],
+           say: Callable[[str], None]) -> list[str]:
+    from pipedream_fast import run_report as rr
+    from pipedream_fast.trace import write_chrome_trace, write_simulation_trace
+
+    files: list[str] = []
+    main = setups[0]
+    if main.profile is not None:
+        main.profile.save(run_dir / "profile.json")
+        files.append("profile.json")
+    main.plan.save(run_dir / "plan.json")
+    files.append("plan.json")
+    for extra in setups[1:]:
+        extra.plan.save(run_dir / f"plan-{extra.name}.json")
+        files.append(f"plan-{extra.name}.json")
+    events = [e for r in outcomes[0] for e in r.get("events", [])]
+    if events:
+        origin = min(e.start_ms for e in events)
+        events = [type(e)(e.rank, e.kind, e.start_ms - origin, e.duration_ms, e.stage,
+                          e.microbatch, e.version, e.args) for e in events]
+        write_chrome_trace(events, run_dir / "run_trace.json",
+                           process=f"pipedream-fast train {main.schedule} (first "
+                                   f"{args.trace_steps} steps)",
+                           rank_stages={r: main.plan.stages_of_rank(r)
+                                        for r in range(main.plan.workers)})
+        files.append("run_trace.json")
+        if args.trace:
+            shutil.copyfile(run_dir / "run_trace.json", args.trace)
+            say(f"wrote {args.trace}")
+    elif args.trace_steps:
+        say("note: the run recorded no trace events")
+    if main.sim_window is not None:
+        write_simulation_trace(main.sim_window, run_dir / "sim_trace.json")
+        files.append("sim_trace.json")
+    files.append("metrics.csv")  # written during the run
+    if rr.have_matplotlib():
+        if main.sim_window is not None:
+            from pipedream_fast.timeline import draw_timeline
+            draw_timeline(main.sim_window, run_dir / "timeline.png")
+            files.append("timeline.png")
+        rr.plot_curves(run_dir / "loss_accuracy.png", histories, _metric_label(s))
+        files.append("loss_accuracy.png")
+    else:
+        say("note: matplotlib is not installed: no timeline.png or loss_accuracy.png "
+            "(pip install matplotlib)")
+    if (run_dir / "checkpoint").is_dir():
+        files.append("checkpoint/")
+    return files
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _metric_label(s: Settings) -> str:
+    return "test accuracy per character" if s.data == "text" else "test accuracy"
+
+
+def _summary(s: Settings, setups: list[RunSetup], histories: list[Any],
+             outcomes: list[list[dict[str, Any]]], wall_s: float, run_dir: Path) -> Any:
+    from pipedream_fast import run_report as rr
+
+    columns = [h.name for h in histories]
+    finals = [h.final or {} for h in histories]
+
+    def per(fn: Callable[[RunSetup, Any, dict[str, Any]], Any]) -> list[Any]:
+        return [fn(st, h, f) for st, h, f in zip(setups, histories, finals)]
+
+    rows: list[tuple[str, list[Any]]] = [
+        ("plan", per(lambda st, h, f: describe_plan(
+            st.plan, [b.name for b in st.profile.blocks] if st.profile else None))),
+        ("workers", [f"{s.workers} {'threads' if s.threads else 'processes'}"] * len(setups)),
+        ("minibatch", per(lambda st, h, f: f"{s.batch_size} = {st.chunks} x "
+                                           f"{s.batch_size // st.chunks}")),
+        ("trained", per(lambda st, h, f: f"{_plural(f.get('epoch', -1) + 1, 'epoch')}, "
+                                         f"{f.get('step', 0)} steps, {h.samples:,} samples")),
+        ("samples/s measured", per(lambda st, h, f: h.samples_per_s)),
+        ("samples/s simulated", per(lambda st, h, f: st.simulated_samples_per_s)),
+        (_metric_label(s), per(lambda st, h, f: f"{100 * f['accuracy']:.2f}%"
+                               if f.get("accuracy") is not None else "-")),
+        ("test loss", per(lambda st, h, f: f"{f['loss']:.4f}" if "loss" in f else "-")),
+    ]
+    if s.data == "text":
+        rows.append(("bits per character", per(lambda st, h, f: f"{f['loss'] / math.log(2):.3f}"
+                                                if "loss" in f else "-")))
+    if s.target is not None:
+        rows.append((f"time to {100 * s.target:.1f}%", per(
+            lambda st, h, f: f"{h.target_reached_s:.1f} s (step {h.target_reached_step})"
+            if h.target_reached_s is not None else "not reached")))
+    rows.append(("training time", per(lambda st, h, f: f"{h.elapsed_s:.1f} s "
+                                                      f"({h.train_s:.1f} s without evaluation)")))
+    rows.append(("first step", per(lambda st, h, f: f"{h.first_step_s:.2f} s (start-up, "
+                                                   f"not in samples/s)"
+                                   if h.first_step_s is not None else "-")))
+    delays = rr.traced_weight_delays(outcomes[0], setups[0].sim_window)  # the traced run
+    if delays is not None:
+        rows.append(("weight delay",
+                     [rr.weight_delay_text(delays)] + ["-"] * (len(setups) - 1)))
+    changed = _changed_knobs(s.tuning)
+    if changed:
+        rows.append(("tuning", [changed] * len(setups)))
+    table = rr.summary_table(f"pipedream-fast train: {s.model} on {s.data}", columns, rows)
+    table.caption = (f"wall time {wall_s:.1f} s (loading, profiling, planning, start-up, "
+                     f"training, evaluation, writing); run directory {run_dir}")
+    return table
+
+
+def _changed_knobs(tuning: Tuning) -> str:
+    """The knobs set away from their defaults, as their flags: `--queue-depth 2, ...`."""
+    default = Tuning()
+    flags = []
+    for name, value in asdict(tuning).items():
+        if value != getattr(default, name):
+            flag = f"--{name.replace('_', '-')}"
+            flags.append(flag if value is True else f"{flag} {value:g}")
+    return ", ".join(flags)
+
+
+def _summary_json(s: Settings, setups: list[RunSetup], histories: list[Any],
+                  outcomes: list[list[dict[str, Any]]], wall_s: float, run_dir: Path,
+                  files: list[str]) -> dict[str, Any]:
+    runs = []
+    for st, h, results in zip(setups, histories, outcomes):
+        final = h.final or {}
+        runs.append({
+            "name": st.name, "schedule": st.schedule, "chunks": st.chunks,
+            **_schedule_options(s, st.schedule), "plan": st.plan.to_dict(),
+            "steps": final.get("step", 0),
+            "epochs": final.get("epoch", -1) + 1, "samples": h.samples,
+            "train_s": h.train_s, "elapsed_s": h.elapsed_s, "first_step_s": h.first_step_s,
+            "samples_per_s": h.samples_per_s,
+            "simulated_samples_per_s": st.simulated_samples_per_s,
+            "test_loss": final.get("loss"), "test_accuracy": final.get("accuracy"),
+            "time_to_target_s": h.target_reached_s, "target_step": h.target_reached_step,
+            "rank_stats": {r["rank"]: r.get("stats", {}) for r in results}})
+    from pipedream_fast import run_report as rr
+    runs[0]["weight_delays"] = rr.traced_weight_delays(outcomes[0], setups[0].sim_window)
+    return {"model": s.model, "data": s.data, "batch_size": s.batch_size,
+            "optimizer": s.optimizer, "lr": s.lr, "workers": s.workers,
+            "ranks_as": "threads" if s.threads else "processes", "target_accuracy": s.target,
+            "tuning": asdict(s.tuning),
+            "wall_s": wall_s, "run_dir": os.fspath(run_dir), "files": files, "runs": runs}
