@@ -16,6 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, DistributedSampler
 
+from pipedream_fast import user_errors
 from pipedream_fast.ir import Schedule
 
 
@@ -327,7 +328,11 @@ class EpochBatches:
                 if self._one_shot:  # it stands where its reader left it: nothing to read past
                     self._index, self._skip = self._skip, 0
             with seeded(self._seed, self.epoch, self._index):
-                batch = next(self._iterator, _END)
+                try:
+                    batch = next(self._iterator, _END)
+                except Exception as err:  # the user's loader: name the batch it failed on
+                    user_errors.note_batch(err, self._index, self.epoch)
+                    raise
             if batch is not _END:
                 self._index += 1
                 if self._skip:  # consumed before the resume: read only to get past it

@@ -23,7 +23,10 @@ a later repeat, or SIGINT, acts at once.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import gc
+import io
 import os
 import pickle
 import queue
@@ -32,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -40,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -78,14 +82,29 @@ class LaunchError(RuntimeError):
     """A rank of a launched job failed, or the job was stopped; the message names the rank
     and carries its traceback. `rank`: the rank blamed (None when the launcher was stopped
     by a signal); `returncode`: that rank's exit code (negative: killed by that signal);
-    `stopped_by`: the signal that stopped the launcher, if that is what ended the job."""
+    `stopped_by`: the signal that stopped the launcher, if that is what ended the job.
+    `user_error`: when the blamed rank's error came from the user's code (a dataset, a
+    batch, a factory: `user_errors.describe`), that in one line; a command shows it instead
+    of the tracebacks, which it keeps in a log (`log_details`)."""
 
     def __init__(self, message: str, rank: int | None = None, returncode: int | None = None,
-                 stopped_by: int | None = None) -> None:
+                 stopped_by: int | None = None, user_error: str | None = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.returncode = returncode
         self.stopped_by = stopped_by
+        self.user_error = user_error
+
+    def log_details(self, folder: str | os.PathLike[str] | None = None) -> None:
+        """For an error of the user's code: writes the message (the tracebacks) to
+        folder/error.log (default: a new file in the temporary folder), and makes the
+        message `user_error` and that file's name. Nothing for any other failure."""
+        if self.user_error is None:
+            return
+        from pipedream_fast import user_errors
+        path = user_errors.write_log(str(self), user_errors.log_path(None, folder))
+        self.args = (f"{self.user_error}; traceback in {path}",)
+        self.user_error = None
 
     @property
     def exit_code(self) -> int:
@@ -182,6 +201,161 @@ def _die_with_parent() -> None:
         return
     if os.getppid() != parent:  # the launcher died before the call
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _flush_open_files() -> None:
+    """Flushes every open file object that can be written, as the interpreter's teardown
+    would when it destroys them (a script's log file left open, say)."""
+    kinds = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+    for obj in gc.get_objects():
+        if issubclass(type(obj), kinds):  # type(), not isinstance: no proxy's __class__
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except (OSError, ValueError, AttributeError, RuntimeError):
+                pass
+
+
+def exit_now(code: int) -> NoReturn:
+    """Ends this process as the interpreter would (non-daemon threads joined, atexit
+    handlers run, open files flushed), without the teardown of its modules, which takes
+    seconds on a busy machine (torch's, the garbage of a training run, gloo's groups). For a
+    rank that stopped: its checkpoint is on disk (fsynced) and its peers are leaving too."""
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()  # what the interpreter does first: wait for non-daemon threads
+    atexit._run_exitfuncs()
+    _flush_open_files()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(code)
+
+
+def _exit_status(done: SystemExit | None) -> int:
+    """The status the interpreter gives a process ended by `done` (None: the script ended)."""
+    code = None if done is None else done.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def rank_ended(done: SystemExit | None) -> None:
+    """Called by a rank of `pipedream-fast run` (`_RANK_BOOT`) when its script ended, with
+    the `SystemExit` that ended it: a rank that was asked to stop (SIGTERM/SIGHUP, `Stopped`)
+    leaves at once (`exit_now`), well within the launcher's grace period; else this returns
+    and the interpreter exits as usual."""
+    if isinstance(done, Stopped) or stop_request.at is not None:
+        exit_now(_exit_status(done))
+
+
+def _strip_boot(tb: Any) -> Any:
+    while tb is not None and tb.tb_frame.f_code.co_filename == "<string>":
+        tb = tb.tb_next
+    return tb
+
+
+def _rank_number() -> int | None:
+    try:
+        return int(os.environ["RANK"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _others_failed(rank: int | None, wait_s: float) -> bool:
+    """Whether another rank of this job wrote a failure log within `wait_s` seconds."""
+    folder = os.environ.get(_user_errors().LOG_DIR_ENV)
+    if not folder:
+        return False
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            names = []
+        if any(n.endswith(".log") and n != f"rank{rank}.log" for n in names):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _user_errors() -> Any:
+    from pipedream_fast import user_errors
+    return user_errors
+
+
+def rank_failed(err: BaseException) -> NoReturn:
+    """Called by a rank of `pipedream-fast run` (`_RANK_BOOT`) whose script raised `err`.
+
+    An error of the user's code (a dataset, a loader, a factory, a batch) is one line,
+    'rank 0, batch 3: ValueError: ... (at data.py:12); traceback in <log>'; a failure that
+    follows another rank's (a closed connection: that rank says what went wrong) is only
+    logged; anything else prints its traceback, as the interpreter would. Exits with 1, as
+    `exit_now` does."""
+    ue = _user_errors()
+    rank = _rank_number()
+    tb = _strip_boot(err.__traceback__)
+    text = "".join(traceback.format_exception(type(err), err, tb))
+    line = ue.describe(err, rank, peer_symptom=_is_peer_symptom)
+    if line is not None or _is_peer_symptom(err):
+        path = ue.write_log(text, ue.log_path(rank))
+        if line is not None:
+            print(f"{line}; traceback in {path}", file=sys.stderr, flush=True)
+        # the first to fail says so, in one line; waiting less than the launcher's SETTLE_S,
+        # after which it stops the ranks still running
+        elif not _others_failed(rank, 0.8 * SETTLE_S):
+            print(f"rank {rank}: {_last_line(text)}; traceback in {path}", file=sys.stderr,
+                  flush=True)
+    else:
+        sys.excepthook(type(err), err, tb)
+    # atexit handlers (the library's release of its threads and groups) run, the teardown
+    # does not: it is slow, and a failed run's half-released state has aborted in it
+    # ("terminate called without an active exception", 1 run in 3 of a shape error)
+    exit_now(1)
+
+
+_RANK_BOOT = """def _boot():
+    import builtins, importlib.machinery, os, sys
+    script = os.path.abspath(sys.argv[1])
+    sys.argv[:] = sys.argv[1:]
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    namespace = sys.modules["__main__"].__dict__
+    namespace.clear()
+    namespace.update(__name__="__main__", __doc__=None, __package__=None, __spec__=None,
+                     __annotations__={}, __builtins__=builtins, __file__=script,
+                     __cached__=None,
+                     __loader__=importlib.machinery.SourceFileLoader("__main__", script))
+    with open(script, "rb") as f:
+        code = compile(f.read(), script, "exec")
+    done = None
+    try:
+        exec(code, namespace)
+    except SystemExit as exit:
+        done = exit
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:
+        launch = sys.modules.get("pipedream_fast.launch")
+        if launch is None:
+            raise
+        launch.rank_failed(err)
+    launch = sys.modules.get("pipedream_fast.launch")
+    if launch is not None:
+        launch.rank_ended(done)
+    if done is not None:
+        raise done
+_boot()
+"""
+"""How `pipedream-fast run` starts a rank's script (`python -c _RANK_BOOT script args`): as
+`python script args` would (its folder first on sys.path, `__main__` its module, nothing of
+this package imported before it), but the end is this package's when the script used it: a
+stopped rank exits at once (`rank_ended`), a user's error is one line (`rank_failed`)."""
 
 
 # --- the launcher's own signals ------------------------------------------------------------
@@ -349,7 +523,7 @@ def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int,
             outcome: tuple[Any, ...] = ("stopped", text, signum)
         else:
             code = 1
-            outcome = ("error", text, _is_peer_symptom(err))
+            outcome = ("error", text, _is_peer_symptom(err), _describe_user_error(err, rank))
         try:
             report.send_bytes(pickle.dumps(outcome))
         except OSError:
@@ -368,6 +542,15 @@ def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int,
             except (OSError, ValueError, AttributeError):
                 pass
         os._exit(code)
+
+
+def _describe_user_error(err: BaseException, rank: int) -> str | None:
+    """The one line of an error of the user's code (`user_errors.describe`), if it is one."""
+    try:
+        from pipedream_fast import user_errors
+        return user_errors.describe(err, rank, peer_symptom=_is_peer_symptom)
+    except Exception:  # noqa: BLE001 - a report must go out whatever this finds
+        return None
 
 
 @dataclass
@@ -626,7 +809,11 @@ def _supervise(ranks: dict[int, _Rank], nprocs: int, grace: float,
         returncode = r.returncode
         if r.report is not None:  # its own exit code may still be on its way
             returncode = r.report[2] + 128 if r.report[0] == "stopped" else 1
-        raise LaunchError(_failure_message(ranks, blamed), rank=blamed, returncode=returncode)
+        report = r.report
+        user_error = report[3] if report is not None and report[0] == "error" and \
+            len(report) > 3 else None
+        raise LaunchError(_failure_message(ranks, blamed), rank=blamed, returncode=returncode,
+                          user_error=user_error)
     return [pickle.loads(ranks[r].report[1]) for r in range(nprocs)]  # type: ignore[index]
 
 
@@ -675,12 +862,15 @@ def run_script(script: str, script_args: Sequence[str], nprocs: int,
 
     port = free_port()
     procs: dict[int, subprocess.Popen[bytes]] = {}
+    # Made by the first rank that fails, for the traceback its one line points to.
+    logs = os.path.join(tempfile.gettempdir(), f"pipedream-fast-run-{os.getpid()}-{port}")
     with _catch_stop_signals(None) as requests:
         try:
             for rank in range(nprocs):
                 procs[rank] = subprocess.Popen(
-                    [sys.executable, script, *script_args],
-                    env={**os.environ, **rank_environment(rank, nprocs, port)},
+                    [sys.executable, "-c", _RANK_BOOT, script, *script_args],
+                    env={**os.environ, **rank_environment(rank, nprocs, port),
+                         "PIPEDREAM_FAST_LOG_DIR": logs},
                     start_new_session=True, preexec_fn=_die_with_parent)
                 if requests.signum is not None:
                     break

@@ -144,7 +144,7 @@ def test_trace_events_give_the_simulators_delays(name: str, kw: dict) -> None:
 def test_a_traced_window_of_a_longer_run_has_the_steady_delays_of_its_simulation() -> None:
     # `train --trace` keeps the first N microbatches of a longer run (and the updates until
     # then); the simulation it is compared with runs N microbatches and drains.
-    from pipedream_fast.commands.train_run import trace_window
+    from pipedream_fast.fit import trace_window
     from pipedream_fast.run_report import traced_weight_delays, weight_delay_text
     long = simulate(make_schedule("pipedream", 3, 30), UnitCosts())
     window = trace_window(events_from_simulation(long), 10)

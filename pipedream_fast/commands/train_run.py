@@ -1,8 +1,9 @@
 """The training half of `pipedream-fast train`: one run of a plan, in processes or threads.
 
-Every rank runs `train_loop`: epochs of `Pipeline.train` over a shuffling `DataLoader` (the
-Pipeline reads it on the first stage only, shuffled alike on replicas), an evaluation of the
-test split after each epoch through the pipeline, until the epochs or steps run out or the
+Every rank builds the same `Pipeline` a script would (the run's `PipelineOptions` as the
+command made them) and runs the library's `fit`: epochs of `Pipeline.train` over a shuffling
+`DataLoader` (the Pipeline reads it on the first stage only, shuffled alike on replicas), an
+evaluation of the test split after each epoch through the pipeline, until the epochs or steps run out or the
 target accuracy is reached. Progress goes out as small event dicts (`start`, `step`, `phase`,
 `eval`), from the rank that reports, to the caller's `handle`, which draws the progress bar
 and writes the metrics (`run_report`).
@@ -10,13 +11,11 @@ and writes the metrics (`run_report`).
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import queue as queue_module
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from pipedream_fast.fit import fit
 from pipedream_fast.formats import Plan
 from pipedream_fast.models import accuracy, build_model, loss_fn
 from pipedream_fast.tuning import Tuning
@@ -89,79 +89,15 @@ def build(config: dict[str, Any]) -> nn.Module:
     return module
 
 
-def trace_window(events: list[Any], microbatches: int) -> list[Any]:
-    """The events of the first `microbatches` microbatches, and the updates among them."""
-    inside = [e for e in events if e.microbatch is not None and e.microbatch < microbatches]
-    if not inside:
-        return list(events)
-    end = max(e.start_ms + e.duration_ms for e in inside)
-    return [e for e in events if (e.microbatch is None and e.start_ms <= end)
-            or (e.microbatch is not None and e.microbatch < microbatches)]
-
-
 def train_loop(pipe: Any, train: DataLoader, config: dict[str, Any],
                emit: Callable[[dict[str, Any]], None],
                evaluate: Callable[[], dict[str, float]]) -> dict[str, Any]:
-    """Epochs of `pipe.train`, an evaluation after each, until the epochs or the steps run
-    out or the target accuracy is reached. The first epoch is traced, and its first
-    `trace_steps` steps kept, so the trace stays small."""
-    run, batch_size, target = config["run"], config["batch_size"], config["target"]
-    per_epoch = len(train)
-    if per_epoch == 0:
-        raise ValueError(f"the training data ({len(train.dataset)} samples) do not fill one "  # type: ignore[arg-type]
-                         f"minibatch of {batch_size}")
-    total = per_epoch * config["epochs"]
-    if config["steps"]:
-        total = min(total, config["steps"]) if config["epochs"] else config["steps"]
-    epochs = math.ceil(total / per_epoch)
-    emit({"event": "start", "run": run, "steps": total, "epochs": epochs,
-          "steps_per_epoch": per_epoch, "batch_size": batch_size})
-    began = time.perf_counter()
-    step = samples = 0
-    train_s = 0.0
-    first_s: float | None = None  # the first step: start-up (connections, first calls) included
-    events: list[Any] = []
-    results: dict[str, float] = {}
-    reached_at: float | None = None
-    for epoch in range(epochs):
-        count = min(per_epoch, total - step)
-        traced = epoch == 0 and config["trace_steps"] > 0
-        pipe.trace = traced
-        begin = time.perf_counter()
-        for loss in pipe.train(train, steps=count):
-            step += 1
-            samples += batch_size
-            now = time.perf_counter()
-            if first_s is None:
-                first_s = now - begin
-            if loss is not None:
-                emit({"event": "step", "run": run, "step": step, "epoch": epoch,
-                      "samples": samples, "loss": float(loss),
-                      "train_s": train_s + now - begin, "first_step_s": first_s,
-                      "elapsed_s": now - began})
-        epoch_s = time.perf_counter() - begin
-        if traced:
-            events = trace_window(list(getattr(pipe, "last_events", None) or []),
-                                  config["trace_steps"] * config["chunks"])
-        train_s += epoch_s
-        emit({"event": "phase", "run": run, "text": "evaluating"})
-        results = evaluate()
-        elapsed = time.perf_counter() - began
-        reached = target is not None and results.get("accuracy", 0.0) >= target
-        # The epoch's rate; the first epoch's without its first step (start-up).
-        timed, timed_s = count, epoch_s
-        if epoch == 0 and count > 1 and first_s is not None:
-            timed, timed_s = count - 1, epoch_s - first_s
-        emit({"event": "eval", "run": run, "step": step, "epoch": epoch, "samples": samples,
-              "loss": results["loss"], "accuracy": results.get("accuracy"),
-              "train_s": train_s, "first_step_s": first_s, "elapsed_s": elapsed,
-              "epoch_samples_per_s": timed * batch_size / timed_s if timed_s > 0 else None})
-        if reached:
-            reached_at = elapsed
-            break
-    return {"steps": step, "samples": samples, "train_s": train_s, "events": events,
-            "results": results, "reached_at": reached_at,
-            "elapsed_s": time.perf_counter() - began}
+    """The library's `fit` with this command's settings."""
+    result = fit(pipe, train, epochs=config["epochs"] or None, steps=config["steps"] or None,
+                 evaluate=evaluate, target_accuracy=config["target"],
+                 trace_steps=config["trace_steps"], on_event=emit, name=config["run"],
+                 batch_size=config["batch_size"])
+    return result.to_dict()
 
 
 def _rank_job(rank: int, world: int, config: dict[str, Any], queue: Any) -> dict[str, Any]:

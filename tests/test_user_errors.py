@@ -1,0 +1,220 @@
+"""An error of the user's code is one line; its traceback goes to a log (issue: one line for a
+user's data error).
+
+Was: a loader raising at batch 3 under `pipedream-fast run` printed 78 lines with two
+tracebacks (the failing rank's, and its peer's on the closed connection), a batch whose shape
+changed 88, a failing `--model` factory under `train` a 30-line traceback. Now: one line naming
+the rank, the batch, the exception and where the user's code raised it (file:line), and the
+full traceback in the run directory's log (`train`) or in a file the line names.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipedream_fast import user_errors
+
+ROOT = Path(__file__).resolve().parent.parent
+
+DATA_ERROR = """\
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from pipedream_fast import Pipeline
+
+
+class Data(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if i >= 24:  # the first sample of batch 3 (batches of 8, in order)
+            raise ValueError(f"corrupt sample {i}")
+        return torch.full((6,), float(i)), torch.tensor(i % 3)
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+pipe = Pipeline(model, nn.functional.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                schedule="1f1b", chunks=2, balance=[2, 1], timeout=30)
+for loss in pipe.train(DataLoader(Data(), batch_size=8), epochs=1):
+    pass
+"""
+
+SHAPE_CHANGE = """\
+import torch
+from torch import nn
+from pipedream_fast import Pipeline
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+pipe = Pipeline(model, nn.functional.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                schedule="1f1b", chunks=2, balance=[2, 1], timeout=30)
+data = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)]
+data += [(torch.randn(8, 7), torch.randint(0, 3, (8,)))] + data[:2]  # batch 3: 7 features
+for loss in pipe.train(data, epochs=1):
+    pass
+"""
+
+USER_PACKAGE = """\
+import torch
+from torch.utils.data import Dataset
+
+
+class Data(Dataset):
+    reads = 0
+
+    def __init__(self, n, bad=None):
+        self.n, self.bad = n, bad
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        Data.reads += 1
+        if self.bad is not None and Data.reads > self.bad:
+            raise ValueError(f"corrupt sample {i}")
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(6, generator=g), torch.randint(0, 3, (), generator=g)
+
+
+def load():
+    return Data(256, bad=24), Data(32)  # the 25th read: batch 3 of 8-sample batches
+
+
+def model(batch_size):
+    torch.manual_seed(0)
+    return (torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 3)), torch.randn(batch_size, 6))
+
+
+def bad_model(batch_size):
+    layers = [torch.nn.Linear(6, 16), torch.nn.Tanh()]
+    layers.append(torch.nn.Linear(16, "3"))
+    return torch.nn.Sequential(*layers), torch.randn(batch_size, 6)
+"""
+
+
+def line_of(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def cli(*args: str, cwd: Path, env: dict[str, str] | None = None
+        ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pipedream_fast.cli", *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=240)
+
+
+def error_part(stderr: str, command: str) -> list[str]:
+    """stderr without `run`'s own lines ('pipedream-fast run: rank 0 exited with code 1')."""
+    return [line for line in stderr.splitlines()
+            if line.strip() and not line.startswith("pipedream-fast run: ")]
+
+
+def logged(line: str) -> str:
+    found = re.search(r"; traceback in (\S+)$", line)
+    assert found, line
+    path = Path(found[1])
+    assert path.is_file(), line
+    return path.read_text()
+
+
+# --- the one line, from an exception ---------------------------------------------------------
+
+class _BadSample(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> None:
+        raise KeyError(f"no sample {i}")  # the user's line
+
+
+def test_describe_names_the_rank_the_batch_and_the_users_line():
+    try:  # through torch, as the data feed reads a DataLoader
+        next(iter(torch.utils.data.DataLoader(_BadSample(), batch_size=8)))
+    except KeyError as err:
+        user_errors.note_batch(err, 3)
+        wrapped = RuntimeError("rank 0, action 27 (0F6@3): no sample 0")
+        wrapped.__cause__ = err
+        line = user_errors.describe(wrapped, 0)
+    number = line_of(Path(__file__).read_text(), "# the user's line")
+    assert line == f"rank 0, batch 3: KeyError: 'no sample 0' (at {Path(__file__).name}:{number})"
+    # the library's own error (no batch, no frame of the user's code) is not the user's
+    assert user_errors.describe(RuntimeError("internal")) is None
+
+
+# --- pipedream-fast run ----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_loader_that_raises_at_batch_3_is_one_line_under_run(tmp_path):
+    (tmp_path / "data.py").write_text(DATA_ERROR)
+    result = cli("run", "--nproc", "2", "data.py", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    lines = error_part(result.stderr, "run")
+    assert len(lines) == 1, result.stderr
+    number = line_of(DATA_ERROR, "raise ValueError")
+    assert lines[0].startswith(f"rank 0, batch 3: ValueError: corrupt sample 24 (at "
+                               f"data.py:{number}); traceback in "), lines
+    log = logged(lines[0])
+    assert "Traceback (most recent call last)" in log and 'raise ValueError(f"corrupt' in log
+    assert "rank 0 exited with code 1" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_batch_whose_shape_changes_is_one_line_under_run(tmp_path):
+    (tmp_path / "shape.py").write_text(SHAPE_CHANGE)
+    result = cli("run", "--nproc", "2", "shape.py", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    lines = error_part(result.stderr, "run")
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("rank 0, batch 3: RuntimeError: mat1 and mat2 shapes cannot be "
+                               "multiplied (4x7 and 6x16); traceback in "), lines
+    assert "in forward" in logged(lines[0])
+
+
+# --- pipedream-fast train --------------------------------------------------------------------
+
+def _env(folder: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(folder), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+TRAIN = ["--nproc", "2", "--batch-size", "8", "--schedule", "1f1b", "--trace-steps", "0"]
+
+
+@pytest.mark.slow
+def test_a_dataset_that_raises_at_batch_3_is_one_line_under_train(tmp_path):
+    (tmp_path / "userdata.py").write_text(USER_PACKAGE)
+    out = tmp_path / "run"
+    result = cli("train", "--model", "userdata:model", "--data", "userdata:load", *TRAIN,
+                 "--out", str(out), cwd=tmp_path, env=_env(tmp_path))
+    assert result.returncode == 1, result.stderr
+    lines = error_part(result.stderr, "train")
+    assert len(lines) == 1, result.stderr
+    number = line_of(USER_PACKAGE, "raise ValueError")
+    assert re.fullmatch(rf"pipedream-fast train: rank 0, batch 3: ValueError: corrupt sample "
+                        rf"\d+ \(at userdata.py:{number}\); traceback in "
+                        rf"{re.escape(str(out / 'error.log'))}", lines[0]), lines
+    log = (out / "error.log").read_text()
+    assert "rank 0 of 2 failed" in log and 'raise ValueError(f"corrupt' in log
+
+
+def test_a_model_factory_that_raises_is_one_line_naming_it(tmp_path):
+    (tmp_path / "userdata.py").write_text(USER_PACKAGE)
+    result = cli("train", "--model", "userdata:bad_model", "--data", "userdata:load", *TRAIN,
+                 "--out", str(tmp_path / "run"), cwd=tmp_path, env=_env(tmp_path))
+    assert result.returncode == 2, result.stderr
+    lines = error_part(result.stderr, "train")
+    assert len(lines) == 1, result.stderr
+    number = line_of(USER_PACKAGE, 'torch.nn.Linear(16, "3")')
+    assert lines[0].startswith("pipedream-fast train: error: model factory userdata:bad_model: "
+                               "TypeError: "), lines
+    assert f"(at userdata.py:{number})" in lines[0]
+    assert "in bad_model" in logged(lines[0])
+    assert not (tmp_path / "run").exists()
