@@ -212,7 +212,7 @@ class Pipeline(RunLoop):
         self.rank = self._world.rank
         self.world_size = self._world.size
         self.device = (torch.device(opts.device) if opts.device is not None
-                       else self._world.default_device())
+                       else self._world.default_device(model))
         self.tuning = tuning or Tuning()
         self.tuning.check_device(self.device)
         self.schedule_name = opts.schedule

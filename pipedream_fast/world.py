@@ -124,7 +124,7 @@ class ProcessWorld:
         self._groups: list[Any] = []
         self._transports: list[ProcessTransport] = []
 
-    def default_device(self) -> torch.device:
+    def default_device(self, model: Any = None) -> torch.device:
         """The rank's GPU under NCCL (LOCAL_RANK), else the CPU."""
         if self.backend == "nccl":
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank)))
@@ -326,8 +326,13 @@ class ThreadWorld:
         self.timeout_s = shared.timeout_s
         self.made = 0  # groups and transports made so far, counted alike on every rank
 
-    def default_device(self) -> torch.device:
-        return torch.device("cpu")
+    def default_device(self, model: Any = None) -> torch.device:
+        """Where the caller's model is (rank threads share it), else the CPU."""
+        first = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) \
+            else None
+        if first is None or first.is_meta:
+            return torch.device("cpu")
+        return first.device
 
     def _next(self) -> int:
         self.made += 1
