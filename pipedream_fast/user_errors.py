@@ -130,9 +130,9 @@ def _batch_from_frames(tb: TracebackType | None) -> tuple[int | None, int] | Non
             if isinstance(local.get("chunks"), int) and local["chunks"] > 0:
                 chunks = local["chunks"]
             action = local.get("action")
-            if type(owner).__name__ == "Executor" and isinstance(getattr(action, "mb", None),
-                                                                  int):
-                microbatch = action.mb  # type: ignore[union-attr]
+            if type(owner).__name__ == "Executor" and isinstance(
+                    getattr(action, "microbatch", None), int):
+                microbatch = action.microbatch  # type: ignore[union-attr]
         tb = tb.tb_next
     if microbatch is not None and microbatch >= 0 and chunks:
         return None, microbatch // chunks

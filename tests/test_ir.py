@@ -80,6 +80,13 @@ def test_token_examples() -> None:
     assert format_mb_list([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"
 
 
+def test_needs_narrows_a_field_or_names_the_action() -> None:
+    recv = Action.parse("1rB3<2")
+    assert (recv.needs("microbatch"), recv.needs("peer")) == (3, 2)
+    with pytest.raises(ScheduleError, match=r"recv_grad action 1rB3<2 names no version"):
+        recv.needs("version")
+
+
 def test_every_kind_has_a_token() -> None:
     """The parser is built from KIND_SPECS: each kind's code reads back as that kind."""
     for kind, spec in KIND_SPECS.items():

@@ -60,7 +60,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 from collections.abc import Iterable
 
 
@@ -236,27 +236,13 @@ class Action:
         if kind.is_p2p and self.copy:
             raise ScheduleError(f"{what}: communication carries no weight copy")
 
-    # Narrowing accessors: the fields an action's kind guarantees (see KindSpec), as ints.
-    @property
-    def mb(self) -> int:
-        """The microbatch of a forward, backward or transfer."""
-        if self.microbatch is None:
-            raise ScheduleError(f"a {self.kind.value} action names no microbatch")
-        return self.microbatch
-
-    @property
-    def ver(self) -> int:
-        """The weight version of a compute, update, snapshot, release or all-reduce."""
-        if self.version is None:
-            raise ScheduleError(f"a {self.kind.value} action names no weight version")
-        return self.version
-
-    @property
-    def peer_rank(self) -> int:
-        """The other rank of a transfer."""
-        if self.peer is None:
-            raise ScheduleError(f"a {self.kind.value} action names no peer rank")
-        return self.peer
+    def needs(self, field: Literal["microbatch", "peer", "version"]) -> int:
+        """`field` of this action as an int, for the fields its kind guarantees (KindSpec): a
+        ScheduleError naming the action where it is missing."""
+        value: int | None = getattr(self, field)
+        if value is None:
+            raise ScheduleError(f"{self.kind.value} action {self.to_text()} names no {field}")
+        return value
 
     def to_text(self) -> str:
         out = f"{self.stage}{KIND_SPECS[self.kind].code}"

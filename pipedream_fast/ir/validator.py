@@ -129,7 +129,7 @@ class _Validator:
                 if not 0 <= other <= last or a.peer not in s.stage_ranks[other] or a.peer == rank:
                     raise self.fail(rank, i, f"peer rank {a.peer} must be another rank of "
                                              f"neighbouring stage {other}")
-                key = _p2p_key(a.kind, a.stage, a.mb, rank, a.peer_rank)
+                key = _p2p_key(a.kind, a.stage, a.needs("microbatch"), rank, a.needs("peer"))
                 side = (key, a.kind in (K.SEND_ACT, K.SEND_GRAD))
                 if side in endpoints:
                     raise self.fail(rank, i, f"duplicates action {endpoints[side][1]} of rank "
@@ -188,11 +188,12 @@ class _Validator:
             a = st.actions[st.pc]
             if a.kind in (K.RECV_ACT, K.RECV_GRAD):
                 what = "act" if a.kind is K.RECV_ACT else "grad"
-                st.posted[(what, a.stage, a.mb)] = st.pc
-                link = (what, a.stage, a.peer_rank, st.rank)
+                mb = a.needs("microbatch")
+                st.posted[(what, a.stage, mb)] = st.pc
+                link = (what, a.stage, a.needs("peer"), st.rank)
                 if self.in_transit.get(link) == self.partner[(st.rank, st.pc)]:
                     del self.in_transit[link]  # its sender moved on already: delivered now
-                    st.have.add((what, a.stage, a.mb))
+                    st.have.add((what, a.stage, mb))
             elif a.kind in (K.SEND_ACT, K.SEND_GRAD):
                 if not self.send(st, a):
                     return moved
@@ -232,7 +233,7 @@ class _Validator:
                 return False
             self.in_transit[link] = (st.rank, i)
             return True
-        self.ranks[prank].have.add((what, recv.stage, recv.mb))
+        self.ranks[prank].have.add((what, recv.stage, recv.needs("microbatch")))
         return True
 
     def allreduce(self, st: _RankState, a: Action) -> bool:
@@ -282,18 +283,19 @@ class _Validator:
         rules[a.kind](st, i, a)
 
     def exec_forward(self, st: _RankState, i: int, a: Action) -> None:
-        key = (a.stage, a.mb)
+        mb, version = a.needs("microbatch"), a.needs("version")
+        key = (a.stage, mb)
         if key in self.forward_rank:
-            raise self.fail(st, i, f"microbatch {a.mb} was already forwarded on stage "
+            raise self.fail(st, i, f"microbatch {mb} was already forwarded on stage "
                                    f"{a.stage} by rank {self.forward_rank[key]}")
-        local = (a.stage - 1, a.mb) in st.forwarded
+        local = (a.stage - 1, mb) in st.forwarded
         if a.stage > 0 and ("act", *key) not in st.have and not local:
             raise self.fail(st, i, "forward before its input arrived: no earlier "
-                                   f"RECV_ACT of microbatch {a.mb} on this rank")
-        self.require_live(st, i, st.weights[(a.stage, a.copy)], a.ver)
+                                   f"RECV_ACT of microbatch {mb} on this rank")
+        self.require_live(st, i, st.weights[(a.stage, a.copy)], version)
         self.forward_rank[key] = st.rank
         st.forwarded.add(key)
-        st.in_flight[key] = (a.ver, a.copy)
+        st.in_flight[key] = (version, a.copy)
         st.peak_inflight = max(st.peak_inflight, len(st.in_flight))
         if len(st.in_flight) > self.s.max_inflight[st.rank]:
             raise self.fail(st, i, f"{len(st.in_flight)} microbatches in flight, more than "
@@ -305,78 +307,85 @@ class _Validator:
 
     def check_in_flight(self, st: _RankState, i: int, a: Action) -> None:
         """A backward part needs its forward on this rank, on the same version and copy."""
-        key = (a.stage, a.mb)
+        mb, version = a.needs("microbatch"), a.needs("version")
+        key = (a.stage, mb)
         if key not in st.in_flight:
             where = self.forward_rank.get(key)
             raise self.fail(st, i, "backward before its forward" if where is None else
                             "backward repeated" if key in self.backward_rank else
                             f"backward on a rank other than its forward's (rank {where})")
-        version, copy = st.in_flight[key]
-        if (a.ver, a.copy) != (version, copy):
-            raise self.fail(st, i, f"backward uses weight version {a.ver} (copy {a.copy}) "
-                                   f"but its forward used version {version} (copy {copy})")
-        self.require_live(st, i, st.weights[(a.stage, a.copy)], a.ver)
+        used, used_copy = st.in_flight[key]
+        if (version, a.copy) != (used, used_copy):
+            raise self.fail(st, i, f"backward uses weight version {version} (copy {a.copy}) "
+                                   f"but its forward used version {used} (copy {used_copy})")
+        self.require_live(st, i, st.weights[(a.stage, a.copy)], version)
 
     def exec_backward_input(self, st: _RankState, i: int, a: Action) -> None:
-        key = (a.stage, a.mb)
+        mb = a.needs("microbatch")
+        key = (a.stage, mb)
         self.check_in_flight(st, i, a)
         if key in st.backwarded:
             raise self.fail(st, i, "the input gradient of this microbatch was already made")
-        local = (a.stage + 1, a.mb) in st.backwarded
+        local = (a.stage + 1, mb) in st.backwarded
         if a.stage < self.s.num_stages - 1 and ("grad", *key) not in st.have and not local:
             raise self.fail(st, i, "backward before its output gradient arrived: no earlier "
-                                   f"RECV_GRAD of microbatch {a.mb} on this rank")
+                                   f"RECV_GRAD of microbatch {mb} on this rank")
         st.backwarded.add(key)  # its input gradient exists: SEND_GRAD may follow
 
     def exec_backward_weight(self, st: _RankState, i: int, a: Action) -> None:
-        key = (a.stage, a.mb)
+        mb = a.needs("microbatch")
+        key = (a.stage, mb)
         self.check_in_flight(st, i, a)
         if key not in st.backwarded:
             raise self.fail(st, i, "weight gradient before the input gradient (I before W)")
         del st.in_flight[key]
         self.backward_rank[key] = st.rank
-        st.weights[(a.stage, a.copy)].pending.add(a.mb)
+        st.weights[(a.stage, a.copy)].pending.add(mb)
 
     def exec_step(self, st: _RankState, i: int, a: Action) -> None:
+        version = a.needs("version")
         w = st.weights[(a.stage, a.copy)]
-        if a.ver != w.newest + 1:
-            raise self.fail(st, i, f"step must create version {w.newest + 1}, not {a.ver}")
+        if version != w.newest + 1:
+            raise self.fail(st, i, f"step must create version {w.newest + 1}, not {version}")
         missing = w.pending - set(a.microbatches)
         if missing:
             raise self.fail(st, i, f"step omits microbatches {sorted(missing)} whose "
                                    f"gradients are in the buffer")
         remote = set(a.microbatches) - w.pending
-        if remote and w.reduced != a.ver:
+        if remote and w.reduced != version:
             raise self.fail(st, i, f"step applies microbatches {sorted(remote)} from other "
-                                   f"replicas without an ALLREDUCE for version {a.ver}")
+                                   f"replicas without an ALLREDUCE for version {version}")
         undone = [m for m in remote if (a.stage, m) not in self.backward_rank]
         if undone:
             raise self.fail(st, i, f"step applies microbatches {undone} that no replica "
                                    f"has backwarded yet")
-        w.newest, w.reduced = a.ver, None
+        w.newest, w.reduced = version, None
         w.pending.clear()
         self.check_versions(st, i)
 
     def exec_snapshot(self, st: _RankState, i: int, a: Action) -> None:
+        version = a.needs("version")
         w = st.weights[(a.stage, a.copy)]
-        if a.ver != w.newest or a.ver in w.retained:
+        if version != w.newest or version in w.retained:
             raise self.fail(st, i, f"can only snapshot the newest version {w.newest} once")
-        w.retained.add(a.ver)
+        w.retained.add(version)
 
     def exec_release(self, st: _RankState, i: int, a: Action) -> None:
+        version = a.needs("version")
         w = st.weights[(a.stage, a.copy)]
-        if a.ver not in w.retained:
-            raise self.fail(st, i, f"releases version {a.ver}, which is not retained")
-        w.retained.discard(a.ver)
+        if version not in w.retained:
+            raise self.fail(st, i, f"releases version {version}, which is not retained")
+        w.retained.discard(version)
 
     def exec_average(self, st: _RankState, i: int, a: Action) -> None:
+        version = a.needs("version")
         copies = [v for (stage, _), v in st.weights.items() if stage == a.stage]
         want = max(c.newest for c in copies) + 1
-        if a.ver != want or any(c.pending for c in copies):
+        if version != want or any(c.pending for c in copies):
             raise self.fail(st, i, f"average must create version {want} from copies with "
                                    f"no pending gradients")
         for c in copies:
-            c.newest = a.ver
+            c.newest = version
         self.check_versions(st, i)
 
     def deadlock(self) -> ScheduleError:

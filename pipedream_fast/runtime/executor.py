@@ -141,49 +141,51 @@ class Executor:
         return tuple(tensors[:-n]), pytree.tree_unflatten(tensors[-n:], self.target_spec)
 
     def _forward(self, a: Action) -> Any:
+        mb, version = a.needs("microbatch"), a.needs("version")
         stage = self.stages[a.stage]
         if stage.is_first:
             assert self.inputs is not None, "the first stage needs an input source"
-            args, target = self.inputs(a.mb)
-        elif (a.stage - 1, a.mb) in self._outputs:  # produced on this rank
-            args = tuple(t.detach() for t in self._outputs.pop((a.stage - 1, a.mb)))
-            target = self._carried.pop((a.stage - 1, a.mb))
+            args, target = self.inputs(mb)
+        elif (a.stage - 1, mb) in self._outputs:  # produced on this rank
+            args = tuple(t.detach() for t in self._outputs.pop((a.stage - 1, mb)))
+            target = self._carried.pop((a.stage - 1, mb))
         else:
-            args, target = self._split_target(self._recv(ACTIVATION, a.stage, a.mb))
+            args, target = self._split_target(self._recv(ACTIVATION, a.stage, mb))
         if not self.training:
             out = stage.infer(args)
             if stage.is_last:
                 assert self.sink is not None
-                self.sink(a.mb, out, target)
+                self.sink(mb, out, target)
             else:
-                self._outputs[(a.stage, a.mb)] = out if isinstance(out, tuple) else (out,)
-                self._carried[(a.stage, a.mb)] = target
+                self._outputs[(a.stage, mb)] = out if isinstance(out, tuple) else (out,)
+                self._carried[(a.stage, mb)] = target
             return None
-        outputs = stage.forward(a.mb, a.ver, args, target, a.copy)
+        outputs = stage.forward(mb, version, args, target, a.copy)
         if stage.is_last:
             loss = outputs[0].detach()
             if not stage.is_first:
-                self._losses[(a.stage, a.mb)] = loss
+                self._losses[(a.stage, mb)] = loss
             return loss
-        self._outputs[(a.stage, a.mb)] = outputs
-        self._carried[(a.stage, a.mb)] = target
+        self._outputs[(a.stage, mb)] = outputs
+        self._carried[(a.stage, mb)] = target
         return None
 
     def _output_grads(self, a: Action) -> tuple[list[torch.Tensor] | None, torch.Tensor | None]:
         """The gradient of a stage's output for a backward (None on the last stage), and the
         microbatch's loss that came back with it (None where the loss is already known)."""
+        mb = a.needs("microbatch")
         if self.stages[a.stage].is_last:
             return None, None
-        if self.schedule.rank_of(a.stage + 1, a.mb) == self.rank:
+        if self.schedule.rank_of(a.stage + 1, mb) == self.rank:
             # The next stage ran this microbatch on this rank: its input gradients, directly.
-            grads = self.stages[a.stage + 1].take_input_grads(a.mb)
-            loss = self._losses.pop((a.stage + 1, a.mb))
+            grads = self.stages[a.stage + 1].take_input_grads(mb)
+            loss = self._losses.pop((a.stage + 1, mb))
             if not self.stages[a.stage].is_first:
-                self._losses[(a.stage, a.mb)] = loss
+                self._losses[(a.stage, mb)] = loss
             return grads, None  # this rank knew the loss already
-        *grads, loss = self._recv(GRADIENT, a.stage, a.mb)
+        *grads, loss = self._recv(GRADIENT, a.stage, mb)
         if not self.stages[a.stage].is_first:
-            self._losses[(a.stage, a.mb)] = loss
+            self._losses[(a.stage, mb)] = loss
         return grads, loss
 
     def _arm_if_complete(self, a: Action) -> None:
@@ -192,19 +194,22 @@ class Executor:
             buckets.arm()
 
     def _send_act(self, a: Action) -> None:
-        outputs = self._outputs.pop((a.stage, a.mb))
-        target = pytree.tree_leaves(self._carried.pop((a.stage, a.mb)))
-        self.transport.send(a.peer_rank, ACTIVATION, a.stage + 1, a.mb,
+        mb, peer = a.needs("microbatch"), a.needs("peer")
+        outputs = self._outputs.pop((a.stage, mb))
+        target = pytree.tree_leaves(self._carried.pop((a.stage, mb)))
+        self.transport.send(peer, ACTIVATION, a.stage + 1, mb,
                             [t.detach() for t in outputs if isinstance(t, torch.Tensor)] + target)
 
     def _send_grad(self, a: Action) -> None:
-        grads = self.stages[a.stage].take_input_grads(a.mb)
-        loss = self._losses.pop((a.stage, a.mb))
-        self.transport.send(a.peer_rank, GRADIENT, a.stage - 1, a.mb, [*grads, loss])
+        mb, peer = a.needs("microbatch"), a.needs("peer")
+        grads = self.stages[a.stage].take_input_grads(mb)
+        loss = self._losses.pop((a.stage, mb))
+        self.transport.send(peer, GRADIENT, a.stage - 1, mb, [*grads, loss])
 
     def _post(self, channel: Any, a: Action) -> None:
-        self._posted[(channel, a.stage, a.mb)] = a.peer_rank
-        self.transport.post_recv(a.peer_rank, channel, a.stage, a.mb)
+        mb, peer = a.needs("microbatch"), a.needs("peer")
+        self._posted[(channel, a.stage, mb)] = peer
+        self.transport.post_recv(peer, channel, a.stage, mb)
 
     def _allreduce(self, a: Action) -> None:
         buckets = self.stages[a.stage].buckets
@@ -212,6 +217,7 @@ class Executor:
             buckets.flush()  # buckets that did not start during the backward start now
 
     def _step(self, a: Action) -> None:
+        version = a.needs("version")
         buckets = self.stages[a.stage].buckets
         if buckets is not None:
             start = time.perf_counter()
@@ -219,23 +225,26 @@ class Executor:
             self.stats.wait_s += time.perf_counter() - start
         skip = False
         if self.update_sync is not None:
-            skip = self.update_sync.before_update(a.ver, a.microbatches, self.stages)
-        self.stages[a.stage].step(a.ver, a.microbatches, skip, a.copy)
+            skip = self.update_sync.before_update(version, a.microbatches, self.stages)
+        self.stages[a.stage].step(version, a.microbatches, skip, a.copy)
 
     def _backward(self, a: Action) -> torch.Tensor | None:
+        mb = a.needs("microbatch")
         self._arm_if_complete(a)
         grads, loss = self._output_grads(a)
-        self.stages[a.stage].backward(a.mb, grads)
+        self.stages[a.stage].backward(mb, grads)
         return loss
 
     def _backward_input(self, a: Action) -> torch.Tensor | None:
+        mb = a.needs("microbatch")
         grads, loss = self._output_grads(a)
-        self.stages[a.stage].backward_input(a.mb, grads)
+        self.stages[a.stage].backward_input(mb, grads)
         return loss
 
     def _backward_weight(self, a: Action) -> None:
+        mb = a.needs("microbatch")
         self._arm_if_complete(a)
-        self.stages[a.stage].backward_weight(a.mb)
+        self.stages[a.stage].backward_weight(mb)
 
     def _handlers(self) -> dict[ActionKind, Callable[[Action], Any]]:
         """How this executor performs each action kind: one entry per kind of the IR."""
@@ -245,15 +254,15 @@ class Executor:
                 K.RECV_ACT: lambda a: self._post(ACTIVATION, a),
                 K.RECV_GRAD: lambda a: self._post(GRADIENT, a),
                 K.ALLREDUCE: self._allreduce, K.OPTIMIZER_STEP: self._step,
-                K.SNAPSHOT: lambda a: self.stages[a.stage].snapshot(a.ver, a.copy),
-                K.RELEASE: lambda a: self.stages[a.stage].release(a.ver, a.copy),
+                K.SNAPSHOT: lambda a: self.stages[a.stage].snapshot(a.needs("version"), a.copy),
+                K.RELEASE: lambda a: self.stages[a.stage].release(a.needs("version"), a.copy),
                 K.AVERAGE: self._average}
 
     def _average(self, a: Action) -> None:
         """localsgd: the stage's weight copies on this rank (one per model replica) become
         their mean. Local: the IR gives every copy of a stage to one rank (localsgd refuses
         replicated stages), so no rank waits for another here."""
-        self.stages[a.stage].average(a.ver)
+        self.stages[a.stage].average(a.needs("version"))
 
     def drain(self, limit: int, apply_below: int | None = None) -> None:
         """After the caller stopped at a step boundary: every compute of the microbatches below

@@ -106,8 +106,8 @@ class _Retention:
                 elif b.copy == copy and b.version == version:
                     inflight += (1 if b.kind is K.FORWARD else
                                  -1 if b.kind.spec.ends_microbatch else 0)
-            elif b.kind is K.FORWARD and b.copy == copy and b.ver >= version:
-                return b.ver == version
+            elif b.kind is K.FORWARD and b.copy == copy and b.needs("version") >= version:
+                return b.version == version
         return False  # never superseded, or never read again
 
     def lower(self, a: Action) -> Iterator[Action]:
