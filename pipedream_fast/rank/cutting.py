@@ -107,7 +107,8 @@ class Cutting(Checkpointing):
         payload: list[Any] = [None]
         if self.rank == 0:
             try:
-                payload[0] = {"plan": self._make_plan(example_inputs).to_dict()}
+                with GLOBAL_STATE:  # rank threads share the model; another may be capturing it
+                    payload[0] = {"plan": self._make_plan(example_inputs).to_dict()}
             except Exception as err:  # every rank must hear of it, not wait for a plan
                 payload[0] = {"error": f"{type(err).__name__}: {err}"}
         planned = self._control.broadcast_object(payload[0], src=0)
