@@ -277,3 +277,21 @@ def test_pipedream_learns_or_refuses_tied_weights(job: Any, name: str) -> None:
 def test_auto_picks_a_schedule_that_trains(job: Any, name: str) -> None:
     got = result(job, f"{name}/auto")
     assert got["schedule"] and all(torch.isfinite(torch.tensor(got["losses"]))), got
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "gpt2"])
+def test_rank_threads_capture_and_train_like_the_loop(name: str) -> None:
+    """ranks='threads': every rank thread captures the caller's one model with torch.export
+    (in turns) while rank 0 profiles it; then 1f1b with clipping equals the plain loop."""
+    entry = ZOO[name]
+    want_losses, want_state = reference(entry, 4, clip=CLIP)
+    pipe = pipeline(entry, clip_grad_norm=CLIP, ranks="threads", workers=WORLD)
+    try:
+        losses = [float(loss) for loss in pipe.train(entry.batches(4, 1), steps=4)]
+        state = pipe.state_dict()
+    finally:
+        pipe.close()
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)) <= 1e-5
+    keys = [k for k in want_state if want_state[k].is_floating_point()]
+    assert relative(torch.cat([state[k].flatten().double() for k in keys]),
+                    torch.cat([want_state[k].flatten().double() for k in keys])) <= 1e-5
