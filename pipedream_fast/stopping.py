@@ -60,8 +60,8 @@ class DeferredStop:
             return self
         for signum in TERM_SIGNALS:
             previous = signal.getsignal(signum)
-            if previous is signal.SIG_DFL or getattr(previous, "__module__", None) == \
-                    "pipedream_fast.launch":
+            if previous is signal.SIG_DFL or str(getattr(previous, "__module__", None)) \
+                    .startswith("pipedream_fast.launch"):  # the package and its modules
                 self._previous[signum] = previous
                 signal.signal(signum, self._record)
         self._active = bool(self._previous)

@@ -375,7 +375,7 @@ def test_a_rank_takes_a_repeat_within_the_window_as_the_same_request(monkeypatch
     the request within the window, during `train` or after it (the clean-up), changes
     nothing; a repeat after the window stops the rank at once."""
     launch_module = sys.modules["pipedream_fast.launch"]
-    monkeypatch.setattr(launch_module, "STOP_WINDOW_S", 0.5)
+    monkeypatch.setattr(launch_module.signals, "STOP_WINDOW_S", 0.5)  # where it is read
     monkeypatch.setattr(launch_module.stop_request, "at", None)
     kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     for s in (signal.SIGTERM, signal.SIGHUP):

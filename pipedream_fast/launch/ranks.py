@@ -1,0 +1,78 @@
+"""What both launchers share about a rank process: its torchrun environment and port, its
+ties to the launcher (a session of its own, death with the launcher), and the reading of its
+failure (a peer's symptom or its own; `SETTLE_S`, the window before blame)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import socket
+import sys
+
+SETTLE_S = 0.5
+"""After the first failure, how long the launcher keeps collecting others before it decides
+which rank to blame (a killed rank's peers fail a moment later, on the closed connection)."""
+
+
+# What a rank sees when a peer dies or hangs: a closed or reset connection, a timeout.
+_PEER_SYMPTOM = re.compile(
+    r"time[ds]? ?out|connection (?:closed|reset|refused|abort)|closed by peer|broken pipe|"
+    r"is rank \d+ alive|abandoned|(?:send|receiving .*) failed|DistBackendError|"
+    r"DistNetworkError|QueueTimeout", re.IGNORECASE)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port)}
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the launcher dies (even by SIGKILL). Best effort."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        parent = os.getppid()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the call
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _own_session() -> None:
+    """Puts this rank in a session (and process group) of its own, as torchrun does: a signal
+    to the launcher's process group (`kill -- -PGID`, `timeout`, Ctrl-C) then reaches the rank
+    once, forwarded by the launcher, not twice."""
+    try:
+        os.setsid()
+    except (AttributeError, OSError):  # not POSIX, or already a group leader
+        pass
+
+
+def _is_peer_symptom(err: BaseException) -> bool:
+    """Whether a failure looks like the consequence of another rank's death or hang (closed
+    connection, timeout) rather than a failure of this rank's own."""
+    seen = 0
+    current: BaseException | None = err
+    while current is not None and seen < 8:
+        if isinstance(current, (TimeoutError, ConnectionError, EOFError)) or \
+                _PEER_SYMPTOM.search(f"{type(current).__name__}: {current}"):
+            return True
+        current = current.__cause__ or current.__context__
+        seen += 1
+    return False
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
