@@ -196,10 +196,21 @@ def add_flags(parser: argparse._ActionsContainer) -> None:
                             type=kind_of.get(str(f.type), str), choices=f.metadata["choices"],
                             metavar=f.metadata["metavar"],
                             help=f"{f.metadata['help']} (default: {f.default})")
+    add_schedule_flags(parser)
+
+
+def add_schedule_flags(parser: argparse._ActionsContainer) -> None:
+    """A flag for every option a schedule declares (`--local-steps`), saying which take it."""
     for name, (option, owners) in declared_options().items():
         parser.add_argument(flag_name(name), dest=name, default=None, type=option.type,
-                            metavar=name.split("_")[-1][0].upper(),
+                            metavar=option.metavar or name.upper(),
                             help=f"{' and '.join(owners)}: {option.help}")
+
+
+def schedule_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The values given to the flags of `add_schedule_flags`."""
+    return {name: getattr(args, name) for name in declared_options()
+            if getattr(args, name, None) is not None}
 
 
 def from_args(args: argparse.Namespace, **values: Any) -> PipelineOptions:

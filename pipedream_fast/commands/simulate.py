@@ -16,6 +16,7 @@ from typing import Any
 
 from pipedream_fast.cli import UsageError
 from pipedream_fast.formats import Plan, Profile
+from pipedream_fast.options import add_schedule_flags, schedule_values
 from pipedream_fast.schedules import SCHEDULE_NAMES, make_schedule
 from pipedream_fast.sim import CostModel, ProfileCosts, SimResult, UnitCosts, simulate
 
@@ -36,9 +37,7 @@ def register(subparsers: Any) -> None:
                    help="microbatches per step (one update each) for the schedules that step "
                         "per minibatch: gpipe/1f1b/interleaved-1f1b/zb-h1/data-parallel "
                         "(default all N) and 2bw (default: the number of workers)")
-    p.add_argument("--local-steps", type=int, help="localsgd: local steps H between averages")
-    p.add_argument("--model-replicas", type=int,
-                   help="localsgd: model replicas R sharing the pipeline (default: stages)")
+    add_schedule_flags(p)  # the options schedules declare (localsgd's --local-steps ...)
     costs = p.add_argument_group("costs (default --unit-cost)")
     costs.add_argument("--unit-cost", action="store_true",
                        help="forward 1, backward 1, communication 0")
@@ -123,9 +122,8 @@ def _layout(args: argparse.Namespace, plan: Plan | None) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     costs, plan = _costs(args)
     layout = _layout(args, plan)
-    schedule = make_schedule(num_microbatches=args.microbatches, local_steps=args.local_steps,
-                             chunks=args.chunks,
-                             model_replicas=args.model_replicas, **layout)
+    schedule = make_schedule(num_microbatches=args.microbatches, chunks=args.chunks,
+                             **schedule_values(args), **layout)
     result = simulate(schedule, costs)
     if args.save_schedule:
         schedule.save(args.save_schedule)

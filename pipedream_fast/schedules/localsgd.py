@@ -73,11 +73,11 @@ register(ScheduleKind(
     name="localsgd", order=5, generate=generate, options=_options,
     chunked_steps=False, whole_minibatches=True, plans_as="pipedream",
     planning={"straight": True},
-    own_options=(ScheduleOption("local_steps", int, "H: local steps of each model replica "
-                                                    "between averages (default 1)"),
-                 ScheduleOption("model_replicas", int, "R: model replicas on the pipeline, "
+    own_options=(ScheduleOption("local_steps", int, "local steps of each model replica "
+                                                    "between averages (default 1)", "H"),
+                 ScheduleOption("model_replicas", int, "model replicas on the pipeline, "
                                                        "averaged every R*H minibatches "
-                                                       "(default: the number of stages)")),
+                                                       "(default: the number of stages)", "R")),
     summary="LocalSGD: R model replicas on one pipeline, averaged every H local steps",
     weight_versions=lambda noam: noam, stashed=lambda noam, microbatches: noam,
     period=lambda c: c.model_replicas * c.local_steps))

@@ -26,6 +26,7 @@ class ScheduleOption:
     name: str
     type: type
     help: str
+    metavar: str | None = None  # the flag's value in --help (default: the name, upper case)
 
 
 @dataclass(frozen=True)
