@@ -20,9 +20,9 @@ from typing import Any, NoReturn
 
 from pipedream_fast.launch.ranks import (SETTLE_S, _die_with_parent, _is_peer_symptom,
                                          _last_line, free_port, rank_environment)
-from pipedream_fast.launch.signals import (GRACE_S, Stopped, _catch_stop_signals, _Killed,
+from pipedream_fast.launch.signals import (GRACE_S, _catch_stop_signals, _Killed,
                                            _stop_processes, describe_exit, shell_status,
-                                           signal_name, stop_request)
+                                           signal_name)
 
 def _flush_open_files() -> None:
     """Flushes every open file object that can be written, as the interpreter's teardown
@@ -67,12 +67,14 @@ def _exit_status(done: SystemExit | None) -> int:
 
 
 def rank_ended(done: SystemExit | None) -> None:
-    """Called by a rank of `pipedream-fast run` (`_RANK_BOOT`) when its script ended, with
-    the `SystemExit` that ended it: a rank that was asked to stop (SIGTERM/SIGHUP, `Stopped`)
-    leaves at once (`exit_now`), well within the launcher's grace period; else this returns
-    and the interpreter exits as usual."""
-    if isinstance(done, Stopped) or stop_request.at is not None:
-        exit_now(_exit_status(done))
+    """Called by a rank of `pipedream-fast run` (`_RANK_BOOT`) when its script, which used
+    this library, ended, with the `SystemExit` that ended it (None: it ran to its end). The
+    rank leaves with `exit_now`: atexit handlers (the library's release), files flushed, no
+    interpreter teardown. A rank asked to stop (SIGTERM/SIGHUP, `Stopped`) so leaves well
+    within the launcher's grace period; any rank so never meets the teardown's order of
+    destruction, where gloo's threads could outlive what they use and abort the process
+    ("terminate called without an active exception", seen in CI after a clean run)."""
+    exit_now(_exit_status(done))
 
 
 def _strip_boot(tb: Any) -> Any:
