@@ -56,3 +56,40 @@ def test_non_positive_memory() -> None:
 def test_malformed_dict() -> None:
     with pytest.raises(TopologyError, match="malformed topology"):
         Topology.from_dict({"levels": [{"workers": 2}]})
+
+
+def test_per_worker_speeds_and_memory() -> None:
+    topo = Topology.parse("2x1e10,2x1e9@speeds=1,1,0.5,0.5@memory=8e9,8e9,4e9,4e9",
+                          memory_per_worker=6 * 10**9)
+    assert topo.speeds == (1.0, 1.0, 0.5, 0.5) and topo.memories == (8 * 10**9,) * 2 + (4 * 10**9,) * 2
+    assert topo.heterogeneous and topo.speed_of(2) == 0.5
+    assert [topo.memory_of(r) for r in range(4)] == [6 * 10**9] * 2 + [4 * 10**9] * 2
+    assert Topology.from_dict(topo.to_dict()) == topo
+    assert Topology.parse(str(topo), topo.memory_per_worker) == topo
+    # Options absent, or all workers alike: what the topology was before.
+    assert Topology.parse("4x1e9").to_dict() == {"levels": [{"workers": 4, "bandwidth": 1e9}]}
+    assert not Topology.parse("2x1e9@speeds=1,1@memory=5,5").heterogeneous
+
+
+@pytest.mark.parametrize("text, message", [
+    ("2x1e9@speeds=1", r"topology speeds: expected one value per worker \(2\), got 1"),
+    ("2x1e9@speeds=1,fast", r"cannot read value 'fast' \(rank 1\) of topology option 'speeds'"),
+    ("2x1e9@speeds=1,0", "topology speeds: the value of rank 1 must be a positive"),
+    ("2x1e9@speeds=1,nan", "topology speeds: the value of rank 1 must be a positive"),
+    ("2x1e9@memory=8e9,-1", "topology memory: the value of rank 1 must be a positive"),
+    ("2x1e9@memory=8e9,1.5", "whole bytes per worker"),
+    ("2x1e9@speed=1,1", r"cannot read topology option 'speed=1,1'"),
+    ("2x1e9@speeds", r"cannot read topology option 'speeds'"),
+    ("2x1e9@speeds=1,1@speeds=1,1", "option 'speeds' is given twice"),
+    ("2y1e9@speeds=1,1", r"cannot read topology level '2y1e9'"),
+])
+def test_bad_per_worker_options(text: str, message: str) -> None:
+    with pytest.raises(TopologyError, match=message):
+        Topology.parse(text)
+
+
+def test_malformed_per_worker_dict() -> None:
+    with pytest.raises(TopologyError, match="one value per worker"):
+        Topology.from_dict({"levels": [{"workers": 2, "bandwidth": 1e9}], "speeds": [1.0]})
+    with pytest.raises(TopologyError, match="malformed topology"):
+        Topology.from_dict({"levels": [{"workers": 2, "bandwidth": 1e9}], "speeds": ["x", 1]})
