@@ -8,7 +8,6 @@ import os
 import pickle
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -22,7 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipedream_fast.launch.ranks import (SETTLE_S, _die_with_parent, _is_peer_symptom,
-                                         _last_line, _own_session, free_port, rank_environment)
+                                         _last_line, _own_session, flush_std_streams, free_port,
+                                         rank_environment)
 from pipedream_fast.launch.signals import (GRACE_S, STOP_SIGNALS, Stopped, _catch_stop_signals,
                                            _catchable, _ignore_stop_signals, _Killed,
                                            _stop_processes, _StopRequests, describe_exit,
@@ -117,11 +117,7 @@ def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int,
         # The traceback is in the report. Exit at once, as multiprocessing's forked children
         # do: the interpreter's teardown of torch takes seconds, and a stopped rank should
         # be gone well within the launcher's grace period.
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
+        flush_std_streams()
         os._exit(code)
 
 

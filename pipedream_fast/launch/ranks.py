@@ -76,3 +76,12 @@ def _is_peer_symptom(err: BaseException) -> bool:
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else ""
+
+
+def flush_std_streams() -> None:
+    """Flushes stdout and stderr before an `os._exit` (which would drop what they buffer)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from pipedream_fast.launch.ranks import (SETTLE_S, _die_with_parent, _is_peer_symptom,
-                                         _last_line, free_port, rank_environment)
+                                         _last_line, flush_std_streams, free_port,
+                                         rank_environment)
 from pipedream_fast.launch.signals import (GRACE_S, _catch_stop_signals, _Killed,
                                            _stop_processes, describe_exit, shell_status,
                                            signal_name)
@@ -47,11 +48,7 @@ def exit_now(code: int) -> NoReturn:
         shutdown()  # what the interpreter does first: wait for non-daemon threads
     atexit._run_exitfuncs()
     _flush_open_files()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
+    flush_std_streams()
     os._exit(code)
 
 
