@@ -21,9 +21,7 @@ Two cost evaluations are offered:
   comm_d / (replicas of the enclosing stages above d).
 * `flat_times` - for plans without a tree (baselines): stage time stage_ms(compute, allreduce
   over the slowest link among its ranks, update) / r, cut = comm over the slowest link
-  between the two stages' ranks. For a one-level topology both give the flat model. It is
-  also the model of heterogeneous topologies (`hetero.py`): compute and update divided by the
-  slowest speed among the stage's ranks.
+  between the two stages' ranks. For a one-level topology both give the flat model.
 """
 
 from __future__ import annotations
@@ -67,11 +65,9 @@ def flatten(stages: Sequence[StageNode], topology: Topology, base: int = 0) -> l
 
 
 def _stage_ms(costs: Costs, memory: MemoryModel, unit: float, start: int, stop: int,
-              replicas: int, bandwidth: float, updates: bool, speed: float = 1.0) -> float:
-    """`speed` (the slowest replica's, relative to the profile) scales compute and update."""
+              replicas: int, bandwidth: float, updates: bool) -> float:
     reduce, update = sync_ms(costs, memory, replicas, bandwidth, updates)
-    return float(stage_ms(costs, unit / speed, reduce[start, stop], update[start, stop] / speed,
-                          replicas))
+    return float(stage_ms(costs, unit, reduce[start, stop], update[start, stop], replicas))
 
 
 def nested_times(stages: Sequence[FlatStage], costs: Costs, topology: Topology,
@@ -98,14 +94,12 @@ def nested_times(stages: Sequence[FlatStage], costs: Costs, topology: Topology,
 
 def flat_times(stages: Sequence[FlatStage], costs: Costs, topology: Topology,
                memory: MemoryModel) -> tuple[list[float], list[float]]:
-    """(per-stage time, per-cut time) with every transfer on the slowest link it crosses; on a
-    heterogeneous topology a stage computes at the speed of its slowest rank."""
+    """(per-stage time, per-cut time) with every transfer on the slowest link it crosses."""
     times = []
     for stage in stages:
-        speed = min(topology.speed_of(r) for r in stage.ranks)
         times.append(_stage_ms(costs, memory, costs.compute[stage.start, stage.stop], stage.start,
                                stage.stop, stage.replicas,
-                               topology.slowest_bandwidth(stage.ranks), updates=True, speed=speed))
+                               topology.slowest_bandwidth(stage.ranks), updates=True))
     cuts = []
     for left, right in zip(stages, stages[1:]):
         slowest = min(topology.bandwidth_between(a, b) for a in left.ranks for b in right.ranks)
