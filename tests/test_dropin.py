@@ -21,6 +21,9 @@ from __future__ import annotations
 import contextvars
 import functools
 import math
+import os
+import shutil
+import tempfile
 import threading
 import traceback
 from collections import OrderedDict
@@ -34,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
-from pipedream_fast.launch import free_port, launch
+from pipedream_fast.launch import launch
 from pipedream_fast.pipeline import NonFiniteLoss, Pipeline
 from pipedream_fast.training import GLOBAL_STATE
 from pipedream_fast.world import ThreadShared, ThreadWorld
@@ -469,17 +472,18 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
 Outcome = tuple[dict[str, Any], "str | None"]  # what a scenario recorded, its traceback
 
 
-def dropin_job(rank: int, world: int, ports: list[int]) -> dict[str, Outcome]:
+def dropin_job(rank: int, world: int, stores: list[str]) -> dict[str, Outcome]:
     """Every scenario in turn, each on a process group of its own: a scenario that fails on
     one rank only leaves its peer waiting for the timeout and breaks their gloo pair, and
     the next scenario must not inherit that. Each scenario records its results as it goes, so
     a failure late in it (say, in evaluate) leaves the checks of its earlier parts to run."""
     results: dict[str, Outcome] = {}
-    for (name, scenario), port in zip(SCENARIOS.items(), ports):
+    for (name, scenario), store in zip(SCENARIOS.items(), stores):
         out: dict[str, Any] = {}
         try:
             dist.destroy_process_group()
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+            # A file store per scenario: ports picked ahead of the job could be taken by then.
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                     world_size=world, timeout=timedelta(seconds=2 * TIMEOUT))
             scenario(rank, world, out)
             results[name] = (out, None)
@@ -529,10 +533,12 @@ def job(request: Any) -> list[dict[str, Outcome]]:
     """Every scenario on 2 ranks: processes (one launched job) or threads of this process."""
     if request.param == "threads":
         return threads_job(WORLD)
-    ports: set[int] = set()
-    while len(ports) < len(SCENARIOS):
-        ports.add(free_port())
-    return launch(dropin_job, WORLD, sorted(ports), timeout=60, threads_per_rank=1)
+    folder = tempfile.mkdtemp(prefix="dropin-stores-")
+    try:
+        return launch(dropin_job, WORLD, [os.path.join(folder, name) for name in SCENARIOS],
+                      timeout=60, threads_per_rank=1)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def result(job: list[dict[str, Outcome]], name: str, rank: int, *keys: str) -> dict[str, Any]:

@@ -18,6 +18,9 @@ each compared with a one-process loop computed here:
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import tempfile
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipedream_fast.launch import free_port, launch
+from pipedream_fast.launch import launch
 from pipedream_fast.training import model_loss, split_microbatches
 
 # Checked without importing: torchvision can be imported only after the zoo's preparation.
@@ -143,18 +146,19 @@ SCENARIOS: dict[str, Callable[[ZooModel, int, dict[str, Any]], None]] = {
     "exact": exact, "bf16": bf16, "async": asynchronous, "auto": automatic}
 
 
-def zoo_job(rank: int, world: int, ports: list[int]) -> dict[str, Outcome]:
+def zoo_job(rank: int, world: int, stores: list[str]) -> dict[str, Outcome]:
     """Every (model, scenario) in turn, each on a process group of its own (a scenario that
     fails on one rank must not leave the next one a broken group)."""
     torch.set_num_threads(1)
     results: dict[str, Outcome] = {}
     cases = [(m, s) for m in ZOO for s in SCENARIOS]
-    for (model, scenario), port in zip(cases, ports):
+    for (model, scenario), store in zip(cases, stores):
         out: dict[str, Any] = {}
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+            # A file store per case: ports picked ahead of the job could be taken by then.
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                     world_size=world, timeout=timedelta(seconds=2 * TIMEOUT))
             SCENARIOS[scenario](ZOO[model], rank, out)
             results[f"{model}/{scenario}"] = (out, None)
@@ -165,10 +169,12 @@ def zoo_job(rank: int, world: int, ports: list[int]) -> dict[str, Outcome]:
 
 @pytest.fixture(scope="module")
 def job() -> list[dict[str, Outcome]]:
-    ports: set[int] = set()
-    while len(ports) < len(ZOO) * len(SCENARIOS):
-        ports.add(free_port())
-    return launch(zoo_job, WORLD, sorted(ports), timeout=900, threads_per_rank=1)
+    folder = tempfile.mkdtemp(prefix="zoo-stores-")
+    stores = [os.path.join(folder, f"case{i}") for i in range(len(ZOO) * len(SCENARIOS))]
+    try:
+        return launch(zoo_job, WORLD, stores, timeout=900, threads_per_rank=1)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
