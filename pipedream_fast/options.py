@@ -136,8 +136,12 @@ class PipelineOptions:
             if name not in declared:
                 raise OptionError(name, f"unknown option {name!r}")
             owners = declared[name][1]
+            if self.schedule == "auto":
+                raise OptionError(name, f"{name} is an option of {listing(owners)}: name one of "
+                                        f"them as the schedule (schedule='auto' may choose "
+                                        f"another)")
             if self.schedule not in owners:
-                raise OptionError(name, f"{name} is an option of {' and '.join(owners)}, not of "
+                raise OptionError(name, f"{name} is an option of {listing(owners)}, not of "
                                         f"{self.schedule!r}")
         if self.schedule == "auto":
             return
@@ -181,6 +185,11 @@ class PipelineOptions:
         return dataclasses.replace(self, **values)
 
 
+def listing(names: Sequence[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def flag_name(option: str) -> str:
     return "--" + option.replace("_", "-")
 
@@ -203,8 +212,8 @@ def add_schedule_flags(parser: argparse._ActionsContainer) -> None:
     """A flag for every option a schedule declares (`--local-steps`), saying which take it."""
     for name, (option, owners) in declared_options().items():
         parser.add_argument(flag_name(name), dest=name, default=None, type=option.type,
-                            metavar=option.metavar or name.upper(),
-                            help=f"{' and '.join(owners)}: {option.help}")
+                            metavar=option.metavar or name.upper(), choices=option.choices,
+                            help=f"{listing(owners)}: {option.help}")
 
 
 def schedule_values(args: argparse.Namespace) -> dict[str, Any]:

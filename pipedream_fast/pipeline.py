@@ -251,6 +251,8 @@ class Pipeline(RunLoop):
         self._schedulers: dict[int, Any] = {}
         self._runtimes: dict[int, StageRuntime] = {}
         self._saved_copies: dict[int, list[dict[str, Any]]] = {}  # localsgd copies from `load`
+        # the staleness corrections' velocities from `load`, for stages not made yet
+        self._saved_staleness: dict[int, dict[str, Any] | None] = {}
         weakref.finalize(self, self._world.release)
         self._transport: Transport | None = None
         # Agreement between runs (data, metrics, plans) and before updates, on CPU tensors,

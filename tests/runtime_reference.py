@@ -8,6 +8,13 @@ are accumulated per rank and summed across replicas at ALLREDUCE, and OPTIMIZER_
 real torch optimizer on the newest weights. It is the step-by-step application of the version
 rules (which version each forward and backward used, which update came when) that the
 distributed runtime must reproduce.
+
+With `staleness` it also applies a correction for stale weights, written out here from its
+definition: a forward of microbatch m reading version k, whose gradient the stage applies on
+top of version u (the OPTIMIZER_STEP listing m makes u + 1), has delay d = u - k; each stage
+keeps v, the moving average (0.9) of the weight changes of its updates, bias-corrected;
+predict reads w_k + d * v, nesterov w_k + (0.9 + ... + 0.9^d) * v, and lr-scale steps with
+the learning rate over 1 + the mean delay of the update's microbatches on that rank.
 """
 
 from __future__ import annotations
@@ -47,11 +54,39 @@ class _RankStage:
         self.newest = 0
         self.grads = [torch.zeros_like(p) for p in self.params]
         self.graphs: dict[int, tuple[int, list[torch.Tensor], list[torch.Tensor], Any]] = {}
+        self.velocity = [torch.zeros_like(p) for p in self.params]
+        self.updates = 0
+        self.delays: dict[int, int] = {}
+
+
+def _delay(actions: Sequence[Any], at: int) -> int:
+    """u - k for the forward at `actions[at]` (see the module's docstring)."""
+    f = actions[at]
+    for b in actions[at + 1:]:
+        if b.kind is K.OPTIMIZER_STEP and b.stage == f.stage and f.microbatch in b.microbatches:
+            return b.version - 1 - f.version
+    return 0
+
+
+def _shifted(st: _RankStage, weights: list[torch.Tensor], delay: int,
+             staleness: str | None) -> list[torch.Tensor]:
+    beta = 0.9
+    if staleness == "predict":
+        steps = float(delay)
+    elif staleness == "nesterov":
+        steps = sum(beta ** i for i in range(1, delay + 1))
+    else:
+        steps = 0.0
+    if steps == 0.0 or st.updates == 0:
+        return weights
+    scale = steps / (1 - beta ** st.updates)
+    return [w + scale * v for w, v in zip(weights, st.velocity)]
 
 
 def interpret_schedule(schedule: Schedule, stage_modules: Sequence[nn.Module],
                        microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                       loss_fn: Callable, make_optimizer: Callable) -> list[dict[str, torch.Tensor]]:
+                       loss_fn: Callable, make_optimizer: Callable,
+                       staleness: str | None = None) -> list[dict[str, torch.Tensor]]:
     """Runs the IR; returns each stage's final weights (checked equal across its replicas)."""
     last = schedule.num_stages - 1
     state = {(rank, s): _RankStage(stage_modules[s], make_optimizer)
@@ -76,7 +111,9 @@ def interpret_schedule(schedule: Schedule, stage_modules: Sequence[nn.Module],
                 return False
             assert a.version in st.versions, f"version {a.version} of stage {a.stage} not made"
             weights = [w.detach().clone().requires_grad_() for w in st.versions[a.version]]
-            out = torch.func.functional_call(st.module, dict(zip(st.names, weights)), tuple(inputs))
+            st.delays[a.microbatch] = _delay(actions, position[rank])
+            read = _shifted(st, weights, st.delays[a.microbatch], staleness)
+            out = torch.func.functional_call(st.module, dict(zip(st.names, read)), tuple(inputs))
             if a.stage == last:
                 out = loss_fn(out, microbatches[a.microbatch][1])
             st.graphs[a.microbatch] = (a.version, inputs, weights, out)
@@ -114,7 +151,20 @@ def interpret_schedule(schedule: Schedule, stage_modules: Sequence[nn.Module],
         elif a.kind is K.OPTIMIZER_STEP:
             for p, g in zip(st.params, st.grads):
                 p.grad = g / len(a.microbatches)
+            delays = [st.delays.pop(m) for m in a.microbatches if m in st.delays]
+            factor = 1.0
+            if staleness == "lr-scale" and delays:
+                factor = 1.0 / (1.0 + sum(delays) / len(delays))
+            rates = [g["lr"] for g in st.optimizer.param_groups]
+            for g in st.optimizer.param_groups:
+                g["lr"] *= factor
+            before = [p.detach().clone() for p in st.params]
             st.optimizer.step()
+            for g, lr in zip(st.optimizer.param_groups, rates):
+                g["lr"] = lr
+            st.velocity = [0.9 * v + 0.1 * (p.detach() - b)
+                           for v, p, b in zip(st.velocity, st.params, before)]
+            st.updates += 1
             st.newest = a.version
             st.versions[a.version] = [p.detach().clone() for p in st.params]
             st.grads = [torch.zeros_like(p) for p in st.params]

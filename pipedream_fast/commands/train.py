@@ -309,7 +309,10 @@ def run(args: argparse.Namespace) -> int:
                            checkpoint=str((run_dir / "checkpoint").resolve())
                            if setup is setups[0] else None)
                 micro = s.batch_size // setup.chunks
-                recorder.print(f"training {setup.name} on {where}: batch {s.batch_size} = "
+                given = _schedule_options(s, setup.schedule)
+                options = "".join(f" ({k.replace('_', ' ')} {v})" for k, v in given.items())
+                recorder.print(f"training {setup.name}{options} on {where}: batch "
+                               f"{s.batch_size} = "
                                f"{setup.chunks} x {micro}, {s.optimizer} lr {s.lr:g}; "
                                f"evaluating on the test split after every epoch ...")
                 handle = recorder.handle

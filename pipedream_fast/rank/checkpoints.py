@@ -54,6 +54,9 @@ class Checkpointing(RankState):
             copies = self._copies_state(index)
             if copies is not None:
                 payload["copies"] = copies
+            correction = self._correction_state(index)
+            if correction is not None:
+                payload["staleness"] = correction
             entries.append((index, ckpt.write_stage(folder, index, payload)))
         # Where the loader stands, known to the first stage's ranks: during train() (a
         # periodic save, a stop) after the steps trained so far, whatever was read ahead.
@@ -84,6 +87,15 @@ class Checkpointing(RankState):
                  "optimizer": c.optimizer.state_dict() if c.optimizer is not None else None,
                  "scheduler": c.scheduler.state_dict() if c.scheduler is not None else None}
                 for c in runtime.copies[1:]]
+
+    def _correction_state(self, index: int) -> dict[str, Any] | None:
+        """The staleness correction's state of stage `index` (its velocity), if it has one."""
+        runtime = self._runtimes.get(index)
+        if runtime is None:
+            return self._saved_staleness.get(index)  # loaded, not trained since
+        if runtime.correction is not None:
+            return runtime.correction.state_dict()
+        return runtime.pending_correction_state
 
     def _restore_copies(self, runtime: StageRuntime) -> None:
         """Puts the weight copies a checkpoint saved (`load`) into a new stage runtime."""
@@ -138,3 +150,7 @@ class Checkpointing(RankState):
                 self._schedulers[index].load_state_dict(saved["scheduler"])
             if saved.get("copies") is not None:  # localsgd: restored into the first run's stage
                 self._saved_copies[index] = saved["copies"]
+            if index in self._runtimes:
+                self._runtimes[index].restore_correction(saved.get("staleness"))
+            else:  # restored into the stage when it is made
+                self._saved_staleness[index] = saved.get("staleness")

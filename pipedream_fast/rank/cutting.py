@@ -336,5 +336,7 @@ class Cutting(Checkpointing):
                     optimizer_factory=self._optimizer_factory,
                     scheduler_factory=self._scheduler_factory)
                 self._restore_copies(self._runtimes[index])
+                if index in self._saved_staleness:
+                    self._runtimes[index].restore_correction(self._saved_staleness.pop(index))
             check_runtime_fits(self._runtimes[index], schedule, self.rank)
         return self._runtimes

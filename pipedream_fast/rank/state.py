@@ -82,6 +82,7 @@ class RankState:
     _schedulers: dict[int, Any]
     _runtimes: dict[int, StageRuntime]
     _saved_copies: dict[int, list[dict[str, Any]]]
+    _saved_staleness: dict[int, dict[str, Any] | None]
     _transport: Transport | None
     _control: Group
     _stop_request: DeferredStop | None

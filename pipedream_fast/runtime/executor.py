@@ -98,6 +98,9 @@ class Executor:
         self._losses: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> loss to pass back
         self.events: list[TraceEvent] | None = [] if trace else None
         self._program = Lookahead(schedule.program(rank))
+        if self.training:  # the schedule's correction for stale weights, if it has one
+            for stage in stages.values():
+                stage.use_correction(schedule.params.get("staleness"))
         self._outputs: dict[tuple[int, int], tuple[Any, ...]] = {}   # (stage, mb) -> to send
         self._posted: dict[tuple[Any, int, int], int] = {}  # (channel, stage, mb) -> peer
         for index, stage in stages.items():
@@ -121,6 +124,16 @@ class Executor:
                 if b.kind.spec.ends_microbatch:
                     return False
         return False
+
+    def _delay(self, a: Action) -> int:
+        """The updates of a forward's stage between the version it reads and the one its
+        microbatch's gradient is applied to: the OPTIMIZER_STEP ahead that lists it makes
+        version u + 1 on top of u, so the delay is u - the version read (0 if none does)."""
+        for b in self._program.ahead():
+            if (b.kind is K.OPTIMIZER_STEP and (b.stage, b.copy) == (a.stage, a.copy)
+                    and a.microbatch in (b.microbatches or ())):
+                return max(0, b.needs("version") - 1 - a.needs("version"))
+        return 0
 
     def _recv(self, channel: Any, stage: int, mb: int) -> list[torch.Tensor]:
         key = (channel, stage, mb)
@@ -160,7 +173,8 @@ class Executor:
                 self._outputs[(a.stage, mb)] = out if isinstance(out, tuple) else (out,)
                 self._carried[(a.stage, mb)] = target
             return None
-        outputs = stage.forward(mb, version, args, target, a.copy)
+        delay = self._delay(a) if stage.correction is not None else 0
+        outputs = stage.forward(mb, version, args, target, a.copy, delay)
         if stage.is_last:
             loss = outputs[0].detach()
             if not stage.is_first:

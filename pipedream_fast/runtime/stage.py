@@ -30,6 +30,7 @@ from torch import nn
 
 from pipedream_fast import _C
 from pipedream_fast.runtime.buckets import DEFAULT_BUCKET_BYTES, GradientBuckets
+from pipedream_fast.runtime.staleness_correction import StalenessCorrection
 from pipedream_fast.runtime.split_backward import (Call, CallRecorder, input_part, splittable,
                                                    weight_part)
 
@@ -115,6 +116,31 @@ class StageRuntime:
         self.copies = [WeightCopy([p for _, p in named], slots, offload_stash, optimizer,
                                   scheduler)]
         self.slots = slots
+        # Asynchronous schedules' correction for stale weights (`use_correction`), if any.
+        self.correction: StalenessCorrection | None = None
+        self.pending_correction_state: dict[str, Any] | None = None  # from a checkpoint
+
+    def use_correction(self, kind: str | None) -> None:
+        """The staleness correction of a run's schedule (None: none). A stage keeps its
+        correction's state (the velocity) from run to run while the kind stays the same."""
+        if kind is None:
+            self.correction = None
+            return
+        if self.correction is None or self.correction.kind != kind:
+            self.correction = StalenessCorrection(kind)
+        if self.pending_correction_state is not None:
+            self.correction.load_state_dict(self.pending_correction_state)
+            self.pending_correction_state = None
+
+    def restore_correction(self, state: dict[str, Any] | None) -> None:
+        """A checkpoint's staleness correction state (None: it had none, so a correction
+        starts from zero velocity); applied now, or at the next run's `use_correction`."""
+        if self.correction is not None:
+            self.correction = StalenessCorrection(self.correction.kind)
+            if state is not None:
+                self.correction.load_state_dict(state)
+            return
+        self.pending_correction_state = state
 
     # Copy 0, as every schedule but localsgd knows the stage.
     @property
@@ -229,6 +255,8 @@ class StageRuntime:
         self.prepared = False
         if self.buckets is not None:
             self.buckets.forget()  # reductions begun for the update that never came
+        if self.correction is not None:
+            self.correction.forget_in_flight()
 
     def snapshot(self, version: int, copy: int = 0) -> None:
         weights = self._copy(copy)
@@ -259,26 +287,36 @@ class StageRuntime:
         device = first.device.type if first is not None else "cpu"
         return torch.autocast(device, dtype=self.autocast_dtype, cache_enabled=False)
 
-    def _call(self, version: int, inputs: tuple[Any, ...], copy: int = 0) -> Any:
+    def _call(self, version: int, inputs: tuple[Any, ...], copy: int = 0,
+              microbatch: int = 0, delay: int = 0) -> Any:
+        """The module on weight version `version` of copy `copy`, shifted by the staleness
+        correction for a microbatch `delay` updates behind (see `staleness_correction`)."""
         ring = self._copy(copy).ring
+        correction = self.correction if copy == 0 else None
         if ring is not None and ring.holds(version):
             tensors = ring.tensors(version)
             if self.buckets is not None:
                 self.buckets.watch(tensors)
-            weights = dict(zip(self.param_names, tensors))
+            shifted = correction.read(tensors, microbatch, delay) if correction else None
+            weights = dict(zip(self.param_names, shifted or tensors))
             return torch.func.functional_call(self.module, weights, inputs)
         if ring is not None:
             self._check_newest(version, "forward", copy)
         if copy:  # another model replica's weights (their gradients go to that copy)
             live: dict[str, torch.Tensor] = dict(zip(self.param_names, self.copies[copy].params))
             return torch.func.functional_call(self.module, live, inputs)
+        shifted = correction.read(self.params, microbatch, delay) if correction else None
+        if shifted is not None:
+            return torch.func.functional_call(self.module, dict(zip(self.param_names, shifted)),
+                                              inputs)
         return self.module(*inputs)
 
     # --- compute ------------------------------------------------------------------------
     def forward(self, microbatch: int, version: int, inputs: tuple[Any, ...],
-                target: Any = None, copy: int = 0) -> tuple[Any, ...]:
+                target: Any = None, copy: int = 0, delay: int = 0) -> tuple[Any, ...]:
         """Runs the stage on weight copy `copy`; returns what crosses the next cut (the loss
-        on the last stage)."""
+        on the last stage). `delay`: the stage's updates between the version read and the
+        one the microbatch's gradient is applied to (for the staleness correction)."""
         if not self.is_first:
             for t in _floats(inputs):
                 t.requires_grad_(True)
@@ -287,7 +325,7 @@ class StageRuntime:
             self.recorder.recording = calls
         try:
             with self._autocast():
-                out = self._call(version, inputs, copy)
+                out = self._call(version, inputs, copy, microbatch, delay)
                 loss = self.loss_fn(out, target) if self.is_last and self.loss_fn else None
         finally:
             if self.recorder is not None:
@@ -384,7 +422,9 @@ class StageRuntime:
         if weights.optimizer is not None:
             self.prepare_update(microbatches, copy)
             if not skip:
-                weights.optimizer.step()
+                self._optimizer_step(weights, microbatches, copy)
+            elif self.correction is not None and copy == 0:
+                self.correction.learning_rate_factor(microbatches)  # forgets their delays
             if weights.grads:
                 torch._foreach_zero_(weights.grads)
             if weights.scheduler is not None:
@@ -393,3 +433,26 @@ class StageRuntime:
             self.buckets.forget()  # the next update's gradients are reduced afresh
         self.prepared = False
         weights.newest = version
+
+    def _optimizer_step(self, weights: WeightCopy, microbatches: Sequence[int],
+                        copy: int) -> None:
+        """The optimizer's step; under a staleness correction with its learning rates scaled
+        for the update's delay (restored after), and the velocity updated from what moved."""
+        assert weights.optimizer is not None
+        correction = self.correction if copy == 0 else None
+        if correction is None:
+            weights.optimizer.step()
+            return
+        factor = correction.learning_rate_factor(microbatches)
+        groups = weights.optimizer.param_groups
+        rates = [g["lr"] for g in groups]
+        if factor != 1.0:
+            for g in groups:
+                g["lr"] = g["lr"] * factor
+        correction.before_update(weights.params)
+        try:
+            weights.optimizer.step()
+        finally:
+            for g, lr in zip(groups, rates):
+                g["lr"] = lr
+        correction.after_update(weights.params)

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from pipedream_fast.ir import Action, Schedule
 from pipedream_fast.schedules.common import Config, Program, build, one_f_one_b
 from pipedream_fast.schedules.layout import Layout
-from pipedream_fast.schedules.registry import Options, ScheduleKind, no_options, register
+from pipedream_fast.schedules.registry import (STALENESS, Options, ScheduleKind, no_options,
+                                               register, staleness_params)
 
 
 def generate(config: Config, vertical_sync: bool = False) -> Schedule:
@@ -77,11 +78,11 @@ def vsync_versions(layout: Layout, stage: int) -> int:
 
 def _options(layout: Layout, options: Options) -> tuple[Config, dict]:
     no_options("pipedream", options)
-    return Config(layout), {}
+    return Config(layout), staleness_params(options)
 
 
 register(ScheduleKind(
     name="pipedream", order=2, generate=generate, options=_options, chunked_steps=False,
-    automatic=True,
+    automatic=True, own_options=(STALENESS,),
     summary="asynchronous 1F1B with weight stashing: an update after every round",
     weight_versions=lambda noam: noam, stashed=lambda noam, microbatches: noam))

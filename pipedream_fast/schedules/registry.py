@@ -27,6 +27,22 @@ class ScheduleOption:
     type: type
     help: str
     metavar: str | None = None  # the flag's value in --help (default: the name, upper case)
+    choices: tuple[str, ...] | None = None  # the values a str option takes
+
+
+# The asynchronous schedules' option: a correction for stale weights (see
+# `pipedream_fast.runtime.staleness_correction`), recorded in the schedule's params.
+STALENESS = ScheduleOption(
+    "staleness", str, "a correction for stale weights: predict (forwards read the weights "
+    "extrapolated over their delay), nesterov (a delay-aware look-ahead along the momentum), "
+    "lr-scale (each update's learning rate divided by 1 + its delay)", metavar="KIND",
+    choices=("predict", "nesterov", "lr-scale"))
+
+
+def staleness_params(options: Options) -> dict[str, Any]:
+    """The schedule params that record the staleness correction asked for, if any."""
+    value = options.get("staleness")
+    return {} if value is None else {"staleness": value}
 
 
 @dataclass(frozen=True)
@@ -97,6 +113,10 @@ class ScheduleKind:
             if name not in own:
                 raise ValueError(f"{name} is not an option of schedule {self.name!r}"
                                  + (f" (its options: {', '.join(own)})" if own else ""))
+            choices = own[name].choices
+            if value is not None and choices is not None and value not in choices:
+                raise ValueError(f"{self.name}: {name} must be one of {', '.join(choices)}, "
+                                 f"got {value!r}")
             wrong = not isinstance(value, own[name].type) or isinstance(value, bool)
             if value is not None and (wrong or (isinstance(value, int) and value < 1)):
                 what = "an integer" if own[name].type is int else own[name].type.__name__

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pipedream_fast.ir import Action, Schedule
 from pipedream_fast.schedules.common import Config, Program, build, one_f_one_b
 from pipedream_fast.schedules.layout import Layout
-from pipedream_fast.schedules.registry import Options, ScheduleKind, register
+from pipedream_fast.schedules.registry import (STALENESS, Options, ScheduleKind, register,
+                                               staleness_params)
 
 
 def generate(config: Config) -> Schedule:
@@ -55,11 +56,11 @@ def _options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
         raise ValueError(f"2bw needs chunks >= the number of workers ({workers}) "
                          f"and a multiple of every replica count {reps}, so that at most 2 "
                          f"weight versions are live; got {m}")
-    return Config(layout, chunks=m), {"chunks": m}
+    return Config(layout, chunks=m), {"chunks": m, **staleness_params(options)}
 
 
 register(ScheduleKind(
     name="2bw", order=4, generate=generate, options=_options,
-    automatic=True,
+    automatic=True, own_options=(STALENESS,),
     summary="PipeDream-2BW: double-buffered weights, an update every chunks",
     weight_versions=lambda noam: 2, stashed=lambda noam, microbatches: noam))
