@@ -151,6 +151,15 @@ class Pipeline(RunLoop):
     every copy (weights, optimizer and scheduler state), so `load` with the same R continues
     exactly (and export, like `state_dict`, gives copy 0).
 
+    Staleness corrections (`staleness="predict" | "nesterov" | "lr-scale"`, pipedream,
+    pipedream-vsync and 2bw): each stage knows, from the schedule, how many of its own updates
+    a microbatch's gradient will miss (its delay d). predict: the forward reads the weights
+    moved d steps along the stage's velocity (a moving average of its updates); nesterov: moved
+    by 0.9 + ... + 0.9^d velocities, where momentum alone would take them; lr-scale: each
+    update's learning rate is divided by 1 + the mean delay of its microbatches. The backward
+    uses the weights its forward read; the velocity is saved in checkpoints. See
+    `pipedream_fast.runtime.staleness_correction`.
+
     Models from libraries (nanoGPT, Hugging Face, torchvision, timm) are split unedited: a
     model torch.fx cannot trace is captured with torch.export from the first minibatch (or
     `example_inputs`), and is then cut at that point. Inputs may be a tensor, a tuple of
