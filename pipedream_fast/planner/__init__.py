@@ -15,6 +15,10 @@ The plan's `workers` is the number of ranks it uses: when the optimum leaves who
 groups idle (adding them only costs all-reduce time), those trailing ranks are left out and
 reported in `extra["idle_workers"]`. `extra["topology"]` carries the topology, and every stage's
 extra holds its compute, outgoing-cut and memory figures (see `make_plan`).
+
+Heterogeneous topologies (per-rank speeds or memory limits, `Topology.heterogeneous`) are planned
+by `hetero.HeteroDP` instead: exact over pipelines whose stages take consecutive ranks in rank
+order, costed with the slowest-link model with compute scaled by the slowest replica's speed.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pipedream_fast.planner.costs import SCHEDULES, Costs, MemoryModel
 from pipedream_fast.planner.dp import HierarchicalDP, StageNode, data_parallel_tree
 from pipedream_fast.planner.flatten import (FlatStage, flat_times, flatten, nested_times,
                                             stage_memory)
+from pipedream_fast.planner.hetero import HeteroDP, group_memory, worker_memory_error
 from pipedream_fast.topology import Topology
 
 STRATEGIES = ("dp", "data-parallel") + BASELINES
@@ -100,7 +105,8 @@ def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedrea
     """Plan `profile` on `topology`; see the module docstring for the strategies.
 
     `chunks` is the number of microbatches per step, all of which GPipe keeps in flight
-    (default: the worker count); the memory limit is `topology.memory_per_worker`.
+    (default: the worker count); the memory limit is `topology.memory_per_worker` (or per
+    rank, `Topology.memory_of`).
     `stages_per_rank` > 1 plans an interleaved pipeline instead (see `interleaved_plan`).
     `margin`: the DP keeps the simplest plan within this fraction of the fastest (0: the
     fastest, with the fewest stages among equally fast ones).
@@ -112,9 +118,11 @@ def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedrea
                             f"{margin}")
     if stages_per_rank != 1:
         return interleaved_plan(profile, topology, stages_per_rank, schedule)
+    if topology.heterogeneous:
+        return _hetero_plan(profile, topology, schedule, straight, strategy, chunks, margin)
     began = time.perf_counter()
     costs = Costs.from_profile(profile)
-    memory = MemoryModel(schedule, topology.memory_per_worker, chunks or topology.workers)
+    memory = MemoryModel(schedule, topology.uniform_memory, chunks or topology.workers)
     num_blocks = costs.num_blocks
 
     data_parallel = flatten(data_parallel_tree(num_blocks, topology), topology)
@@ -150,6 +158,49 @@ def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedrea
     return plan
 
 
+def _hetero_plan(profile: Profile, topology: Topology, schedule: str, straight: bool,
+                 strategy: str, chunks: int | None, margin: float) -> Plan:
+    """`make_plan` on a heterogeneous topology (see the module docstring and `hetero.py`)."""
+    began = time.perf_counter()
+    costs = Costs.from_profile(profile)
+    memory = MemoryModel(schedule, None, chunks or topology.workers)  # limits are per rank
+    everyone = [FlatStage(0, costs.num_blocks, tuple(range(topology.workers)))]
+    data_parallel_ms = flat_times(everyone, costs, topology, memory)[0][0]
+    choice: dict[str, Any] | None = None
+    if strategy == "dp":
+        solver = HeteroDP(costs, topology, memory, straight)
+        found = solver.simplest_plan(margin)
+        if found is None:
+            if all(topology.memory_of(r) is None for r in range(topology.workers)):
+                raise PlanningError(_structural_hint(costs, topology, straight))
+            raise PlanningError(worker_memory_error(costs, topology, memory, schedule))
+        stages = [FlatStage(s.start, s.stop, s.ranks) for s in found[1]]
+        fastest = solver.best_time()
+        choice = {"margin": margin, "fastest_ms": fastest, "chosen_ms": found[0],
+                  "why": (f"the simplest plan within the {margin:.0%} margin of the fastest "
+                          f"({fastest:.3g} ms) over stages on consecutive ranks in rank order "
+                          f"(heterogeneous workers): fewest stages, then most workers")}
+    elif strategy == "data-parallel":
+        stages = everyone
+    else:
+        stages = baseline_stages(strategy, costs, topology.workers, straight)
+    times, cuts = flat_times(stages, costs, topology, memory)
+    footprints = stage_memory(stages, costs, memory)
+    for stage, footprint in zip(stages, footprints):
+        limit = group_memory(topology, stage.ranks)
+        if limit is not None and footprint.bytes > limit:
+            raise PlanningError(
+                f"the {strategy} plan's stage of blocks [{stage.start}, {stage.stop}) needs "
+                f"{_fmt_bytes(footprint.bytes)} ({footprint.bytes} bytes) per worker with schedule "
+                f"{schedule}, more than its ranks {list(stage.ranks)} hold ({limit} bytes); "
+                f"give them more memory or use --strategy dp")
+    plan = _assemble(profile, topology, stages, times, cuts, footprints, costs, memory,
+                     data_parallel_ms, strategy, straight, began, nested=False)
+    if choice is not None:
+        plan.extra["plan_choice"] = choice
+    return plan
+
+
 def _plan_choice(solver: HierarchicalDP, chosen: tuple[float, list[StageNode]],
                  margin: float) -> dict[str, Any]:
     """What the DP chose over the fastest plan it found, and why (for the plan's report)."""
@@ -166,7 +217,8 @@ def _plan_choice(solver: HierarchicalDP, chosen: tuple[float, list[StageNode]],
                                                         for s in nodes]:
         why = f"the fastest plan; none simpler within the {margin:.0%} margin"
     else:
-        why = (f"{shape(nodes)}, {max(0.0, ms / best_ms - 1):.1%} slower than the fastest "
+        slower = max(0.0, ms / best_ms - 1) if best_ms > 0 else 0.0  # both 0 within margin
+        why = (f"{shape(nodes)}, {slower:.1%} slower than the fastest "
                f"found ({shape(best)}, {best_ms:.3g} ms): within the {margin:.0%} margin the "
                f"fewest stages win, then the most workers, so profile noise does not flip "
                f"the plan")
@@ -179,6 +231,9 @@ def interleaved_plan(profile: Profile, topology: Topology, stages_per_rank: int,
     of interleaved schedules), one replica each. The predicted time per minibatch is the
     busiest rank's compute over its v stages."""
     began = time.perf_counter()
+    if topology.heterogeneous:
+        raise PlanningError(f"interleaved plans (stages per rank > 1) are not planned for "
+                            f"heterogeneous workers (topology {topology}); use 1 stage per rank")
     costs = Costs.from_profile(profile)
     workers, v = topology.workers, stages_per_rank
     if v < 1 or workers * v > costs.num_blocks:
@@ -186,7 +241,7 @@ def interleaved_plan(profile: Profile, topology: Topology, stages_per_rank: int,
                             f"{workers * v} blocks; the model has {costs.num_blocks}")
     bounds = balanced_partition(np.diff(costs.compute[0]).tolist(), workers * v)
     stages = [FlatStage(a, b, (k % workers,)) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-    memory = MemoryModel(schedule, topology.memory_per_worker, topology.workers)
+    memory = MemoryModel(schedule, topology.uniform_memory, topology.workers)
     times, cuts = flat_times(stages, costs, topology, memory)
     data_parallel = flatten(data_parallel_tree(costs.num_blocks, topology), topology)
     data_parallel_ms = nested_times(data_parallel, costs, topology, memory)[0][0]
@@ -211,13 +266,14 @@ def evaluate_plan(plan: Plan, profile: Profile, topology: Topology,
         raise PlanningError(f"the plan uses {plan.workers} workers but the topology {topology} "
                             f"has only {topology.workers}")
     costs = Costs.from_profile(profile)
-    memory = MemoryModel(plan.schedule, topology.memory_per_worker,
+    hetero = topology.heterogeneous
+    memory = MemoryModel(plan.schedule, None if hetero else topology.uniform_memory,
                          chunks or int(plan.extra.get("chunks", plan.extra.get(
                              "microbatches", topology.workers))))  # its name before 0.2
     levels = [s.extra.get("levels") for s in plan.stages]
     chains = [chain for chain in levels
               if isinstance(chain, list) and len(chain) == len(topology.levels)]
-    nested = len(chains) == len(levels)
+    nested = len(chains) == len(levels) and not hetero
     if nested:
         stages = [FlatStage(s.start, s.stop, tuple(s.ranks),
                             tuple((c["start"], c["stop"], c["replicas"]) for c in chain))
@@ -226,8 +282,13 @@ def evaluate_plan(plan: Plan, profile: Profile, topology: Topology,
         stages = [FlatStage(s.start, s.stop, tuple(s.ranks)) for s in plan.stages]
     times, cuts = (nested_times if nested else flat_times)(stages, costs, topology, memory)
     footprints = stage_memory(stages, costs, memory)
-    data_parallel = flatten(data_parallel_tree(costs.num_blocks, topology), topology)
-    data_parallel_ms = nested_times(data_parallel, costs, topology, memory)[0][0]
+    if hetero:
+        data_parallel_ms = flat_times([FlatStage(0, costs.num_blocks,
+                                                 tuple(range(topology.workers)))],
+                                      costs, topology, memory)[0][0]
+    else:
+        data_parallel = flatten(data_parallel_tree(costs.num_blocks, topology), topology)
+        data_parallel_ms = nested_times(data_parallel, costs, topology, memory)[0][0]
     return _assemble(profile, topology, stages, times, cuts, footprints, costs, memory,
                      data_parallel_ms, str(plan.extra.get("strategy", "given")),
                      bool(plan.extra.get("straight", False)), began, nested=nested)

@@ -11,6 +11,7 @@ or lost is kept in the plan (`extra["schedule_choice"]`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pipedream_fast.formats import Plan, Profile
@@ -42,8 +43,26 @@ def predict(profile: Profile, plan: Plan, name: str, steps: int = STEPS) -> floa
                                else {})
     schedule = make_schedule(name, len(plan.stages), n,
                              stage_ranks=[list(s.ranks) for s in plan.stages], **options)
-    result = simulate(schedule, ProfileCosts.from_plan(profile, plan))
+    result = simulate(schedule, _at_speed(ProfileCosts.from_plan(profile, plan), plan))
     return n * profile.batch_size / result.makespan * 1e3
+
+
+def _at_speed(costs: Any, plan: Plan) -> Any:
+    """`costs` (sim.ProfileCosts) with each stage's compute and update divided by the speed of
+    its slowest rank, on a heterogeneous topology (replicas run in lockstep, as the planner's
+    model has them)."""
+    topology = costs.topology
+    if topology is None or not topology.heterogeneous:
+        return costs
+    speeds = [min(topology.speed_of(r) for r in s.ranks) for s in plan.stages]
+
+    def scaled(values: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(v / speed for v, speed in zip(values, speeds)) if values else values
+
+    return dataclasses.replace(
+        costs, forward_ms=scaled(costs.forward_ms), backward_ms=scaled(costs.backward_ms),
+        stage_optimizer_ms=scaled(costs.stage_optimizer_ms),
+        grad_scale_ms=scaled(costs.grad_scale_ms), snapshot_ms=scaled(costs.snapshot_ms))
 
 
 def _memory(plan: Plan) -> int:

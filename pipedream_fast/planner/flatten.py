@@ -20,8 +20,11 @@ Two cost evaluations are offered:
   group's uplink); a cut between two stages that first part at level d costs
   comm_d / (replicas of the enclosing stages above d).
 * `flat_times` - for plans without a tree (baselines): stage time stage_ms(compute, allreduce
-  over the slowest link among its ranks, update) / r, cut = comm over the slowest link
-  between the two stages' ranks. For a one-level topology both give the flat model.
+  over the slowest link between any two of its ranks, update) / r, cut = comm over the slowest
+  link between any rank of one stage and any of the next (`Topology.slowest_bandwidth`,
+  `Topology.bandwidth_between`; an inner level may be the slower one). For a one-level
+  topology both give the flat model. It is also the model of heterogeneous topologies
+  (`hetero.py`): compute and update divided by the slowest speed among the stage's ranks.
 """
 
 from __future__ import annotations
@@ -65,9 +68,11 @@ def flatten(stages: Sequence[StageNode], topology: Topology, base: int = 0) -> l
 
 
 def _stage_ms(costs: Costs, memory: MemoryModel, unit: float, start: int, stop: int,
-              replicas: int, bandwidth: float, updates: bool) -> float:
+              replicas: int, bandwidth: float, updates: bool, speed: float = 1.0) -> float:
+    """`speed` (the slowest replica's, relative to the profile) scales compute and update."""
     reduce, update = sync_ms(costs, memory, replicas, bandwidth, updates)
-    return float(stage_ms(costs, unit, reduce[start, stop], update[start, stop], replicas))
+    return float(stage_ms(costs, unit / speed, reduce[start, stop], update[start, stop] / speed,
+                          replicas))
 
 
 def nested_times(stages: Sequence[FlatStage], costs: Costs, topology: Topology,
@@ -94,12 +99,14 @@ def nested_times(stages: Sequence[FlatStage], costs: Costs, topology: Topology,
 
 def flat_times(stages: Sequence[FlatStage], costs: Costs, topology: Topology,
                memory: MemoryModel) -> tuple[list[float], list[float]]:
-    """(per-stage time, per-cut time) with every transfer on the slowest link it crosses."""
+    """(per-stage time, per-cut time) with every transfer on the slowest link it crosses; on a
+    heterogeneous topology a stage computes at the speed of its slowest rank."""
     times = []
     for stage in stages:
+        speed = min(topology.speed_of(r) for r in stage.ranks)
         times.append(_stage_ms(costs, memory, costs.compute[stage.start, stage.stop], stage.start,
                                stage.stop, stage.replicas,
-                               topology.slowest_bandwidth(stage.ranks), updates=True))
+                               topology.slowest_bandwidth(stage.ranks), updates=True, speed=speed))
     cuts = []
     for left, right in zip(stages, stages[1:]):
         slowest = min(topology.bandwidth_between(a, b) for a in left.ranks for b in right.ranks)
