@@ -51,7 +51,7 @@ class Tiny:
 
 def replay(method: study.Method, stages: int, n: int, obj: Tiny, gamma: float) -> np.ndarray:
     records, copies = study.timeline(method, stages, n)
-    curve = study.replay(records, copies, obj, stages, gamma)
+    curve = study.replay(records, copies, obj, stages, gamma, staleness=method.staleness)
     assert curve.params is not None
     return curve.params
 
@@ -75,6 +75,110 @@ def test_pipedream_replay_is_the_hand_computed_stale_update() -> None:
     for m in range(4):
         x = x - gamma * obj.grad(x, m)
     assert not np.allclose(got, x)
+
+
+def _hand_corrected_pipedream(obj: Tiny, stages: int, n: int, gamma: float,
+                              staleness: str) -> np.ndarray:
+    """PipeDream (1F1B, weight stashing, one update per microbatch and stage) with a
+    staleness correction, step by step from its definition. Stage s's forward of m reads
+    version k = max(0, m - (S - 1 - s)), the newest one then (k updates done), and its update
+    for m makes version m + 1 on top of version m: delay d = m - k. v is the moving average
+    (0.9) of the stage's update deltas, v_hat = v / (1 - 0.9^t) after t updates (0 before);
+    predict reads x_k + d v_hat, nesterov x_k + (0.9 + ... + 0.9^d) v_hat; lr-scale steps
+    with gamma / (1 + d). The gradient of m is taken at the blocks m read."""
+    beta = 0.9
+    cuts = np.array_split(np.arange(obj.dim), stages)
+    versions = [[obj.x0()[cut]] for cut in cuts]  # versions[s][k]
+    velocity = [[np.zeros(len(cut))] for cut in cuts]  # velocity[s][t]: v after t updates
+    for m in range(n):
+        read, delay = [], []
+        for s in range(stages):
+            k = max(0, m - (stages - 1 - s))
+            d = m - k
+            shift = {"predict": float(d), "nesterov": sum(beta ** i for i in range(1, d + 1)),
+                     "lr-scale": 0.0}[staleness]
+            v_hat = velocity[s][k] / (1 - beta ** k) if k else np.zeros(len(cuts[s]))
+            read.append(versions[s][k] + shift * v_hat)
+            delay.append(d)
+        g = obj.grad(np.concatenate(read), m)
+        for s, cut in enumerate(cuts):
+            step = gamma / (1 + delay[s]) if staleness == "lr-scale" else gamma
+            new = versions[s][-1] - step * g[cut]
+            velocity[s].append(beta * velocity[s][-1] + 0.1 * (new - versions[s][-1]))
+            versions[s].append(new)
+    return np.concatenate([v[-1] for v in versions])
+
+
+@pytest.mark.parametrize("staleness", ["predict", "nesterov", "lr-scale"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_corrected_pipedream_replay_is_the_hand_computed_correction(stages: int,
+                                                                    staleness: str) -> None:
+    obj, gamma, n = Tiny(dim=5), 0.1, 9
+    method = study.Method("pipedream", staleness=staleness)
+    assert method.label == f"pd+{staleness}"
+    got = replay(method, stages, n, obj, gamma)
+    want = _hand_corrected_pipedream(obj, stages, n, gamma, staleness)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_each_correction_changes_the_trajectory(stages: int) -> None:
+    """No correction is a no-op: each ends elsewhere than plain PD, and than each other, and
+    its loss curve differs from PD's."""
+    obj, gamma, n = Tiny(dim=5), 0.1, 9
+    plain = replay(study.Method("pipedream"), stages, n, obj, gamma)
+    ends = {None: plain}
+    for staleness in ("predict", "nesterov", "lr-scale"):
+        ends[staleness] = replay(study.Method("pipedream", staleness=staleness), stages, n,
+                                 obj, gamma)
+    for a in ends:
+        for b in ends:
+            if a != b:
+                assert np.abs(ends[a] - ends[b]).max() > 1e-4, (a, b)
+    records, copies = study.timeline(study.Method("pipedream"), stages, n)
+    times = [float(t) for t in range(1, 2 * n + 2 * stages)]
+    base = study.replay(records, copies, obj, stages, gamma, times).losses
+    for staleness in ("predict", "nesterov", "lr-scale"):
+        curve = study.replay(records, copies, obj, stages, gamma, times, staleness=staleness)
+        assert curve.losses != base, staleness
+
+
+def test_corrections_are_refused_where_they_do_not_apply() -> None:
+    with pytest.raises(ValueError, match="staleness"):
+        study.Method("sync", staleness="predict").schedule(2, 4)
+    with pytest.raises(ValueError, match="staleness"):
+        study.Method("localsgd", 1, staleness="lr-scale").schedule(2, 4)
+    records, copies = study.timeline(study.Method("pipedream"), 2, 4)
+    with pytest.raises(ValueError, match="staleness must be one of"):
+        study.replay(records, copies, Tiny(), 2, 0.1, staleness="momentum")
+    # a corrected method shares the plain method's timeline (the correction changes no action)
+    assert study.timeline(study.Method("pipedream", staleness="predict"), 2, 4)[0] is records
+
+
+def test_gap_verdicts() -> None:
+    from research.study.rpd import closes
+
+    inf = float("inf")
+    assert closes(1.0, 0.05) == "closes" and closes(1.0, -0.05) == "closes"
+    assert closes(1.0, 0.5) == "narrows" and closes(1.0, -0.3) == "narrows"
+    assert closes(1.0, 1.05) == "no change" and closes(1.0, 2.0) == "widens"
+    assert closes(1.0, inf) == "diverges" and closes(inf, 0.1) == "stable (PD diverges)"
+    assert closes(inf, inf) == "both diverge"
+    assert closes(-0.1, 0.005) == "closes (PD below sync)"
+    assert closes(-0.1, -0.5) == "widens (PD below sync)"
+
+
+def test_lm_run_passes_the_correction_to_the_runtime() -> None:
+    """`lm_run(..., staleness=...)` trains through Pipeline(staleness=...): a short run at a
+    large step size ends with other losses than plain PD's. A run whose loss turns NaN (the
+    runtime stops it) is a diverged result, not an error."""
+    plain = study.lm_run("pipedream", 2, 1.0, 16, 4)
+    predict = study.lm_run("pipedream", 2, 1.0, 16, 4, staleness="predict")
+    assert plain["staleness"] is None and predict["staleness"] == "predict"
+    assert predict["final"] is not None and predict["final"] != plain["final"]
+    assert plain["stopped"] is None
+    diverged = study.lm_run("pipedream", 2, 3.0, 16, 16)
+    assert diverged["final"] is None and "nan" in diverged["stopped"]
 
 
 def test_sync_baseline_is_plain_sgd() -> None:
@@ -159,12 +263,18 @@ def test_cli_quick_quadratic_writes_json(tmp_path: Path, capsys: pytest.CaptureF
     assert set(data) >= {"settings", "costs", "objectives"}
     res = data["objectives"]["quadratic"]
     assert set(res) >= {"runs", "table", "gap_check", "budget", "smoothness"}
-    assert set(res["runs"]["2"]) == {"pipedream", "localsgd-H1", "localsgd-H2", "sync"}
+    assert set(res["runs"]["2"]) == {"pipedream", "localsgd-H1", "localsgd-H2", "sync",
+                                     "pd+predict", "pd+nesterov", "pd+lr-scale"}
     row = res["table"][0]
     assert row["stages"] == 2 and row["winner_tuned"] in ("pipedream", "localsgd", "tie")
-    assert {"gap", "gap_over_gamma2_s4", "gamma", "stages"} <= set(res["gap_check"]["rows"][0])
+    assert row["winner_corrected_tuned"] in ("pipedream", "localsgd", "tie")
+    assert set(row["corrected"]) == {"pd+predict", "pd+nesterov", "pd+lr-scale"}
+    gap_row = res["gap_check"]["rows"][0]
+    assert {"gap", "gap_over_gamma2_s4", "gamma", "stages"} <= set(gap_row)
+    assert set(gap_row["corrected"]) == {"predict", "nesterov", "lr-scale"}
     text = md.read_text()
     assert "| S |" in text and "python -m research.study --objective quadratic" in text
+    assert "Staleness corrections" in text and "gap pd+predict" in text
     assert "quadratic" in capsys.readouterr().out
 
 
@@ -173,6 +283,8 @@ def test_cli_bad_input_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
     assert "--stages must be comma-separated integers" in capsys.readouterr().err
     assert main(["--objective", "lm", "--stages", "3"]) == 2
     assert "the LM has 4 blocks" in capsys.readouterr().err
+    assert main(["--objective", "quadratic", "--staleness", "predict,momentum"]) == 2
+    assert "--staleness takes predict, nesterov, lr-scale" in capsys.readouterr().err
 
 
 def test_study_runs_as_a_module_and_left_the_library() -> None:

@@ -36,6 +36,14 @@ Methods (schedules of `pipedream_fast.schedules`):
   sync       `make_schedule("gpipe", S, N, chunks=1)`: synchronous SGD, one microbatch per
              update, the pipeline filled and drained for each (2S time units per update).
              The staleness-free baseline of the gamma^2 S^4 check; in time it is the slowest.
+  pd+predict, pd+nesterov, pd+lr-scale  `Method("pipedream", staleness=...)`: PipeDream with
+             the library's staleness correction (`pipedream_fast.runtime.staleness_correction`
+             defines them; the replay applies them on the blocks, the LM through
+             `Pipeline(..., staleness=...)`). predict and nesterov shift the version a forward
+             reads along the stage's velocity (the bias-corrected moving average, 0.9, of its
+             updates) by d resp. 0.9 + ... + 0.9^d velocities, d the forward's delay; lr-scale
+             divides the update's step size by 1 + its microbatches' mean delay. Same
+             schedule, same clock as PD; `--staleness` picks which run (default all three).
 The replay also takes any other schedule (`Method("zb-h1", chunks=4)`), which the tests use.
 
 RPD replay (quadratic and logistic): see `research.study.replay`. Block j's update for m uses
@@ -64,6 +72,10 @@ every block has applied: the iterate x_k is version k of every block, so a stage
 ahead in time is not credited early) and gap = mean over the last half of the K updates of
 (loss_PD - loss_sync), averaged over 3 seeds; printed next to gap / (gamma^2 S^4), which the
 theory predicts to be roughly constant (it is an upper bound's scaling, not an equality).
+Each corrected PD runs the same K updates on the same microbatches and seeds, and its gap
+(loss_corrected - loss_sync) is set against PD's (`rpd.closes`: closes, narrows, no change,
+widens by |gap|; diverges). The table's winner is also given with the best corrected PD
+(the lowest final loss among the corrections) in PD's place against the best LocalSGD.
 """
 
 from __future__ import annotations

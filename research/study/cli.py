@@ -7,8 +7,11 @@ repository root.
         --json study.json --plot-dir bench/results/study --out study.md
     python -m research.study --objective quadratic --stages 2 --quick --json out.json
 
-Prints one line per run and the tables; --json writes every curve and figure, --out the
-tables as Markdown, --plot-dir one PNG per objective (loss against simulated time).
+PipeDream's staleness corrections (pd+predict, pd+nesterov, pd+lr-scale) run next to it
+unless --staleness none. Prints one line per run and the tables; --json writes every curve
+and figure, --out the tables as Markdown, --plot-dir one PNG per objective (loss against
+simulated time) and, for the corrections, <objective>-staleness.png (loss against simulated
+time) and <objective>-staleness-gap.png (the gap to sync at equal updates).
 """
 
 from __future__ import annotations
@@ -48,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "those that divide its 4 blocks)")
     p.add_argument("--local-steps", default="1,4,16",
                    help="LocalSGD's H values (default 1,4,16)")
+    p.add_argument("--gap-stages",
+                   help="the S values of the gamma^2 S^4 check, comma-separated (default "
+                        "2,3,4,6,8; --quick 2,3)")
+    p.add_argument("--staleness", default="predict,nesterov,lr-scale",
+                   help="PipeDream's staleness corrections run next to it, comma-separated, "
+                        "or none (default predict,nesterov,lr-scale)")
     p.add_argument("--budget", type=float, help="simulated time budget (default 4000; "
                                                 "--quick 600)")
     p.add_argument("--lm-steps", type=int, help="LM microbatches per run (default 200)")
@@ -68,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     local_steps = _ints(args.local_steps, "--local-steps")
     settings = (study.Settings.quick(stages, local_steps) if args.quick
                 else study.Settings(stages=stages, local_steps=local_steps))
+    if args.gap_stages is not None:
+        settings.gap_stages = _ints(args.gap_stages, "--gap-stages")
+    settings.corrections = _corrections(args.staleness)
     if args.budget is not None:
         if args.budget <= 0:
             raise UsageError(f"--budget must be > 0, got {args.budget}")
@@ -100,10 +112,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _corrections(text: str) -> tuple[str, ...]:
+    from research.study.settings import CORRECTIONS
+
+    if text == "none":
+        return ()
+    values = tuple(v for v in text.split(",") if v)
+    bad = [v for v in values if v not in CORRECTIONS]
+    if bad or not values:
+        raise UsageError(f"--staleness takes {', '.join(CORRECTIONS)} (comma-separated) or "
+                         f"none, got {text!r}")
+    return values
+
+
 def _argv(args: argparse.Namespace) -> list[str]:
     """The options of this run, as a command line (for the report)."""
     out = [f"--objective {args.objective}", f"--stages {args.stages}",
            f"--local-steps {args.local_steps}"]
+    if args.gap_stages is not None:
+        out.append(f"--gap-stages {args.gap_stages}")
+    if args.staleness != "predict,nesterov,lr-scale":
+        out.append(f"--staleness {args.staleness}")
     if args.budget is not None:
         out.append(f"--budget {args.budget:g}")
     if args.lm_steps is not None:

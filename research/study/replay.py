@@ -27,13 +27,25 @@ it: RPD's stale-read rule with exactly the schedule's delays (weight stashing ma
 backward of m use the version its forward read). The reported loss is the full objective at
 the current parameters: the newest version of every block, for localsgd the mean of the R
 copies' newest versions (what an averaging at that instant would produce).
+
+Staleness corrections (`Method("pipedream", staleness=...)`: predict, nesterov, lr-scale; the
+definition is `pipedream_fast.runtime.staleness_correction`'s, written out here on the
+blocks). The delay of m on (j, c) is d = u - k: m's FORWARD read version k, and the
+OPTIMIZER_STEP of (j, c) that lists m makes version u + 1 (the replay finds that record
+among its own). (j, c) keeps v, the moving average (beta = 0.9) of its updates' changes
+(delta = the new version - the one before), and t, its number of updates; v_hat = v / (1 -
+beta^t), 0 before the first. predict: m's FORWARD reads version k + d v_hat; nesterov:
+version k + (beta + ... + beta^d) v_hat (v_hat as it is at that FORWARD); m's gradient is
+taken at the shifted blocks it read. lr-scale: the OPTIMIZER_STEP's step size is gamma / (1 +
+the mean delay of its microbatches). Every update is applied to the newest version, as
+without a correction.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -60,6 +72,8 @@ EFFECTS: dict[ActionKind, str] = {
     K.SEND_ACT: "none", K.RECV_ACT: "none", K.SEND_GRAD: "none", K.RECV_GRAD: "none",
     K.SNAPSHOT: "none", K.RELEASE: "none",
 }
+CORRECTIONS = ("predict", "nesterov", "lr-scale")  # the library's staleness corrections
+BETA = 0.9  # their velocity's moving average (and nesterov's per-update decay)
 _WHY_NOT = {K.ALLREDUCE: "replicated stages sum their gradient buffers across ranks, and the "
                          "replay keeps one weight history per (stage, copy)"}
 
@@ -87,21 +101,40 @@ class Method:
     kind: str
     local_steps: int | None = None
     chunks: int | None = None
+    staleness: str | None = None  # predict, nesterov or lr-scale (asynchronous schedules)
 
     @property
     def label(self) -> str:
         if self.kind == "localsgd":
             return f"localsgd-H{self.local_steps}"
-        return self.kind if self.chunks is None else f"{self.kind}-c{self.chunks}"
+        base = self.kind if self.chunks is None else f"{self.kind}-c{self.chunks}"
+        if self.staleness is None:
+            return base
+        return f"{'pd' if base == 'pipedream' else base}+{self.staleness}"
 
     def schedule(self, stages: int, microbatches: int) -> Schedule:
+        if self.staleness is not None and self.kind in ("localsgd", "sync"):
+            raise ValueError(f"staleness applies to the asynchronous schedules, not "
+                             f"{self.kind!r}")
         if self.kind == "localsgd":
             return make_schedule("localsgd", stages, microbatches, local_steps=self.local_steps)
         if self.local_steps is not None:
             raise ValueError(f"local_steps applies only to localsgd, not {self.kind!r}")
         if self.kind == "sync":
             return make_schedule("gpipe", stages, microbatches, chunks=1)
-        return make_schedule(self.kind, stages, microbatches, chunks=self.chunks)
+        extra: dict[str, Any] = {} if self.staleness is None else {"staleness": self.staleness}
+        return make_schedule(self.kind, stages, microbatches, chunks=self.chunks, **extra)
+
+
+def lookahead(kind: str | None, delay: int) -> float:
+    """How many velocities a FORWARD with `delay` moves its block along (0: none)."""
+    if delay <= 0:
+        return 0.0
+    if kind == "predict":
+        return float(delay)
+    if kind == "nesterov":
+        return sum(BETA ** i for i in range(1, delay + 1))
+    return 0.0
 
 
 def effect_time(r: ActionRecord) -> float:
@@ -115,7 +148,12 @@ _TIMELINES: dict[tuple[Method, int, int], tuple[list[ActionRecord], int]] = {}
 def timeline(method: Method, stages: int, microbatches: int) -> tuple[list[ActionRecord], int]:
     """The unit-cost simulation of `method` on S stages and N microbatches: its records that
     act on the weights, in replay order, and its model replicas (copies). Raises ReplayError
-    for a schedule the replay does not model."""
+    for a schedule the replay does not model. A staleness correction changes no action of
+    its schedule (it is recorded in the schedule's params: the replay applies it, given
+    `method.staleness`), so a corrected method shares the plain method's timeline."""
+    if method.staleness is not None:
+        method.schedule(stages, microbatches)  # refuses a correction the schedule lacks
+        method = replace(method, staleness=None)
     key = (method, stages, microbatches)
     if key not in _TIMELINES:
         schedule = method.schedule(stages, microbatches)
@@ -169,11 +207,15 @@ class Curve:
 
 def replay(records: Sequence[ActionRecord], copies: int, objective: Objective, stages: int,
            gamma: float, times: Sequence[float] = (), update_every: int = 0,
-           max_updates: int | None = None) -> Curve:
+           max_updates: int | None = None, staleness: str | None = None) -> Curve:
     """Run RPD along a timeline (see the module docstring): gamma is the step size itself
     (not in units of 1/L). Records the loss at each of `times` (in increasing order) and,
     if `update_every` > 0 (one copy only), the loss of x_k = version k of every block for
-    k = update_every, 2 update_every, ... up to `max_updates`."""
+    k = update_every, 2 update_every, ... up to `max_updates`. `staleness`: a correction
+    (predict, nesterov, lr-scale; see the module docstring), None for none."""
+    if staleness is not None and staleness not in CORRECTIONS:
+        raise ValueError(f"staleness must be one of {', '.join(CORRECTIONS)} or None, got "
+                         f"{staleness!r}")
     x0 = objective.x0()
     cuts = np.array_split(np.arange(objective.dim), stages)
     sl = [slice(int(c[0]), int(c[-1]) + 1) for c in cuts]
@@ -188,6 +230,19 @@ def replay(records: Sequence[ActionRecord], copies: int, objective: Objective, s
     pending_times = list(times)
     applied = 0  # the largest k whose x_k has been evaluated
     snapshots: dict[int, dict[int, np.ndarray]] = {}  # k -> stage -> version k of its block
+    # The staleness correction's state: the version each OPTIMIZER_STEP of (stage, copy)
+    # that lists m makes, m's delay there, and each (stage, copy)'s velocity and updates.
+    stepped: dict[tuple[int, int, int], int] = {}
+    delays: dict[tuple[int, int, int], int] = {}
+    velocity = {key: np.zeros_like(versions[key][0]) for key in versions}
+    updates = {key: 0 for key in versions}
+    shifts = staleness in ("predict", "nesterov")
+    if staleness is not None:
+        for rec in records:
+            u = rec.action
+            if EFFECTS[u.kind] == "update" and u.version is not None:
+                for mb in u.microbatches:
+                    stepped[(u.stage, u.copy, mb)] = u.version
 
     def current() -> np.ndarray:
         parts = []
@@ -217,7 +272,15 @@ def replay(records: Sequence[ActionRecord], copies: int, objective: Objective, s
         if effect == "read":
             assert a.microbatch is not None and a.version is not None
             row = reads.setdefault(a.microbatch, [None] * stages)
-            row[a.stage] = versions[key][a.version]
+            block = versions[key][a.version]
+            if staleness is not None:
+                mkey = (a.stage, a.copy, a.microbatch)
+                # d = u - k: the step listing m makes u + 1 (none: no delay)
+                delays[mkey] = stepped.get(mkey, a.version + 1) - 1 - a.version
+                steps = lookahead(staleness, delays[mkey])
+                if steps and updates[key]:
+                    block = block + (steps / (1.0 - BETA ** updates[key])) * velocity[key]
+            row[a.stage] = block
         elif effect == "gradient":
             assert a.microbatch is not None
             m = a.microbatch
@@ -234,7 +297,17 @@ def replay(records: Sequence[ActionRecord], copies: int, objective: Objective, s
                 grads[m] = (g, left - 1)
         elif effect == "update":
             assert a.version is not None
-            w = versions[key][newest[key]] - gamma * buffers[key] / len(a.microbatches)
+            step = gamma
+            if staleness is not None:
+                ds = [delays.pop((a.stage, a.copy, mb)) for mb in a.microbatches
+                      if (a.stage, a.copy, mb) in delays]
+                if staleness == "lr-scale" and ds:
+                    step = gamma / (1.0 + sum(ds) / len(ds))
+            before = versions[key][newest[key]]
+            w = before - step * buffers[key] / len(a.microbatches)
+            if shifts:
+                velocity[key] = BETA * velocity[key] + (1.0 - BETA) * (w - before)
+                updates[key] += 1
             buffers[key][:] = 0.0
             versions[key][a.version] = w
             newest[key] = a.version
@@ -280,4 +353,5 @@ def run_method(objective: Objective, method: Method, stages: int, gamma: float,
     n = microbatches_for(method, stages, budget)
     records, copies = timeline(method, stages, n)
     times = [budget * (i + 1) / points for i in range(points)]
-    return replay(records, copies, objective, stages, gamma, times)
+    return replay(records, copies, objective, stages, gamma, times,
+                  staleness=method.staleness)

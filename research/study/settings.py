@@ -14,6 +14,7 @@ FIXED_GAMMA = 2.0 ** -4
 LM_GAMMAS = (0.1, 0.3, 1.0, 3.0)
 LM_FIXED_GAMMA = 0.3
 TIE = 0.02  # final losses within 2% are a tie
+CORRECTIONS = ("predict", "nesterov", "lr-scale")  # PipeDream's, as `staleness=`
 
 Progress = Callable[[str], None]
 
@@ -22,6 +23,9 @@ Progress = Callable[[str], None]
 class Settings:
     stages: tuple[int, ...] = (2, 4, 8)
     local_steps: tuple[int, ...] = (1, 4, 16)
+    # PipeDream's staleness corrections run next to it (labels pd+predict, ...), in the table
+    # and in the gamma^2 S^4 check
+    corrections: tuple[str, ...] = CORRECTIONS
     budget: float = 4000.0  # simulated time units (PD does ~budget/2 updates)
     gammas: tuple[float, ...] = GAMMA_GRID
     fixed_gamma: float = FIXED_GAMMA
