@@ -64,6 +64,9 @@ SUITE = (
     Benchmark("time_to_accuracy", "time_to_accuracy.py", (),
               ("--quick", "--cap-s", "20"), 7.0,
               "time to the same test accuracy, pipedream against DDP on slow links"),
+    Benchmark("staleness_lm", "staleness_lm.py", (), ("--quick",), 14.0,
+              "staleness corrections (predict, nesterov, lr-scale) on the char LM at 4 stages: "
+              "loss against samples, pipedream against 1f1b, SGD+momentum and Adam"),
 )
 
 
