@@ -43,7 +43,7 @@ SUITE = (
     Benchmark("overhead", "overhead.py", ("--steps", "200", "--repeat", "3"),
               ("--steps", "10", "--repeat", "1"), 1.0,
               "executor cost per action against plain isend/irecv"),
-    Benchmark("sim_accuracy", "sim_accuracy.py", ("--steps", "8"),
+    Benchmark("sim_accuracy", "sim_accuracy.py", ("--steps", "20"),
               ("--steps", "6", "--repeats", "1", "--only", "pipedream,data-parallel"), 5.0,
               "simulator within 10% of the runtime for every trainable schedule"),
     Benchmark("vs_pipelining", "vs_pipelining.py", ("--steps", "6", "--repeats", "2"),

@@ -11,9 +11,17 @@ For each configuration, in this one invocation (so the figures are side by side)
   4. compare the steady-state rate (rank 0, from the end of the warm-up steps to the last
      step, the same window in both), and, per stage and action kind, the mean duration the
      runtime measured against the profile's cost, which says which cost is wrong where a
-     prediction misses.
+     prediction misses;
+  5. in-rank calibrated: the same run splits the steps after the warm-up into two windows.
+     Every rank's `Calibration` (runtime/calibration.py) is reset at the end of the warm-up
+     and read at the end of the first window; the simulator fed with those figures
+     (`sim.MeasuredCosts.from_calibration`) predicts the second window, which is compared
+     with what the run measured there. As a check of the cost model itself, apart from the
+     machine's drift between the windows, the calibration is also reset at the start of the
+     second window and read at its end: the simulator then predicts the window it was
+     calibrated on ("same window").
 
-    python bench/sim_accuracy.py [--steps 14] [--only 1f1b,pipedream] \
+    python bench/sim_accuracy.py [--steps 20] [--only 1f1b,pipedream] \
         [--out bench/results/sim_accuracy.md]
 """
 
@@ -39,7 +47,7 @@ from pipedream_fast.launch import launch
 from pipedream_fast.models import build_cnn
 from pipedream_fast.pipeline import Pipeline
 from pipedream_fast.profiler import profile_model
-from pipedream_fast.sim import ProfileCosts, simulate
+from pipedream_fast.sim import MeasuredCosts, ProfileCosts, simulate
 from pipedream_fast.training import StepTracker, build_schedule
 
 BATCH = 32
@@ -169,15 +177,27 @@ def step_ends(records: list[tuple[Any, float]], schedule: Any, rank: int, chunks
     return ends
 
 
-def predict(config: Config, profile: Profile, steps: int, bandwidth: float) -> dict[str, Any]:
+def middle(steps: int) -> int:
+    """The step that ends the calibrating window and starts the predicted one."""
+    return WARMUP + (steps - WARMUP) // 2
+
+
+def simulated_rate(config: Config, costs: Any, steps: int, first: int) -> float:
+    """Samples/s of rank 0 in the simulation of the run, from the end of step `first` to
+    the last step (the window the run's rate is measured on)."""
     plan = plan_for(config)
     schedule = build_schedule(plan, config.schedule, steps, config.chunks)  # as the runtime
-    result = simulate(schedule, ProfileCosts.from_plan(profile, plan, bandwidth))
+    result = simulate(schedule, costs)
     mine = [(r.action, r.end) for r in sorted(result.records, key=lambda r: r.index)
             if r.rank == 0]
     ends = step_ends(mine, schedule, 0, config.chunks, steps)
-    window_ms = ends[-1] - ends[WARMUP - 1]
-    return {"samples_per_s": (steps - WARMUP) * config.batch / window_ms * 1e3}
+    window_ms = ends[-1] - ends[first - 1]
+    return (steps - first) * config.batch / window_ms * 1e3
+
+
+def predict(config: Config, profile: Profile, steps: int, bandwidth: float) -> dict[str, Any]:
+    costs = ProfileCosts.from_plan(profile, plan_for(config), bandwidth)
+    return {"samples_per_s": simulated_rate(config, costs, steps, WARMUP)}
 
 
 def measure_rank(rank: int, world: int, config: Config, steps: int) -> dict[str, Any]:
@@ -188,14 +208,32 @@ def measure_rank(rank: int, world: int, config: Config, steps: int) -> dict[str,
                     schedule=config.schedule, chunks=config.chunks, trace=True)
     data = [batch(config.batch)] * steps
     ends: list[float] = []
+    mid = middle(steps)
+    calibrated = None
     for _ in pipe.train(data, steps):
         ends.append(time.perf_counter())
+        if len(ends) == WARMUP:  # the first window starts: its estimates only
+            pipe.calibration.reset()
+        elif len(ends) == mid:  # ... and ends: what predicts the next window
+            calibrated = pipe.calibration.snapshot()
+            pipe.calibration.reset()
+    same = pipe.calibration.snapshot()  # the second window's own figures
     # Each action's own time: a forward or backward may first wait for its message.
     events = [(e.kind, e.stage, e.duration_ms - float(e.args.get("waited_ms", 0.0)))
               for e in pipe.last_events]
     pipe.close()
     return {"samples_per_s": (steps - WARMUP) * config.batch / (ends[-1] - ends[WARMUP - 1]),
-            "events": events}
+            "next_samples_per_s": (steps - mid) * config.batch / (ends[-1] - ends[mid - 1]),
+            "calibrated": calibrated, "same": same, "events": events}
+
+
+def calibrated_rates(config: Config, ranks: list[dict[str, Any]], steps: int
+                     ) -> tuple[float, float]:
+    """The simulator's rate of the second window from every rank's calibration on the first
+    window, and from their calibration on the second window itself."""
+    mid = middle(steps)
+    return tuple(simulated_rate(config, MeasuredCosts.from_calibration(
+        [r[key] for r in ranks]), steps, mid) for key in ("calibrated", "same"))  # type: ignore[return-value]
 
 
 def kind_means(events: list[tuple[str, int | None, float]], skip: int) -> dict[tuple[str, int],
@@ -260,6 +298,11 @@ def run(configs: list[Config], steps: int, repeats: int = 2
         row["measured_runs"] = [r[0]["samples_per_s"] for r in runs]
         row["error_pct"] = (row["predicted"] / row["measured"] - 1) * 100
         row["error_alone_pct"] = (row["predicted_alone"] / row["measured"] - 1) * 100
+        row["calibrated"], row["calibrated_same"] = calibrated_rates(config, ranks, steps)
+        row["measured_next"] = ranks[0]["next_samples_per_s"]
+        row["calibrated_error_pct"] = (row["calibrated"] / row["measured_next"] - 1) * 100
+        row["calibrated_same_error_pct"] = (row["calibrated_same"] / row["measured_next"]
+                                            - 1) * 100
         plan = plan_for(config)
         measured_kinds: dict[tuple[str, int], float] = {}
         for r in ranks:
@@ -275,19 +318,25 @@ def run(configs: list[Config], steps: int, repeats: int = 2
               f"{row['measured']:7.1f} samples/s (runs: "
               f"{', '.join(f'{v:.1f}' for v in row['measured_runs'])})  "
               f"error {row['error_pct']:+6.1f}% "
-              f"(profile alone: {row['error_alone_pct']:+6.1f}%)  "
+              f"(profile alone: {row['error_alone_pct']:+6.1f}%)  |  next window: "
+              f"in-rank calibrated {row['calibrated']:7.1f}  measured "
+              f"{row['measured_next']:7.1f}  error {row['calibrated_error_pct']:+6.1f}% "
+              f"(same window: {row['calibrated_same_error_pct']:+6.1f}%)  "
               f"({time.perf_counter() - began:.0f} s)", flush=True)
         rows.append(row)
     return rows, bandwidth, factor
 
 
-def markdown(rows: list[dict[str, Any]], command: str, bandwidth: float, factor: float
-             ) -> str:
+def markdown(rows: list[dict[str, Any]], command: str, bandwidth: float, factor: float,
+             steps: int, load: tuple[list[float], list[float]] | None = None) -> str:
     lines = ["# Simulator against reality: model A, batch 32, CPU, 2 ranks", "",
              f"Command: `{command}`", "",
              f"Machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
              f"torch {torch.__version__}, Python {sys.version.split()[0]}; "
-             f"{time.strftime('%Y-%m-%d')}.", "",
+             f"{time.strftime('%Y-%m-%d')}." + ("" if load is None else
+             f" Load average (1, 5, 15 min) at the start "
+             f"{', '.join(f'{v:.1f}' for v in load[0])}, at the end "
+             f"{', '.join(f'{v:.1f}' for v in load[1])} (the machine is shared)."), "",
              "Each schedule runs the plan's stages (conv | fc; interleaved-1f1b: 4 stages "
              "looped over 2 ranks; data-parallel: 2 replicas) with the blocks profiled at its "
              "microbatch size. Rates are rank 0's steady state (after "
@@ -313,6 +362,30 @@ def markdown(rows: list[dict[str, Any]], command: str, bandwidth: float, factor:
         lines.append(f"| {row['config']} | {row['predicted']:.1f} | {row['measured']:.1f} | "
                      f"{row['error_pct']:+.1f}%{flag} | {row['error_alone_pct']:+.1f}% | "
                      f"{', '.join(f'{v:.1f}' for v in row['measured_runs'])} |")
+    mid = middle(steps)
+    lines += ["", "## In-rank calibrated: the next window from the ranks' own measurements", "",
+              f"The same runs (the fastest of each configuration), steps split after the "
+              f"{WARMUP} warm-up steps into a calibrating window (steps {WARMUP + 1}-{mid}) "
+              f"and the predicted one (steps {mid + 1}-{steps}). Every rank's calibration is "
+              f"reset at the start of the first window and read at its end; the simulator "
+              f"fed with it (`MeasuredCosts.from_calibration`: each action's own time, the "
+              f"executor's overhead between actions, the data feed, each link's transfer) "
+              f"predicts rank 0's rate in the second window. The profile's prediction and the "
+              f"measured rate over both windows (steps {WARMUP + 1}-{steps}) are the table "
+              f"above, from the same runs. \"Same window\": the simulator fed with the "
+              f"calibration of the second window itself, which separates the cost model's "
+              f"error from the machine's drift between the windows.", "",
+              "| schedule, microbatches x size | profile: predicted | in-rank calibrated: "
+              "predicted next window | measured next window | error | error, same window |",
+              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['config']} | - | - | - | {row['error']} | - |")
+            continue
+        flag = "" if abs(row["calibrated_error_pct"]) <= 10 else " (over 10%)"
+        lines.append(f"| {row['config']} | {row['predicted']:.1f} | {row['calibrated']:.1f} | "
+                     f"{row['measured_next']:.1f} | {row['calibrated_error_pct']:+.1f}%{flag} | "
+                     f"{row['calibrated_same_error_pct']:+.1f}% |")
     lines += ["", "## Per action: the runtime's mean duration against the profile", "",
               "Profiled forward and backward times include the co-run factor; a forward or "
               "backward's wait for its message is left out of the measured time.", "",
@@ -330,14 +403,15 @@ def markdown(rows: list[dict[str, Any]], command: str, bandwidth: float, factor:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs per configuration; the fastest counts (default 2)")
     parser.add_argument("--only", help="comma-separated schedules to run (default: all)")
     parser.add_argument("--out", help="write the markdown table here (and JSON beside it)")
     args = parser.parse_args()
-    if args.steps <= WARMUP + 1:
-        parser.error(f"--steps must be more than {WARMUP + 1} (the warm-up is {WARMUP})")
+    if args.steps < WARMUP + 2:
+        parser.error(f"--steps must be at least {WARMUP + 2} (the warm-up is {WARMUP}, then "
+                     f"two windows)")
     configs = CONFIGS
     if args.only:
         wanted = set(args.only.split(","))
@@ -347,10 +421,13 @@ def main() -> int:
                          f"({', '.join(sorted({c.schedule for c in CONFIGS}))})")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    load_before = list(os.getloadavg())
     rows, bandwidth, factor = run(configs, args.steps, args.repeats)
+    load = (load_before, list(os.getloadavg()))
     if args.out:
         command = "python bench/sim_accuracy.py " + " ".join(sys.argv[1:])
-        Path(args.out).write_text(markdown(rows, command, bandwidth, factor))
+        Path(args.out).write_text(markdown(rows, command, bandwidth, factor, args.steps,
+                                           load))
         Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
     return 0
 

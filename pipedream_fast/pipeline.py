@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from pipedream_fast import checkpoint as ckpt
 from pipedream_fast.formats import Plan
+from pipedream_fast.runtime.calibration import Calibration
 from pipedream_fast.runtime.executor import Executor
 from pipedream_fast.runtime.stage import (OptimizerFactory, SchedulerFactory,
                                           StageRuntime)
@@ -290,6 +291,9 @@ class Pipeline(RunLoop):
         self._reading: tuple[EpochBatches, int] | None = None
         self.last_stats: dict[str, Any] = {}
         self.last_events: list[Any] = []
+        # This rank's running estimate of its costs, fed by every training run's executor
+        # (runtime/calibration.py); `sim.MeasuredCosts.from_calibration` reads it.
+        self.calibration = Calibration(self.rank)
         if isinstance(plan, (str, os.PathLike)):
             plan = Plan.load(plan)
         if plan is not None and not isinstance(plan, Plan):
@@ -355,7 +359,7 @@ class Pipeline(RunLoop):
 
     def __getattr__(self, name: str) -> Any:
         """ranks='threads': what is the same on every rank (plan, schedule_name, device...)
-        is rank 0's; `last_stats` is by rank, `last_events` every rank's."""
+        is rank 0's; `last_stats` and `calibration` are by rank, `last_events` every rank's."""
         ranks = self.__dict__.get("_ranks")
         if ranks is None or name.startswith("__"):
             raise AttributeError(name)
@@ -363,6 +367,8 @@ class Pipeline(RunLoop):
             return {r: p.last_stats for r, p in enumerate(ranks)}
         if name == "last_events":
             return [e for p in ranks for e in p.last_events]
+        if name == "calibration":
+            return {r: p.calibration for r, p in enumerate(ranks)}
         return getattr(ranks[0], name)
 
     # --- set-up ------------------------------------------------------------------------------

@@ -16,10 +16,24 @@ already put a backward first whenever 1F1B makes one ready (`schedules.common.on
 and the executor walks the same list, so the simulator never reorders; reordering here would
 predict a schedule the runtime does not run.
 
-Costs come from `UnitCosts` (forward 1, backward 1, communication 0 for --unit-cost) or from
+Costs come from `UnitCosts` (forward 1, backward 1, communication 0 for --unit-cost), from
 a Profile + Plan (`ProfileCosts`): stage times are the sums of their blocks' times, a transfer
 moves the activation bytes of the cut, and a ring all-reduce among r replicas takes
-2(r-1)/r * stage parameter bytes / slowest bandwidth + 2(r-1) latencies.
+2(r-1)/r * stage parameter bytes / slowest bandwidth + 2(r-1) latencies; or from what the
+ranks measured while training (`MeasuredCosts.from_calibration`, see
+`pipedream_fast.runtime.calibration`): each action's own time on its rank, the data feed,
+each link's transfer, and the executor's overhead between actions.
+
+A cost model may also say what a rank spends besides the actions' costs: `overhead(rank,
+action)`, the time between the end of the rank's previous action and the start of this one
+(the executor's loop, a step's bookkeeping), and `compute(rank, action)` of a send or a
+receive post, the rank time of issuing it. Both are 0 for `UnitCosts` and `ProfileCosts`, so
+their timelines are the ones described above. With `transfer_after_post` (`MeasuredCosts`)
+links are timed as the runtime's engine runs them: one FIFO per (sender, receiver, tensor,
+receiving stage), and a transfer starts once the message is sent *and* its receive posted
+(the engine receives only into a posted receive; a receive posted late, as interleaved
+schedules do, delays the message), and the rank is busy issuing a send until it is issued
+plus the send's own time.
 """
 
 from __future__ import annotations
@@ -27,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from pipedream_fast.formats import FormatError, Plan, Profile
 from pipedream_fast.ir import Action, ActionKind, Schedule, ScheduleError, validate
@@ -48,6 +62,10 @@ class CostModel(Protocol):
     def transfer(self, action: Action, src: int, dst: int) -> float: ...
 
     def allreduce(self, stage: int, ranks: Sequence[int]) -> float: ...
+
+
+def _no_overhead(rank: int, action: Action) -> float:
+    return 0.0
 
 
 @dataclass(frozen=True)
@@ -161,6 +179,97 @@ class ProfileCosts:
         return volume / slowest * 1e3 + 2 * (r - 1) * self.latency_ms
 
 
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """Costs the ranks measured while training (`runtime.calibration`), in ms per microbatch
+    of the run's size: `action_ms` each action's own time by (rank, kind, stage) (without
+    waits for messages; a forward on the first stage without its data feed), `feed_ms` the
+    feed per microbatch on a rank that reads data, `overhead_ms` the executor's time between
+    two actions of a rank, `transfer_ms` per link (tensor, receiving stage, sender, receiver)
+    from the start of the send (or the receive's post, if later) to the tensor ready at the
+    receiver, `allreduce_ms` per
+    replicated stage what its update waits for the gradients after the group met, and
+    `run_overhead_ms` per rank what a `train()` call costs outside its executor runs (to add
+    to a simulated run: `run_ms`). A transfer starts when its message is sent and its
+    receive posted, whichever is later (`transfer_after_post`, as the runtime's engine)."""
+
+    action_ms: Mapping[tuple[int, str, int | None], float] = field(default_factory=dict)
+    feed_ms: Mapping[int, float] = field(default_factory=dict)
+    overhead_ms: Mapping[int, float] = field(default_factory=dict)
+    transfer_ms: Mapping[tuple[str, int, int, int], float] = field(default_factory=dict)
+    allreduce_ms: Mapping[int, float] = field(default_factory=dict)
+    run_overhead_ms: Mapping[int, float] = field(default_factory=dict)
+    time_unit: str = "ms"
+    transfer_after_post: bool = True  # the simulator times links as the engine runs them
+
+    @classmethod
+    def from_calibration(cls, snapshots: Mapping[int, Any] | Iterable[Any]) -> MeasuredCosts:
+        """From every rank's `CalibrationSnapshot` (a mapping by rank, or an iterable of them):
+        the ranks' own estimates, and the links' transfers paired across them."""
+        from pipedream_fast.runtime.calibration import pair_transfers
+
+        snaps = list(snapshots.values() if isinstance(snapshots, Mapping) else snapshots)
+        action_ms: dict[tuple[int, str, int | None], float] = {}
+        waits: dict[int, list[float]] = {}
+        for snap in snaps:
+            for (kind, stage), est in snap.actions.items():
+                action_ms[(snap.rank, kind, stage)] = est.ms
+            for stage, est in snap.allreduce_wait.items():
+                waits.setdefault(stage, []).append(est.ms)
+        # A replicated stage's ranks meet at its all-reduce; the last to arrive waits only for
+        # the reduction itself, the others also for it: the smallest wait is the reduction's.
+        allreduce = {}
+        for stage, found in waits.items():
+            flush = [ms for (_, kind, s), ms in action_ms.items()
+                     if kind == K.ALLREDUCE.value and s == stage]
+            if flush:  # a stage whose updates follow an all-reduce: replicated
+                allreduce[stage] = min(found) + max(flush)
+        return cls(action_ms=action_ms,
+                   feed_ms={s.rank: s.feed.ms for s in snaps if s.feed is not None},
+                   overhead_ms={s.rank: s.gap.ms for s in snaps if s.gap is not None},
+                   transfer_ms={link: est.ms for link, est in pair_transfers(snaps).items()},
+                   allreduce_ms=allreduce,
+                   run_overhead_ms={s.rank: s.run_overhead.ms for s in snaps
+                                     if s.run_overhead is not None})
+
+    def _own(self, rank: int, kind: ActionKind, stage: int | None) -> float:
+        found = self.action_ms.get((rank, kind.value, stage))
+        if found is not None:
+            return found
+        others = [ms for (_, k, s), ms in self.action_ms.items()
+                  if k == kind.value and s == stage]  # a replica's, where this rank has none
+        return sum(others) / len(others) if others else 0.0
+
+    def compute(self, rank: int, action: Action) -> float:
+        own = self._own(rank, action.kind, action.stage)
+        if action.kind is K.FORWARD and action.stage == 0:
+            own += self.feed_ms.get(rank, 0.0)
+        return own
+
+    def overhead(self, rank: int, action: Action) -> float:
+        return self.overhead_ms.get(rank, 0.0)
+
+    def transfer(self, action: Action, src: int, dst: int) -> float:
+        spec = action.kind.spec
+        tensor = spec.tensor or ""
+        stage = action.stage + (1 if tensor == "act" else -1)
+        found = self.transfer_ms.get((tensor, stage, src, dst))
+        if found is not None:
+            return found
+        alike = [ms for (t, _, _, _), ms in self.transfer_ms.items() if t == tensor]
+        return sum(alike) / len(alike) if alike else 0.0
+
+    def allreduce(self, stage: int, ranks: Sequence[int]) -> float:
+        return self.allreduce_ms.get(stage, 0.0) if len(ranks) > 1 else 0.0
+
+    def run_ms(self, rank: int | None = None) -> float:
+        """What one `train()` call costs outside its executor runs: `rank`'s, or the most of
+        any rank's (every rank starts and ends a run together)."""
+        if rank is not None and rank in self.run_overhead_ms:
+            return self.run_overhead_ms[rank]
+        return max(self.run_overhead_ms.values(), default=0.0)
+
+
 def _measured_per_stage(parts: Sequence[Sequence[Any]], *keys: str) -> tuple[float, ...]:
     """Per stage, the sum of costs every block measured; () if a block lacks one."""
     if not all(key in b.extra for p in parts for b in p for key in keys):
@@ -255,8 +364,22 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimResult:
     records: list[list[ActionRecord]] = [[] for _ in range(n)]
     posted: list[set[tuple]] = [set() for _ in range(n)]
     arrival: dict[tuple, float] = {}
-    link_free: dict[tuple[int, int], float] = {}
+    link_free: dict[tuple, float] = {}
     at_allreduce: dict[int, float] = {}  # rank -> when it reached its current all-reduce
+    overhead = getattr(costs, "overhead", _no_overhead)  # rank time before each action
+    # Measured costs time the engine's links: one FIFO per (sender, receiver, tensor,
+    # receiving stage), a transfer starting once sent and its receive posted (see below).
+    after_post = bool(getattr(costs, "transfer_after_post", False))
+    queued: dict[tuple, list[tuple[tuple, float, float]]] = {}  # link -> (key, sent, time)
+    posted_at: dict[tuple, float] = {}
+
+    def deliver(link: tuple) -> None:
+        """after_post: the link's transfers, in order, whose receive is posted."""
+        waiting = queued.get(link, [])
+        while waiting and waiting[0][0] in posted_at:
+            key, sent, took = waiting.pop(0)
+            begin = max(sent, posted_at[key], link_free.get(link, 0.0))
+            link_free[link] = arrival[key] = begin + took
 
     def emit(rank: int, start: float, ready: float, end: float) -> None:
         records[rank].append(ActionRecord(rank, pc[rank], schedule.actions[rank][pc[rank]],
@@ -265,17 +388,29 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimResult:
         pc[rank] += 1
 
     def step(rank: int) -> bool:
-        a, now = schedule.actions[rank][pc[rank]], clock[rank]
+        a = schedule.actions[rank][pc[rank]]
         timing = a.kind.spec.timing
+        now = clock[rank] + overhead(rank, a)  # when the rank starts this action
         if timing == "post":
-            posted[rank].add(_tensor(rank, a))
-            emit(rank, now, now, now)
+            key = _tensor(rank, a)
+            posted[rank].add(key)
+            end = now + costs.compute(rank, a)
+            if after_post:
+                posted_at[key] = end
+                deliver((a.peer, rank, key[0], key[1]))
+            emit(rank, now, now, end)
         elif timing == "send":
             assert a.peer is not None
-            link = (rank, a.peer)
-            begin = max(now, link_free.get(link, 0.0))
-            link_free[link] = arrival[_tensor(rank, a)] = begin + costs.transfer(a, rank, a.peer)
-            emit(rank, now, now, now)
+            key = _tensor(rank, a)
+            if after_post:
+                link: tuple = (rank, a.peer, key[0], key[1])
+                queued.setdefault(link, []).append((key, now, costs.transfer(a, rank, a.peer)))
+                deliver(link)
+            else:
+                link = (rank, a.peer)
+                begin = max(now, link_free.get(link, 0.0))
+                link_free[link] = arrival[key] = begin + costs.transfer(a, rank, a.peer)
+            emit(rank, now, now, now + costs.compute(rank, a))
         elif timing == "collective":
             at_allreduce.setdefault(rank, now)
             group = schedule.stage_ranks[a.stage]

@@ -99,6 +99,9 @@ def _summary(s: Settings, setups: list[RunSetup], histories: list[Any],
     def per(fn: Callable[[RunSetup, Any, dict[str, Any]], Any]) -> list[Any]:
         return [fn(st, h, f) for st, h, f in zip(setups, histories, finals)]
 
+    calibrated = [calibrated_prediction(st, s, h, results)
+                  for st, h, results in zip(setups, histories, outcomes)]
+
     rows: list[tuple[str, list[Any]]] = [
         ("plan", per(lambda st, h, f: describe_plan(
             st.plan, [b.name for b in st.profile.blocks] if st.profile else None))),
@@ -108,7 +111,9 @@ def _summary(s: Settings, setups: list[RunSetup], histories: list[Any],
         ("trained", per(lambda st, h, f: f"{_plural(f.get('epoch', -1) + 1, 'epoch')}, "
                                          f"{f.get('step', 0)} steps, {h.samples:,} samples")),
         ("samples/s measured", per(lambda st, h, f: h.samples_per_s)),
-        ("samples/s simulated", per(lambda st, h, f: st.simulated_samples_per_s)),
+        ("samples/s simulated, calibrated", [calibrated_text(c) for c in calibrated]),
+        ("samples/s simulated, profile", per(lambda st, h, f: _profile_text(
+            st.simulated_samples_per_s))),
         (_metric_label(s), per(lambda st, h, f: f"{100 * f['accuracy']:.2f}%"
                                if f.get("accuracy") is not None else "-")),
         ("test loss", per(lambda st, h, f: f"{f['loss']:.4f}" if "loss" in f else "-")),
@@ -138,6 +143,86 @@ def _summary(s: Settings, setups: list[RunSetup], histories: list[Any],
     return table
 
 
+def calibrated_prediction(st: RunSetup, s: Settings, h: Any, results: list[dict[str, Any]]
+                          ) -> dict[str, Any] | None:
+    """The simulator's samples/s for the epochs after the calibrating ones, from the speed
+    every rank measured in those (`sim.MeasuredCosts`), next to the rate measured in them;
+    and (`same_window_*`) from the speed measured in those epochs themselves. Each epoch is
+    one `train()` call: a run of its steps through the schedule (fill and drain included)
+    plus the call's own overhead. None when the run had no such epochs."""
+    split = max((r.get("calibration_epochs", 0) for r in results), default=0)
+    snaps: dict[int, Any] = {}
+    rest: dict[int, Any] = {}
+    for r in results:
+        snaps.update(r.get("calibration") or {})
+        rest.update(r.get("calibration_rest") or {})
+    if not split or not snaps or len(h.evals) <= split:
+        return None
+    at, end = h.evals[split - 1], h.evals[-1]
+    samples, seconds = end["samples"] - at["samples"], end["train_s"] - at["train_s"]
+    if samples <= 0 or seconds <= 0:
+        return None
+    counts = [b["step"] - a["step"] for a, b in zip(h.evals[split - 1:], h.evals[split:])]
+    measured = samples / seconds
+    predicted = samples / _epochs_ms(st, s, snaps, counts) * 1e3
+    warm = max((r.get("calibration_warmup", 0) for r in results), default=0)
+    out = {"warmup_epochs": warm, "calibrated_epochs": split - warm,
+           "predicted_epochs": len(counts),
+           "predicted_samples_per_s": predicted, "measured_samples_per_s": measured,
+           "error_pct": (predicted / measured - 1) * 100}
+    if rest:
+        same = samples / _epochs_ms(st, s, rest, counts) * 1e3
+        out.update(same_window_samples_per_s=same,
+                   same_window_error_pct=(same / measured - 1) * 100)
+    from pipedream_fast.runtime.calibration import summary
+    out["costs"] = summary(snaps)
+    return out
+
+
+def _epochs_ms(st: RunSetup, s: Settings, snaps: dict[int, Any], counts: list[int]) -> float:
+    """The simulated time of epochs of `counts` steps, each one `train()` call, with the
+    costs of the ranks' snapshots."""
+    from pipedream_fast.sim import MeasuredCosts, simulate
+    from pipedream_fast.training import build_schedule
+
+    costs = MeasuredCosts.from_calibration(snaps)
+    # The rate is timed where the events come from: the reporting rank's process (the last
+    # stage's first rank), or the caller's thread, which waits for every rank thread.
+    reporter = None if s.threads else st.plan.stages[-1].ranks[0]
+    run_ms: dict[int, float] = {}
+    for count in set(counts):
+        schedule = build_schedule(st.plan, st.schedule, count, st.chunks,
+                                  _schedule_options(s, st.schedule))
+        run_ms[count] = simulate(schedule, costs).makespan + costs.run_ms(reporter)
+    return sum(run_ms[c] for c in counts)
+
+
+def calibrated_text(c: dict[str, Any] | None) -> str:
+    """One summary cell: the prediction, what it covers, and what was measured there."""
+    if c is None:
+        return "- (needs 2 epochs: calibrated on the first, predicting the rest)"
+    warm, count, rest = c["warmup_epochs"], c["calibrated_epochs"], c["predicted_epochs"]
+
+    def epochs(first: int, n: int) -> str:
+        return f"epoch {first}" if n == 1 else f"epochs {first}-{first + n - 1}"
+
+    which, then = epochs(warm + 1, count), epochs(warm + count + 1, rest)
+    text = (f"{c['predicted_samples_per_s']:,.1f} for {then}, from the speed the ranks "
+            f"measured in {which}" + (" (epoch 1 warms up)" if warm else "")
+            + f"; measured in {then}: {c['measured_samples_per_s']:,.1f} "
+            f"({c['error_pct']:+.1f}%)")
+    if "same_window_samples_per_s" in c:
+        text += (f"; from {then}'s own speed: {c['same_window_samples_per_s']:,.1f} "
+                 f"({c['same_window_error_pct']:+.1f}%)")
+    return text
+
+
+def _profile_text(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.1f} (the up-front profile's, which the planner used)"
+
+
 def _changed_knobs(tuning: Tuning) -> str:
     """The knobs set away from their defaults, as their flags: `--queue-depth 2, ...`."""
     default = Tuning()
@@ -163,6 +248,7 @@ def _summary_json(s: Settings, setups: list[RunSetup], histories: list[Any],
             "train_s": h.train_s, "elapsed_s": h.elapsed_s, "first_step_s": h.first_step_s,
             "samples_per_s": h.samples_per_s,
             "simulated_samples_per_s": st.simulated_samples_per_s,
+            "calibrated": calibrated_prediction(st, s, h, results),
             "test_loss": final.get("loss"), "test_accuracy": final.get("accuracy"),
             "time_to_target_s": h.target_reached_s, "target_step": h.target_reached_step,
             "rank_stats": {r["rank"]: r.get("stats", {}) for r in results}})

@@ -11,6 +11,7 @@ and writes the metrics (`run_report`).
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import queue as queue_module
 import signal
@@ -89,15 +90,59 @@ def build(config: dict[str, Any]) -> nn.Module:
     return module
 
 
+# The share of a run's epochs whose measured speed calibrates the simulator; it predicts the
+# epochs after them. With 3 epochs or more the first one only warms up and calibrates nothing
+# (the first messages of each link, the receive pools filling, first calls: a slow start the
+# rest of the run does not pay). A run of one epoch gets no prediction.
+CALIBRATION_SHARE = 0.2
+WHOLE_REST = 1 << 40  # a calibration window no run fills: the mean over all of the rest
+
+
+def calibration_epochs(config: dict[str, Any], per_epoch: int) -> tuple[int, int]:
+    """(warm-up epochs, epochs up to the end of the calibrating ones); (0, 0) when the run
+    has too few epochs to predict any."""
+    epochs, steps = config["epochs"] or None, config["steps"] or None
+    total = per_epoch * epochs if epochs else steps or 0
+    if epochs and steps:
+        total = min(total, steps)
+    rounds = math.ceil(total / per_epoch) if per_epoch else 0
+    if rounds < 2:
+        return 0, 0
+    warm = 1 if rounds >= 3 else 0
+    return warm, warm + max(1, round(rounds * CALIBRATION_SHARE))
+
+
 def train_loop(pipe: Any, train: DataLoader, config: dict[str, Any],
                emit: Callable[[dict[str, Any]], None],
                evaluate: Callable[[], dict[str, float]]) -> dict[str, Any]:
-    """The library's `fit` with this command's settings."""
+    """The library's `fit` with this command's settings. Every rank's calibration here (this
+    process's rank, or every rank thread) is reset after the warm-up epoch and read at the
+    end of the calibrating epochs (`calibration_epochs`): the speed the simulator predicts
+    the rest of the run from (`train_report.calibrated_prediction`). The calibrations then
+    start again, over all of the rest (no window), and are read at the end: the rest's own
+    speed, which tells the cost model's error from the machine's drift."""
+    from pipedream_fast.runtime.calibration import calibrations, snapshots
+
+    warm, split = calibration_epochs(config, len(train))
+    taken: dict[int, Any] = {}
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event.get("event") == "eval" and split:
+            if event.get("epoch") == warm - 1:
+                for calibration in calibrations(pipe):
+                    calibration.reset()
+            if event.get("epoch") == split - 1:
+                taken.update(snapshots(pipe))
+                for calibration in calibrations(pipe):
+                    calibration.reset(window=WHOLE_REST)
+        emit(event)
+
     result = fit(pipe, train, epochs=config["epochs"] or None, steps=config["steps"] or None,
                  evaluate=evaluate, target_accuracy=config["target"],
-                 trace_steps=config["trace_steps"], on_event=emit, name=config["run"],
+                 trace_steps=config["trace_steps"], on_event=on_event, name=config["run"],
                  batch_size=config["batch_size"])
-    return result.to_dict()
+    return {**result.to_dict(), "calibration": taken, "calibration_epochs": split,
+            "calibration_warmup": warm, "calibration_rest": snapshots(pipe) if taken else {}}
 
 
 def _rank_job(rank: int, world: int, config: dict[str, Any], queue: Any) -> dict[str, Any]:

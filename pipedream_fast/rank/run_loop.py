@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from pipedream_fast.launch import Stopped, signal_name
 from pipedream_fast.ir import Schedule
+from pipedream_fast.runtime.calibration import Calibration
 from pipedream_fast.runtime.executor import Executor
 from pipedream_fast.runtime.stage import (StageRuntime)
 from pipedream_fast.runtime.transport import Transport
@@ -31,9 +32,12 @@ from pipedream_fast.rank.state import NonFiniteLoss, _StopAgreed
 class RunLoop(DataAgreement):
     """Runs of the schedule on this rank (see the module's docstring)."""
 
+    calibration: Calibration  # made by Pipeline: the rank's running estimate of its costs
+
     def _train_rank(self, loader: Iterable[Any] | None, steps: int | None,
                     epochs: int | None) -> Iterator[torch.Tensor | None]:
         """`Pipeline.train` on this rank (see there)."""
+        self.calibration.begin_train()  # what the call costs outside its runs, from here
         steps, chunks, spec, batches = self._open_data(loader, steps, epochs)
         assert self.plan is not None
         done = 0
@@ -51,6 +55,7 @@ class RunLoop(DataAgreement):
                         self._stop(vote.signum)
                     if self.checkpoint_every and self._step % self.checkpoint_every == 0:
                         self._save_periodic()
+            self.calibration.end_train()
         finally:
             if self._reading is not None:  # where the next run (or a checkpoint) goes on
                 (source, began), self._reading = self._reading, None
@@ -86,8 +91,11 @@ class RunLoop(DataAgreement):
         if batches is not None:
             feed = MicrobatchFeed(batches, chunks, feed_uses(schedule, [self.rank]))
             inputs = data_source(feed, schedule, self.rank, self._flatten, self.device)
+            if inputs is not None:  # its time is the feed's, not the first forward's
+                inputs = self.calibration.timed_feed(inputs)
         executor = Executor(schedule, self.rank, runtimes, self._transport, inputs,
-                            target_spec=spec, trace=self._trace, update_sync=self._sync)
+                            target_spec=spec, trace=self._trace, update_sync=self._sync,
+                            calibration=self.calibration)
         self._executor = executor
         tracker = StepTracker(schedule, self.rank, chunks)
         for runtime in runtimes.values():

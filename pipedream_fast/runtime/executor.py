@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -31,6 +31,9 @@ from pipedream_fast.runtime.buckets import GradientBuckets
 from pipedream_fast.runtime.stage import StageRuntime
 from pipedream_fast.runtime.transport import ACTIVATION, GRADIENT, PendingReduce, Transport
 from pipedream_fast.trace import TraceEvent
+
+if TYPE_CHECKING:
+    from pipedream_fast.runtime.calibration import Calibration
 
 K = ActionKind
 
@@ -77,11 +80,12 @@ class Executor:
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, StageRuntime],
                  transport: Transport, inputs: InputSource | None = None,
                  target_spec: pytree.TreeSpec | None = None, trace: bool = False,
-                 outputs: OutputSink | None = None, update_sync: UpdateSync | None = None
-                 ) -> None:
+                 outputs: OutputSink | None = None, update_sync: UpdateSync | None = None,
+                 calibration: Calibration | None = None) -> None:
         """`target_spec`: the structure of a microbatch's target (every rank must know it to
         split it off the activations). `outputs` given: evaluation, forwards only, in eval
-        mode, each last-stage output handed to it. `update_sync`: called before updates."""
+        mode, each last-stage output handed to it. `update_sync`: called before updates.
+        `calibration`: the rank's running estimate of its costs, handed every action."""
         self.schedule = schedule
         self.rank = rank
         self.stages = stages
@@ -92,6 +96,7 @@ class Executor:
         self.sink = outputs
         self.update_sync = update_sync
         self.stats = ExecutorStats()
+        self.calibration = calibration
         # The action in progress (its index, itself, since when): what a stuck rank was doing.
         self.current: tuple[int, Action, float] | None = None
         self._carried: dict[tuple[int, int], Any] = {}  # (stage, mb) -> target to pass on
@@ -320,6 +325,8 @@ class Executor:
         start = time.perf_counter()
         handlers = self._handlers()
         index = 0
+        if self.calibration is not None:
+            self.calibration.begin_run()
         while (action := self._program.pop()) is not None:
             t0, waited = time.perf_counter(), self.stats.wait_s
             self.current = (index, action, t0)
@@ -341,6 +348,8 @@ class Executor:
                     duration_ms=(t1 - t0) * 1e3, stage=action.stage,
                     microbatch=action.microbatch, version=action.version,
                     args={"token": action.to_text(), "waited_ms": waited * 1e3}))
+            if self.calibration is not None:
+                self.calibration.record(action, t0, t1, waited)
             self.current = None
             yield index, action, result
             index += 1
