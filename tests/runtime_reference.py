@@ -191,6 +191,25 @@ def interpret_schedule(schedule: Schedule, stage_modules: Sequence[nn.Module],
     return finals
 
 
+def interpret_sequential(model: nn.Sequential, blocks: Sequence[tuple[int, int]],
+                         schedule: Schedule,
+                         microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                         loss_fn: Callable, make_optimizer: Callable,
+                         staleness: str | None = None) -> dict[str, torch.Tensor]:
+    """`interpret_schedule` on an `nn.Sequential` cut into stages of children [a, b) (one per
+    stage, in order); returns the final weights under the whole model's keys."""
+    children = list(model.children())
+    modules = [nn.Sequential(*children[a:b]) for a, b in blocks]
+    finals = interpret_schedule(schedule, modules, microbatches, loss_fn, make_optimizer,
+                                staleness)
+    full = {}
+    for (start, _), weights in zip(blocks, finals):
+        for key, value in weights.items():
+            index, rest = key.split(".", 1)
+            full[f"{start + int(index)}.{rest}"] = value
+    return full
+
+
 def train_reference_with(model: nn.Module, batches: Any, chunks: int, loss_fn: Callable,
                          make_optimizer: Callable, *, autocast_dtype: torch.dtype | None = None,
                          clip_grad_norm: float | None = None,

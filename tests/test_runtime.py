@@ -19,7 +19,7 @@ from pipedream_fast.launch import LaunchError, launch
 from pipedream_fast.pipeline import Pipeline
 from pipedream_fast.schedules import make_schedule
 from pipedream_fast.training import target_spec
-from runtime_reference import interpret_schedule, train_reference
+from runtime_reference import interpret_sequential, train_reference
 
 STEPS, CHUNKS, BATCH = 3, 4, 8
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream", "pipedream-vsync", "2bw")
@@ -95,24 +95,14 @@ def train_job(rank: int, world: int, runs: list[tuple[str, str, str]]) -> dict:
     return out
 
 
-def stage_modules(layout: str) -> list[nn.Module]:
-    children = list(model_for(layout).children())
-    return [nn.Sequential(*children[a:b]) for (a, b), _ in LAYOUTS[layout]]
-
-
 def reference_async(layout: str, schedule: str, opt: str) -> dict[str, torch.Tensor]:
     plan = plan_for(layout)
     sched = make_schedule(schedule, len(plan.stages), STEPS * CHUNKS,
                           stage_ranks=[list(s.ranks) for s in plan.stages],
                           **({"chunks": CHUNKS} if schedule == "2bw" else {}))
     mbs = [(x, y) for bx, by in batches() for x, y in zip(bx.chunk(CHUNKS), by.chunk(CHUNKS))]
-    finals = interpret_schedule(sched, stage_modules(layout), mbs, loss_fn, optimizer(opt))
-    full = {}
-    for ((start, _), _), weights in zip(LAYOUTS[layout], finals):
-        for key, value in weights.items():
-            index, rest = key.split(".", 1)
-            full[f"{start + int(index)}.{rest}"] = value
-    return full
+    return interpret_sequential(model_for(layout), [blocks for blocks, _ in LAYOUTS[layout]],
+                                sched, mbs, loss_fn, optimizer(opt))
 
 
 def assert_same_state(got: dict, want: dict) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from pipedream_fast.formats import Plan, StagePlan
 from pipedream_fast.launch import launch
@@ -16,7 +15,7 @@ from pipedream_fast.pipeline import Pipeline
 from pipedream_fast.runtime.staleness_correction import (CORRECTIONS, StalenessCorrection,
                                                          lookahead)
 from pipedream_fast.schedules import make_schedule
-from runtime_reference import interpret_schedule
+from runtime_reference import interpret_sequential
 from test_runtime import assert_same_state, batches, deep_cnn, loss_fn
 from test_runtime import optimizer as runtime_optimizer
 
@@ -48,17 +47,10 @@ def reference(layout: str, schedule: str, opt: str, staleness: str | None,
     sched = make_schedule(schedule, len(plan.stages), steps * CHUNKS,
                           stage_ranks=[list(s.ranks) for s in plan.stages],
                           **({"chunks": CHUNKS} if schedule == "2bw" else {}))
-    children = list(deep_cnn().children())
-    modules = [nn.Sequential(*children[a:b]) for (a, b), _ in LAYOUTS[layout]]
     mbs = [(x, y) for bx, by in batches(steps)
            for x, y in zip(bx.chunk(CHUNKS), by.chunk(CHUNKS))]
-    finals = interpret_schedule(sched, modules, mbs, loss_fn, optimizer(opt), staleness)
-    full = {}
-    for ((start, _), _), weights in zip(LAYOUTS[layout], finals):
-        for key, value in weights.items():
-            index, rest = key.split(".", 1)
-            full[f"{start + int(index)}.{rest}"] = value
-    return full
+    return interpret_sequential(deep_cnn(), [blocks for blocks, _ in LAYOUTS[layout]], sched,
+                                mbs, loss_fn, optimizer(opt), staleness)
 
 
 def distance(a: dict, b: dict) -> float:
