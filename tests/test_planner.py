@@ -32,8 +32,8 @@ UNIT = 10**5  # bytes: makes transfers (ms at 1-25 GB/s) comparable to the compu
 # ---- instances -------------------------------------------------------------------------------
 
 @st.composite
-def profiles(draw: st.DrawFn, max_blocks: int = 5) -> Profile:
-    n = draw(st.integers(1, max_blocks))
+def profiles(draw: st.DrawFn, max_blocks: int = 5, min_blocks: int = 1) -> Profile:
+    n = draw(st.integers(min_blocks, max_blocks))
     ms = st.integers(0, 12).map(float)  # small integers: ties happen, and must be handled
     blocks = [BlockProfile(name=f"b{k}", forward_ms=draw(ms), backward_ms=draw(ms),
                            activation_bytes=draw(st.integers(0, 300)) * UNIT,

@@ -29,22 +29,14 @@ from pipedream_fast.planner.choose import choose_schedule, predict
 from pipedream_fast.planner.costs import Costs, MemoryModel
 from pipedream_fast.planner.hetero import HeteroDP
 from pipedream_fast.topology import Level, Topology
+from test_planner import profiles
 
 UNIT = 10**5  # bytes: transfers of ms at 1-25 GB/s, comparable to the compute times drawn
 
 
-@st.composite
-def profiles(draw: st.DrawFn) -> Profile:
-    n = draw(st.integers(4, 7))
-    ms = st.integers(0, 12).map(float)
-    blocks = [BlockProfile(name=f"b{k}", forward_ms=draw(ms), backward_ms=draw(ms),
-                           activation_bytes=draw(st.integers(0, 300)) * UNIT,
-                           parameter_bytes=draw(st.integers(0, 300)) * UNIT,
-                           optimizer_state_bytes=draw(st.integers(0, 300)) * UNIT,
-                           extra={"saved_bytes": draw(st.integers(0, 300)) * UNIT})
-              for k in range(n)]
-    device = draw(st.sampled_from(["cpu", "cuda"]))
-    return Profile(model="random", batch_size=4, device=device, blocks=blocks)
+def hetero_profiles() -> st.SearchStrategy[Profile]:
+    """Random profiles of 4 to 7 blocks (`test_planner.profiles`)."""
+    return profiles(min_blocks=4, max_blocks=7)
 
 
 @st.composite
@@ -140,7 +132,7 @@ def check_returned_plans(solver: HeteroDP, profile: Profile, topology: Topology,
 
 
 @settings(max_examples=300, deadline=None)
-@given(profiles(), topologies(), st.sampled_from(["pipedream", "1f1b"]), st.booleans())
+@given(hetero_profiles(), topologies(), st.sampled_from(["pipedream", "1f1b"]), st.booleans())
 def test_hetero_dp_equals_exhaustive_search(profile: Profile, topology: Topology, schedule: str,
                                            straight: bool) -> None:
     expected = brute_force(profile, topology, schedule, straight)
