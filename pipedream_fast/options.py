@@ -24,6 +24,11 @@ from typing import Any
 from pipedream_fast.runtime.stage import AUTOCAST_DTYPES
 from pipedream_fast.schedules import TRAINABLE, declared_options, kind
 
+# The schedules whose stages `adapt` may move: straight or replicated pipelines of one stage
+# per rank group (interleaved ones place stages by a rule, localsgd keeps weight copies per
+# stage, data-parallel has nothing to move).
+ADAPTABLE = ("gpipe", "1f1b", "zb-h1", "pipedream", "pipedream-vsync", "2bw")
+
 
 class OptionError(ValueError):
     """A Pipeline option with a bad value; `option` is its name."""
@@ -78,6 +83,16 @@ class PipelineOptions:
     workers: int | None = _option(None, "rank threads (ranks='threads'; default: the plan's)")
     schedule_options: Mapping[str, Any] = _option(
         {}, "options the schedule declares (localsgd's local_steps, model_replicas)")
+    adapt: bool = _option(False, "re-plan from each rank's measured speed every adapt_every "
+                                 "steps and move blocks between ranks when it pays off",
+                          flag=True)
+    adapt_every: int = _option(50, "steps between the re-planning checks of adapt", flag=True,
+                               metavar="STEPS")
+    adapt_threshold: float = _option(0.1, "adapt moves only for at least this predicted "
+                                          "fraction of a step saved", flag=True,
+                                     metavar="FRACTION")
+    adapt_payback: int = _option(200, "adapt moves only if the time saved pays for the move "
+                                      "within this many steps", flag=True, metavar="STEPS")
 
     def __post_init__(self) -> None:
         checks = [
@@ -101,10 +116,18 @@ class PipelineOptions:
              "ranks must be 'processes' (one per process: torchrun, `pipedream-fast run`) or "
              "'threads' (every rank a thread of this process)"),
             ("workers", self.workers is None or self.workers >= 1, "workers must be >= 1"),
+            ("adapt_every", self.adapt_every >= 1, "adapt_every must be >= 1 steps"),
+            ("adapt_threshold", 0 <= self.adapt_threshold < 1,
+             "adapt_threshold must be a fraction in [0, 1)"),
+            ("adapt_payback", self.adapt_payback >= 1, "adapt_payback must be >= 1 steps"),
         ]
         for name, ok, message in checks:
             if not ok:
                 raise OptionError(name, f"{message}, got {getattr(self, name)!r}")
+        if self.adapt and self.schedule not in (*ADAPTABLE, "auto"):
+            raise OptionError("adapt", f"adapt=True moves the blocks of a pipeline of "
+                                       f"{listing(ADAPTABLE)}; it cannot re-plan schedule "
+                                       f"{self.schedule!r}")
         if (self.checkpoint_dir is None) != (self.checkpoint_every is None):
             raise OptionError("checkpoint_every", "give checkpoint_dir and checkpoint_every "
                                                   "together (save every N steps into "
@@ -199,6 +222,10 @@ def add_flags(parser: argparse._ActionsContainer) -> None:
     declares (its help says which schedules take it)."""
     for f in dataclasses.fields(PipelineOptions):
         if not f.metadata.get("flag"):
+            continue
+        if str(f.type) == "bool":
+            parser.add_argument(flag_name(f.name), dest=f.name, action="store_true",
+                                help=f.metadata["help"])
             continue
         kind_of = {"float | None": float, "float": float, "int": int, "int | None": int}
         parser.add_argument(flag_name(f.name), dest=f.name, default=f.default,

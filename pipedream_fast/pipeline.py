@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from pipedream_fast import checkpoint as ckpt
-from pipedream_fast.formats import Plan
+from pipedream_fast.formats import Plan, Profile
 from pipedream_fast.runtime.calibration import Calibration
 from pipedream_fast.runtime.executor import Executor
 from pipedream_fast.runtime.stage import (OptimizerFactory, SchedulerFactory,
@@ -53,7 +53,7 @@ from pipedream_fast.training import (GLOBAL_STATE, EpochBatches, MicrobatchFeed,
                                      to_device)
 from pipedream_fast.tuning import Tuning
 from pipedream_fast.options import OptionError, PipelineOptions
-from pipedream_fast.rank.run_loop import RunLoop
+from pipedream_fast.rank.moving import Moving
 from pipedream_fast.rank.state import NonFiniteLoss
 from pipedream_fast.rank_threads import RankThreads
 from pipedream_fast.world import Group, ProcessWorld, ThreadWorld, World
@@ -111,7 +111,7 @@ def _first_given(results: list[Any]) -> Any:
     return next((r for r in results if r is not None), None)
 
 
-class Pipeline(RunLoop):
+class Pipeline(Moving):
     """Pipeline-parallel training of `model` on the ranks of the default process group.
 
     Steps and updates: a *step* is one minibatch of the loader, split into `chunks`
@@ -178,6 +178,7 @@ class Pipeline(RunLoop):
                  chunks: int | None = None, *, scheduler: SchedulerFactory | None = None,
                  example_inputs: Any = None, leaf_modules: Sequence[Any] = (),
                  tuning: Tuning | None = None, options: PipelineOptions | None = None,
+                 profile: None | str | os.PathLike[str] | Profile = None,
                  _world: World | None = None, **values: Any) -> None:
         """`values`: the options of `PipelineOptions` by name (`clip_grad_norm=1.0`,
         `ranks="threads"`, `workers=2`...) and those the schedule declares
@@ -199,18 +200,26 @@ class Pipeline(RunLoop):
         if plan is not None and (opts.balance is not None or opts.split_points is not None):
             raise ValueError(f"give one of plan, stages, balance and split_points, got plan "
                              f"and {'balance' if opts.balance is not None else 'split_points'}")
+        if opts.adapt and profile is None and (plan is not None or opts.balance is not None
+                                               or opts.split_points is not None):
+            raise OptionError("adapt", "adapt=True re-plans from the model's per-block profile: "
+                                       "pass profile= (the profile the plan was made from), or "
+                                       "let the Pipeline plan (leave out plan, balance and "
+                                       "split_points, or give stages=N)")
         if opts.ranks == "threads" and _world is None:
             self._start_threads(model, plan, dict(scheduler=scheduler,
                                                   example_inputs=example_inputs,
                                                   leaf_modules=leaf_modules, tuning=tuning,
-                                                  loss_fn=loss_fn, optimizer=optimizer))
+                                                  loss_fn=loss_fn, optimizer=optimizer,
+                                                  profile=profile))
             return
         self._world: World = _world if _world is not None else ProcessWorld(opts.timeout)
         # A factory: every rank builds the model on the meta device and materialises only its
         # own stages (`_setup`). Where the planner cuts it, rank 0 profiles it, which needs
         # real weights: rank 0 builds it for real, and puts it back on meta once it is cut.
         self._factory_built = False
-        if not isinstance(model, nn.Module) and callable(model):
+        self._built_on_meta = not isinstance(model, nn.Module) and callable(model)
+        if self._built_on_meta:
             self._factory_built = (self._world.rank == 0 and self._world.size > 1
                                    and plan is None and opts.balance is None
                                    and opts.split_points is None)
@@ -294,6 +303,15 @@ class Pipeline(RunLoop):
         # This rank's running estimate of its costs, fed by every training run's executor
         # (runtime/calibration.py); `sim.MeasuredCosts.from_calibration` reads it.
         self.calibration = Calibration(self.rank)
+        # Moving stages (`move`, `adapt`): rank 0's per-block profile to re-plan from (given,
+        # or kept from planning), every move made and every re-planning check (see
+        # `rank/moving.py`), and why this rank cannot go on if a move failed half-way.
+        if isinstance(profile, (str, os.PathLike)):
+            profile = Profile.load(profile)
+        self._profile = profile if self.rank == 0 else None
+        self.moves: list[dict[str, Any]] = []
+        self.adapt_checks: list[dict[str, Any]] = []
+        self._broken: str | None = None
         if isinstance(plan, (str, os.PathLike)):
             plan = Plan.load(plan)
         if plan is not None and not isinstance(plan, Plan):
@@ -557,6 +575,17 @@ class Pipeline(RunLoop):
         holding anything but a checkpoint, is refused on every rank (a save never deletes
         other files). Collective."""
         self._save_rank(path)
+
+    @_on_every_rank(_rank_0)
+    def move(self, plan: Plan) -> dict[str, Any]:
+        """Moves the stages to `plan` between two `train` calls, without a restart: each
+        stage's weights, optimizer, scheduler and staleness-correction state go to the ranks
+        that hold its blocks under `plan` (same worker count and schedule; the first stage
+        keeps its ranks, which read the loader). A synchronous schedule then trains exactly
+        as it would have without the move. Returns the move's record (also appended to
+        `moves`). `adapt=True` does this by itself when the measured speeds call for it; see
+        `pipedream_fast.rank.moving` for the protocol. Collective."""
+        return self._move_rank(plan, "requested")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: nn.Module | Callable[[], nn.Module],

@@ -126,6 +126,8 @@ class Cutting(Checkpointing):
         args = self._chain.flatten_inputs(example_inputs)
         profile = profile_model(self._model, args, batch_size=batch_size(example_inputs),
                                 progress=False, chain=self._chain)
+        if self._profile is None:  # what `adapt` re-plans from
+            self._profile = profile
         topology = Topology.parse(f"{self.world_size}x1e9")
         if self._stages_wanted is not None:
             if self._stages_wanted != self.world_size:

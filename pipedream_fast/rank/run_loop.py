@@ -7,6 +7,7 @@ at the same step on every rank, and leaving a run early (`_abandon`). Forward-on
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,9 @@ class RunLoop(DataAgreement):
     def _train_rank(self, loader: Iterable[Any] | None, steps: int | None,
                     epochs: int | None) -> Iterator[torch.Tensor | None]:
         """`Pipeline.train` on this rank (see there)."""
+        if self._broken is not None:
+            raise RuntimeError(f"this Pipeline cannot train any more: {self._broken}; load the "
+                               f"last checkpoint (Pipeline.load) to go on")
         self.calibration.begin_train()  # what the call costs outside its runs, from here
         steps, chunks, spec, batches = self._open_data(loader, steps, epochs)
         assert self.plan is not None
@@ -48,13 +52,19 @@ class RunLoop(DataAgreement):
                     run = steps - done
                     if self.checkpoint_every:
                         run = min(run, self.checkpoint_every - self._step % self.checkpoint_every)
+                    if self.options.adapt:  # runs end where the re-planning checks are
+                        every = self.options.adapt_every
+                        run = min(run, every - self._step % every)
                     vote = StopVote(self._control, self.world_size, len(self.plan.stages) + 1,
                                     self._agree)
-                    done += yield from self._run(run, chunks, spec, batches, request, vote)
+                    began = time.perf_counter()
+                    trained = yield from self._run(run, chunks, spec, batches, request, vote)
+                    done += trained
                     if vote.signum:
                         self._stop(vote.signum)
                     if self.checkpoint_every and self._step % self.checkpoint_every == 0:
                         self._save_periodic()
+                    self._after_run(trained, time.perf_counter() - began, chunks)
             self.calibration.end_train()
         finally:
             if self._reading is not None:  # where the next run (or a checkpoint) goes on
@@ -63,6 +73,10 @@ class RunLoop(DataAgreement):
                 self._epoch, self._epoch_batches = source.position(consumed)
                 self._last_loader = loader
                 self._live = source if source.read == consumed and self._epoch_batches else None
+
+    def _after_run(self, steps: int, seconds: float, chunks: int) -> None:
+        """Called between the runs of a `train` call, every rank at the same step, with the
+        pipeline drained (`Moving` re-plans there)."""
 
     def _stop(self, signum: int) -> None:
         """Every rank agreed to stop here on `signum`: save if configured, raise `Stopped`."""

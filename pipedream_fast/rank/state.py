@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 
-from pipedream_fast.formats import Plan
+from pipedream_fast.formats import Plan, Profile
 from pipedream_fast.runtime.executor import Executor
 from pipedream_fast.runtime.stage import (OptimizerFactory, SchedulerFactory, StageRuntime)
 from pipedream_fast.runtime.transport import Transport
@@ -100,6 +100,8 @@ class RankState:
     _live: EpochBatches | None
     _reading: tuple[EpochBatches, int] | None
     _agreed_batch: int
+    _profile: Profile | None  # rank 0's per-block profile (adapt re-plans from it)
+    _broken: str | None  # why this rank cannot train any more (a move failed half-way)
 
     def _require_setup(self, what: str) -> None:
         if self.plan is None:

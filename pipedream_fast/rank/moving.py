@@ -1,0 +1,323 @@
+"""Moving stages between ranks in a running pipeline: `Pipeline.move(plan)`, and `adapt`,
+which re-plans from the ranks' measured speed and moves when it pays off.
+
+The move protocol (every rank runs it, between two runs of the schedule, where the pipeline
+is drained: no microbatch in flight, no stashed weight version needed, every update applied):
+
+1. **Who decides.** `move(plan)`: the caller, on every rank. `adapt`: every `adapt_every`
+   steps rank 0 gathers the ranks' calibration snapshots (`runtime/calibration.py`),
+   re-plans with the measured speeds (`planner/replan.py`: the heterogeneous DP, a move only
+   when the predicted gain is over `adapt_threshold` and pays back the last move's time
+   within `adapt_payback` steps) and broadcasts its decision; the others follow it.
+2. **What is drained.** Nothing more than at any run boundary: a synchronous schedule's run
+   ends at a flush, an asynchronous one's finishes its in-flight microbatches (the same
+   drain as a `break` between two `train` calls), so the weights on each stage are the
+   weights every later microbatch will read.
+3. **What travels.** Each stage's first rank gathers its stage's state by the whole model's
+   keys: weights and buffers, each parameter's optimizer state, the hyperparameters of its
+   optimizer's groups, its scheduler's state, its staleness correction's velocity. The ranks
+   exchange those over the control group (one `all_gather_object`); each rank keeps what its
+   stages under the new plan hold.
+4. **Rebuild.** Each rank drops its stage runtimes, optimizers, schedulers and links, cuts
+   its new stages out of the model (`Cutting._setup`: collective, new links and tied-weight
+   groups), and copies the gathered state in: a parameter's optimizer state follows the
+   parameter, a new stage takes its groups' hyperparameters, scheduler and step count from
+   the old stage that held its first block. Blocks a rank no longer holds go back to the meta
+   device where the model was built there (a model factory), freeing their memory.
+5. The calibration starts over (its figures were per stage), and training goes on.
+
+Failure: every exchange is a collective with the Pipeline's timeout, so a rank that dies or
+hangs mid-move fails every other rank with an error naming the move; no checkpoint file is
+touched by a move, so the last one saved stays intact. A rank that failed mid-move holds a
+half-built pipeline, so the Pipeline refuses to train again (`load` the last checkpoint).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipedream_fast import checkpoint as ckpt
+from pipedream_fast.formats import FormatError, Plan
+from pipedream_fast.options import ADAPTABLE
+from pipedream_fast.rank.run_loop import RunLoop
+from pipedream_fast.training import named_state
+
+# A move's time, before one was measured: what the payback test charges the first move
+# (a model of megabytes moves in well under this on one machine).
+FIRST_MOVE_SECONDS = 1.0
+
+
+def plan_layout(plan: Plan) -> list[list[Any]]:
+    """A plan's stages as [start, stop, [ranks]], for records and messages."""
+    return [[s.start, s.stop, list(s.ranks)] for s in plan.stages]
+
+
+class Moving(RunLoop):
+    """Moving this rank's stages to a new plan (see the module's docstring)."""
+
+    _built_on_meta: bool  # the model was built from a factory on the meta device
+    moves: list[dict[str, Any]]
+    adapt_checks: list[dict[str, Any]]
+    _adapt_chunks: int
+    _microbatch_samples: int
+
+    # --- the move ------------------------------------------------------------------------------
+    def _move_rank(self, plan: Plan, reason: str) -> dict[str, Any]:
+        """Moves this rank's stages to `plan` (see the module's docstring). Collective."""
+        self._require_setup("move()")
+        assert self.plan is not None
+        self._check_movable(plan)
+        old = self.plan
+        began = time.perf_counter()
+        self._broken = (f"a move of the stages from {plan_layout(old)} to {plan_layout(plan)} "
+                        f"failed half-way on rank {self.rank}")
+        mine = [self._stage_state(index) for index in self.stage_indices
+                if old.stages[index].ranks[0] == self.rank]
+        gathered: list[Any] = []
+        self._agree(lambda: gathered.extend(self._control.all_gather_object(mine)),
+                    "moving the stages to the new plan")
+        states = [state for part in gathered for state in part]
+        moved_bytes = sum(state["bytes"] for state in states
+                          if self._owner(plan, state["start"]) != self._owner(old,
+                                                                            state["start"]))
+        self._release(old, plan)
+        self._setup(plan)  # collective: new stages, optimizers, links and tied-weight groups
+        self._put_state(states)
+        self.calibration.reset()
+        self._broken = None
+        ended = time.perf_counter()
+        record = {"step": self._step, "seconds": ended - began, "started": began,
+                  "ended": ended, "from": plan_layout(old), "to": plan_layout(plan),
+                  "reason": reason, "bytes": moved_bytes}
+        self.moves.append(record)
+        return record
+
+    def _check_movable(self, plan: Plan) -> None:
+        assert self.plan is not None
+        if not isinstance(plan, Plan):
+            raise TypeError(f"move() takes a Plan, got {type(plan).__name__}")
+        if self.schedule_name not in ADAPTABLE:
+            raise ValueError(f"moving stages needs a pipeline of {', '.join(ADAPTABLE)}; "
+                             f"{self.schedule_name!r} cannot be re-planned")
+        if plan.workers != self.world_size:
+            raise FormatError(f"the new plan is for {plan.workers} workers but this job has "
+                              f"{self.world_size} ranks")
+        if plan.stages[0].ranks != self.plan.stages[0].ranks:
+            raise ValueError(f"the new plan puts the first stage on ranks "
+                             f"{list(plan.stages[0].ranks)}, but ranks "
+                             f"{list(self.plan.stages[0].ranks)} read the loader: a move keeps "
+                             f"the first stage's ranks")
+        if self._runtimes and any(r.copies and len(r.copies) > 1
+                                  for r in self._runtimes.values()):
+            raise ValueError("a localsgd pipeline keeps weight copies per stage; it cannot move")
+
+    @staticmethod
+    def _owner(plan: Plan, block: int) -> int:
+        """The first rank of the stage holding `block`."""
+        return next(s.ranks[0] for s in plan.stages if s.start <= block < s.stop)
+
+    def _key(self, tensor: torch.Tensor) -> str:
+        keys = self._names.get(id(tensor), ())
+        if not keys:
+            raise ValueError("a parameter of a stage has no key in the model's state_dict(), "
+                             "so it cannot move between ranks")
+        return keys[0]
+
+    def _stage_state(self, index: int) -> dict[str, Any]:
+        """What stage `index` hands to the new plan, by the whole model's keys (copies)."""
+        assert self.plan is not None
+        module = self._modules[index]
+        weights = named_state([module], self._names)
+        optimizer, scheduler = self._optimizers.get(index), self._schedulers.get(index)
+        per_param: dict[str, dict[str, Any]] = {}
+        groups: list[dict[str, Any]] = []
+        if optimizer is not None:
+            saved = optimizer.state_dict()
+            order = [p for group in optimizer.param_groups for p in group["params"]]
+            for number, param in enumerate(order):
+                if number in saved["state"]:
+                    per_param[self._key(param)] = {
+                        k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                        for k, v in saved["state"][number].items()}
+            groups = [{k: v for k, v in g.items() if k != "params"}
+                      for g in saved["param_groups"]]
+        correction = self._correction_state(index)
+        velocity = None
+        if correction is not None and correction.get("velocity") is not None:
+            runtime = self._runtimes.get(index)
+            names = runtime.param_names if runtime is not None else [
+                n for n, _ in module.named_parameters()]
+            params = dict(module.named_parameters())
+            velocity = {self._key(params[n]): v for n, v in zip(names, correction["velocity"])}
+        stage = self.plan.stages[index]
+        size = sum(t.numel() * t.element_size() for t in weights.values()) + sum(
+            v.numel() * v.element_size() for s in per_param.values() for v in s.values()
+            if isinstance(v, torch.Tensor))
+        return {"stage": index, "start": stage.start, "stop": stage.stop, "weights": weights,
+                "optimizer": per_param, "groups": groups,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "correction": None if correction is None else {
+                    **{k: v for k, v in correction.items() if k != "velocity"},
+                    "velocity": velocity},
+                "bytes": size}
+
+    def _release(self, old: Plan, new: Plan) -> None:
+        """Drops this rank's stage objects; the tensors of blocks it no longer holds go back
+        to meta where the model was built there."""
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        for transport in self._inference_transports.values():
+            transport.close()
+        self._inference_transports.clear()
+        self._modules.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._runtimes.clear()
+        self._saved_staleness.clear()
+        self._sync = None
+        kept_blocks = {b for i in new.stages_of_rank(self.rank)
+                       for b in range(new.stages[i].start, new.stages[i].stop)}
+        dropped = {b for i in self.stage_indices
+                   for b in range(old.stages[i].start, old.stages[i].stop)} - kept_blocks
+        if self._built_on_meta and dropped:
+            assert self._chain is not None
+            keep = {id(t) for b in kept_blocks for t in _tensors(self._chain.blocks[b].module)}
+            gone = {id(t): t for b in sorted(dropped)
+                    for t in _tensors(self._chain.blocks[b].module)
+                    if id(t) not in keep and not t.is_meta}
+            gc.collect()  # the optimizers and schedulers just dropped hold them in cycles
+            with torch.no_grad():
+                for t in gone.values():
+                    t.grad = None
+                    meta = torch.empty_like(t, device="meta")
+                    try:
+                        torch.utils.swap_tensors(t, nn.Parameter(meta, t.requires_grad)
+                                                 if isinstance(t, nn.Parameter) else meta)
+                    except RuntimeError:  # still referenced somewhere: kept, not freed
+                        pass
+
+    def _put_state(self, states: list[dict[str, Any]]) -> None:
+        """Copies the gathered state into this rank's new stages (see the docstring)."""
+        assert self.plan is not None
+        weights: dict[str, torch.Tensor] = {}
+        per_param: dict[str, dict[str, Any]] = {}
+        velocity: dict[str, torch.Tensor] = {}
+        for state in states:
+            weights.update(state["weights"])
+            per_param.update(state["optimizer"])
+            if state["correction"] is not None and state["correction"]["velocity"]:
+                velocity.update(state["correction"]["velocity"])
+        for index in self.stage_indices:
+            stage = self.plan.stages[index]
+            module = self._modules[index]
+            ckpt.restore(module, self._names, weights, "the stages moved here", exact=False)
+            # the old stage that held the first block (with weights) gives the stage-wide state
+            source = _source_of(states, stage.start, stage.stop)
+            optimizer = self._optimizers.get(index)
+            if optimizer is not None:
+                saved = optimizer.state_dict()
+                order = [p for group in optimizer.param_groups for p in group["params"]]
+                for number, param in enumerate(order):
+                    key = self._key(param)
+                    if key in per_param:
+                        saved["state"][number] = per_param[key]
+                if source is not None and len(source["groups"]) == len(saved["param_groups"]):
+                    for group, hyper in zip(saved["param_groups"], source["groups"]):
+                        group.update({k: v for k, v in hyper.items() if k != "params"})
+                optimizer.load_state_dict(saved)
+            scheduler = self._schedulers.get(index)
+            if scheduler is not None and source is not None and source["scheduler"]:
+                scheduler.load_state_dict(source["scheduler"])
+            if source is not None and source["correction"] is not None:
+                params = list(module.named_parameters())
+                vector = [velocity.get(self._key(p)) for _, p in params]
+                correction = dict(source["correction"])
+                correction["velocity"] = (None if any(v is None for v in vector)
+                                          else vector)
+                self._saved_staleness[index] = correction  # put into the stage's runtime
+
+    # --- adapt ---------------------------------------------------------------------------------
+    def _after_run(self, steps: int, seconds: float, chunks: int) -> None:
+        """After a run of `steps` minibatches that took `seconds` (the caller's loop
+        included): with `adapt`, every `adapt_every` steps, the re-planning check."""
+        every = self.options.adapt_every
+        if not self.options.adapt or steps == 0 or self._step % every:
+            return
+        if self.schedule_name not in ADAPTABLE:  # schedule='auto' chose one that cannot move
+            if not self.adapt_checks:
+                self.adapt_checks.append({"step": self._step, "moved": False, "speeds": None,
+                                          "reason": f"{self.schedule_name!r} cannot be "
+                                                    f"re-planned", "step_seconds": None})
+            return
+        self._adapt_chunks = chunks
+        self._microbatch_samples = max(1, self._agreed_batch // chunks)
+        self._adapt_check(seconds / steps)
+
+    def _adapt_check(self, step_seconds: float) -> None:
+        """Every rank, every `adapt_every` steps of an adaptive run: rank 0 decides from the
+        ranks' measured speed whether to move (see the module's docstring); all follow."""
+        from pipedream_fast.planner.replan import replan
+
+        assert self.plan is not None
+        snapshot = self.calibration.snapshot()
+        gathered: list[Any] = [None]
+        self._agree(lambda: gathered.__setitem__(0, self._control.gather_object(snapshot,
+                                                                                dst=0)),
+                    "gathering the measured speeds")
+        payload: dict[str, Any] = {}
+        if self.rank == 0:
+            snapshots: Mapping[int, Any] = {s.rank: s for s in gathered[0]}
+            if self._profile is None:
+                payload = {"reason": "no profile to re-plan from", "speeds": None}
+            else:
+                try:
+                    last = self.moves[-1]["seconds"] if self.moves else FIRST_MOVE_SECONDS
+                    decision = replan(self._profile, self.plan, snapshots,
+                                      microbatch_size=self._microbatch_samples,
+                                      chunks=self._adapt_chunks, step_seconds=step_seconds,
+                                      move_seconds=last,
+                                      threshold=self.options.adapt_threshold,
+                                      payback_steps=self.options.adapt_payback)
+                    payload = decision.to_dict()
+                except Exception as err:  # noqa: BLE001 - every rank must hear of it
+                    payload = {"reason": f"re-planning failed: {type(err).__name__}: {err}",
+                               "speeds": None}
+        decided: list[Any] = [payload]
+        self._agree(lambda: decided.__setitem__(0, self._control.broadcast_object(decided[0],
+                                                                                  src=0)),
+                    "agreeing on the re-plan")
+        payload = decided[0]
+        new = payload.get("plan")
+        self.adapt_checks.append({"step": self._step, "reason": payload["reason"],
+                                  "speeds": payload.get("speeds"), "moved": new is not None,
+                                  "step_seconds": step_seconds})
+        self.calibration.reset()  # the next check measures the next adapt_every steps only
+        if new is None:
+            return
+        record = self._move_rank(Plan.from_dict(new), payload["reason"])
+        if self.rank == 0:
+            print(f"pipedream_fast: step {self._step}: moved the stages from {record['from']} "
+                  f"to {record['to']} in {record['seconds']:.2f} s ({payload['reason']})",
+                  flush=True)
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def _source_of(states: list[dict[str, Any]], start: int, stop: int) -> dict[str, Any] | None:
+    """The old stage state that held the first block of [start, stop) among those with an
+    optimizer (a stage of parameter-free blocks has none); else the one holding `start`."""
+    holding = [s for s in states if s["start"] < stop and start < s["stop"]]
+    holding.sort(key=lambda s: s["start"])
+    with_groups = [s for s in holding if s["groups"]]
+    if with_groups:
+        return with_groups[0]
+    return holding[0] if holding else None
