@@ -218,8 +218,9 @@ class Pipeline(Moving):
         # own stages (`_setup`). Where the planner cuts it, rank 0 profiles it, which needs
         # real weights: rank 0 builds it for real, and puts it back on meta once it is cut.
         self._factory_built = False
-        self._built_on_meta = not isinstance(model, nn.Module) and callable(model)
-        if self._built_on_meta:
+        self._built_on_meta = False
+        if not isinstance(model, nn.Module) and callable(model):
+            self._built_on_meta = True
             self._factory_built = (self._world.rank == 0 and self._world.size > 1
                                    and plan is None and opts.balance is None
                                    and opts.split_points is None)

@@ -35,7 +35,7 @@ from pipedream_fast.cli import UsageError
 from pipedream_fast.commands.train_run import load_datasets, train_processes, train_threads
 from pipedream_fast.formats import Plan, Profile
 from pipedream_fast.models import (BUILTIN_MODELS, ModelSpecError, build_model, loss_fn)
-from pipedream_fast.options import PipelineOptions, add_flags
+from pipedream_fast.options import ADAPTABLE, PipelineOptions, add_flags
 from pipedream_fast.schedules import TRAINABLE, kind
 from pipedream_fast.commands.train_report import (_summary, _summary_json, _write,
                                                   describe_plan)
@@ -203,7 +203,8 @@ def _check_plan_fits_model(plan: Plan, s: Settings, micro: int) -> None:
 def _run_options(s: Settings, setup: RunSetup) -> PipelineOptions:
     """What the ranks of one run build their Pipeline with."""
     return s.options.replace(schedule=setup.schedule, chunks=setup.chunks, microbatch_size=None,
-                             schedule_options=_schedule_options(s, setup.schedule))
+                             schedule_options=_schedule_options(s, setup.schedule),
+                             adapt=s.options.adapt and setup.schedule in ADAPTABLE)
 
 
 def _simulate(profile: Profile, plan: Plan, schedule: str, chunks: int, steps: int,
@@ -303,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
             for setup in setups:
                 cfg = dict(config, run=setup.name, schedule=setup.schedule,
                            chunks=setup.chunks, plan=setup.plan.to_dict(),
+                           profile=setup.profile.to_dict() if setup.profile else None,
                            options=_run_options(s, setup),
                            reporter=setup.plan.stages[-1].ranks[0],
                            trace_steps=args.trace_steps if setup is setups[0] else 0,

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from pipedream_fast.fit import fit
-from pipedream_fast.formats import Plan
+from pipedream_fast.formats import Plan, Profile
 from pipedream_fast.models import accuracy, build_model, loss_fn
 from pipedream_fast.tuning import Tuning
 
@@ -145,6 +145,11 @@ def train_loop(pipe: Any, train: DataLoader, config: dict[str, Any],
             "calibration_warmup": warm, "calibration_rest": snapshots(pipe) if taken else {}}
 
 
+def _profile(config: dict[str, Any]) -> Profile | None:
+    """The profile the plan was made from (what `--adapt` re-plans from)."""
+    return Profile.from_dict(config["profile"]) if config.get("profile") else None
+
+
 def _rank_job(rank: int, world: int, config: dict[str, Any], queue: Any) -> dict[str, Any]:
     """One rank of a process run: build, train, evaluate, save; events go to `queue`."""
     from pipedream_fast.launch import Stopped
@@ -154,7 +159,7 @@ def _rank_job(rank: int, world: int, config: dict[str, Any], queue: Any) -> dict
     train, test = loaders(config)
     pipe = Pipeline(build(config), loss_fn, optimizer_factory(config["optimizer"], config["lr"]),
                     plan=Plan.from_dict(config["plan"]), options=config["options"],
-                    tuning=tuning(config))
+                    tuning=tuning(config), profile=_profile(config))
     emit = queue.put if rank == config["reporter"] else (lambda event: None)
     try:
         outcome = train_loop(pipe, train, config, emit,
@@ -249,7 +254,7 @@ def train_threads(config: dict[str, Any], handle: Callable[[dict[str, Any]], Non
     plan = Plan.from_dict(config["plan"])
     pipe = Pipeline(build(config), loss_fn, optimizer_factory(config["optimizer"], config["lr"]),
                     plan=plan, options=config["options"].replace(ranks="threads"),
-                    tuning=tuning(config))
+                    tuning=tuning(config), profile=_profile(config))
     try:
         with raising_stop_signals():
             outcome = train_loop(pipe, train, config, handle,

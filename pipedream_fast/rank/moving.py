@@ -226,8 +226,8 @@ class Moving(RunLoop):
                 order = [p for group in optimizer.param_groups for p in group["params"]]
                 for number, param in enumerate(order):
                     key = self._key(param)
-                    if key in per_param:
-                        saved["state"][number] = per_param[key]
+                    if key in per_param:  # its own tensors: under threads, replicas
+                        saved["state"][number] = _cloned(per_param[key])  # get the same
                 if source is not None and len(source["groups"]) == len(saved["param_groups"]):
                     for group, hyper in zip(saved["param_groups"], source["groups"]):
                         group.update({k: v for k, v in hyper.items() if k != "params"})
@@ -237,7 +237,7 @@ class Moving(RunLoop):
                 scheduler.load_state_dict(source["scheduler"])
             if source is not None and source["correction"] is not None:
                 params = list(module.named_parameters())
-                vector = [velocity.get(self._key(p)) for _, p in params]
+                vector = [_cloned(velocity.get(self._key(p))) for _, p in params]
                 correction = dict(source["correction"])
                 correction["velocity"] = (None if any(v is None for v in vector)
                                           else vector)
@@ -306,6 +306,15 @@ class Moving(RunLoop):
             print(f"pipedream_fast: step {self._step}: moved the stages from {record['from']} "
                   f"to {record['to']} in {record['seconds']:.2f} s ({payload['reason']})",
                   flush=True)
+
+
+def _cloned(value: Any) -> Any:
+    """Tensors in `value` copied (the gathered state is shared by rank threads)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    return value
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
