@@ -75,7 +75,9 @@ class PipelineOptions:
     timeout: float = _option(300.0, "seconds any wait of a rank may take before the run fails, "
                                     "naming the rank that did not answer", flag=True,
                              metavar="S")
-    trace: bool = _option(False, "record the actions of each run (`last_events`)")
+    trace: bool = _option(False, "record the actions of each run (`last_events`; of a train() "
+                                 "call, its first run: up to its first checkpoint or adapt "
+                                 "check)")
     device: str | None = _option(None, "this rank's device (default: its GPU under NCCL, else "
                                        "the CPU)")
     ranks: str = _option("processes", "where the ranks live: processes, or threads of this "

@@ -312,6 +312,7 @@ class Pipeline(Moving):
         self._profile = profile if self.rank == 0 else None
         self.moves: list[dict[str, Any]] = []
         self.adapt_checks: list[dict[str, Any]] = []
+        self._refused: set[str] = set()
         self._broken: str | None = None
         if isinstance(plan, (str, os.PathLike)):
             plan = Plan.load(plan)

@@ -118,6 +118,8 @@ def _summary(s: Settings, setups: list[RunSetup], histories: list[Any],
                                if f.get("accuracy") is not None else "-")),
         ("test loss", per(lambda st, h, f: f"{f['loss']:.4f}" if "loss" in f else "-")),
     ]
+    if any(r.get("adapt") for results in outcomes for r in results):
+        rows.append(("stages moved (adapt)", [_moves_text(results) for results in outcomes]))
     if s.data == "text":
         rows.append(("bits per character", per(lambda st, h, f: f"{f['loss'] / math.log(2):.3f}"
                                                 if "loss" in f else "-")))
@@ -151,6 +153,8 @@ def calibrated_prediction(st: RunSetup, s: Settings, h: Any, results: list[dict[
     one `train()` call: a run of its steps through the schedule (fill and drain included)
     plus the call's own overhead. None when the run had no such epochs."""
     split = max((r.get("calibration_epochs", 0) for r in results), default=0)
+    if any(r.get("adapt") for r in results):  # adapt resets the calibrations at its checks,
+        return None  # and a move leaves figures of several plans
     snaps: dict[int, Any] = {}
     rest: dict[int, Any] = {}
     for r in results:
@@ -217,6 +221,16 @@ def calibrated_text(c: dict[str, Any] | None) -> str:
     return text
 
 
+def _moves_text(results: list[dict[str, Any]]) -> str:
+    """The stage moves `--adapt` made in a run (every rank records the same ones)."""
+    moves: list[dict[str, Any]] = next((r["moves"] for r in results if r.get("moves")), [])
+    if not any(r.get("adapt") for r in results):
+        return "-"
+    if not moves:
+        return "none (the measured speeds did not call for one)"
+    return "; ".join(f"step {m['step']}: to {m['to']} in {m['seconds']:.2f} s" for m in moves)
+
+
 def _profile_text(value: float | None) -> str:
     if value is None:
         return "-"
@@ -251,6 +265,7 @@ def _summary_json(s: Settings, setups: list[RunSetup], histories: list[Any],
             "calibrated": calibrated_prediction(st, s, h, results),
             "test_loss": final.get("loss"), "test_accuracy": final.get("accuracy"),
             "time_to_target_s": h.target_reached_s, "target_step": h.target_reached_step,
+            "moves": next((r["moves"] for r in results if r.get("moves")), []),
             "rank_stats": {r["rank"]: r.get("stats", {}) for r in results}})
     from pipedream_fast import run_report as rr
     runs[0]["weight_delays"] = rr.traced_weight_delays(outcomes[0], setups[0].sim_window)

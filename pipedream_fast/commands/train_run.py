@@ -142,7 +142,9 @@ def train_loop(pipe: Any, train: DataLoader, config: dict[str, Any],
                  trace_steps=config["trace_steps"], on_event=on_event, name=config["run"],
                  batch_size=config["batch_size"])
     return {**result.to_dict(), "calibration": taken, "calibration_epochs": split,
-            "calibration_warmup": warm, "calibration_rest": snapshots(pipe) if taken else {}}
+            "calibration_warmup": warm, "calibration_rest": snapshots(pipe) if taken else {},
+            "adapt": pipe.options.adapt, "moves": list(pipe.moves),
+            "final_plan": pipe.plan.to_dict() if pipe.plan else None}
 
 
 def _profile(config: dict[str, Any]) -> Profile | None:

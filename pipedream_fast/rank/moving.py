@@ -66,6 +66,10 @@ class Moving(RunLoop):
     adapt_checks: list[dict[str, Any]]
     _adapt_chunks: int
     _microbatch_samples: int
+    # rank 0's: the plan before the last adaptive move and the step time then (checked at the
+    # next check), and the plans that made steps slower
+    _tried: tuple[Plan, float] | None = None
+    _refused: set[str]
 
     # --- the move ------------------------------------------------------------------------------
     def _move_rank(self, plan: Plan, reason: str) -> dict[str, Any]:
@@ -263,8 +267,6 @@ class Moving(RunLoop):
     def _adapt_check(self, step_seconds: float) -> None:
         """Every rank, every `adapt_every` steps of an adaptive run: rank 0 decides from the
         ranks' measured speed whether to move (see the module's docstring); all follow."""
-        from pipedream_fast.planner.replan import replan
-
         assert self.plan is not None
         snapshot = self.calibration.snapshot()
         gathered: list[Any] = [None]
@@ -273,22 +275,7 @@ class Moving(RunLoop):
                     "gathering the measured speeds")
         payload: dict[str, Any] = {}
         if self.rank == 0:
-            snapshots: Mapping[int, Any] = {s.rank: s for s in gathered[0]}
-            if self._profile is None:
-                payload = {"reason": "no profile to re-plan from", "speeds": None}
-            else:
-                try:
-                    last = self.moves[-1]["seconds"] if self.moves else FIRST_MOVE_SECONDS
-                    decision = replan(self._profile, self.plan, snapshots,
-                                      microbatch_size=self._microbatch_samples,
-                                      chunks=self._adapt_chunks, step_seconds=step_seconds,
-                                      move_seconds=last,
-                                      threshold=self.options.adapt_threshold,
-                                      payback_steps=self.options.adapt_payback)
-                    payload = decision.to_dict()
-                except Exception as err:  # noqa: BLE001 - every rank must hear of it
-                    payload = {"reason": f"re-planning failed: {type(err).__name__}: {err}",
-                               "speeds": None}
+            payload = self._decide({s.rank: s for s in gathered[0]}, step_seconds)
         decided: list[Any] = [payload]
         self._agree(lambda: decided.__setitem__(0, self._control.broadcast_object(decided[0],
                                                                                   src=0)),
@@ -306,6 +293,52 @@ class Moving(RunLoop):
             print(f"pipedream_fast: step {self._step}: moved the stages from {record['from']} "
                   f"to {record['to']} in {record['seconds']:.2f} s ({payload['reason']})",
                   flush=True)
+
+
+    def _decide(self, snapshots: Mapping[int, Any], step_seconds: float) -> dict[str, Any]:
+        """Rank 0's decision at an adapt check, as the payload every rank follows.
+
+        A move the measurements called for may still not pay: the speeds come from the
+        profile's per-block costs, which leave out what an action costs whatever its blocks
+        (autograd, the executor: most of a small model's time). So the check after a move
+        compares the step time with the one before it; a move that made steps slower by more
+        than `adapt_threshold` is undone, and its plan is not tried again."""
+        from pipedream_fast.planner.replan import replan
+
+        assert self.plan is not None
+        threshold = self.options.adapt_threshold
+        tried, self._tried = self._tried, None
+        if tried is not None:
+            previous, before = tried
+            if step_seconds > before * (1 + threshold):
+                self._refused.add(str(plan_layout(self.plan)))
+                return {"plan": previous.to_dict(), "speeds": None,
+                        "reason": f"the move to {plan_layout(self.plan)} made steps "
+                                  f"{step_seconds / before - 1:.0%} slower ({before * 1e3:.1f} "
+                                  f"-> {step_seconds * 1e3:.1f} ms): moving back, and not "
+                                  f"trying that plan again"}
+        if self._profile is None:
+            return {"reason": "no profile to re-plan from", "speeds": None}
+        try:
+            decision = replan(self._profile, self.plan, snapshots,
+                              microbatch_size=self._microbatch_samples,
+                              chunks=self._adapt_chunks, step_seconds=step_seconds,
+                              move_seconds=self.moves[-1]["seconds"] if self.moves
+                              else FIRST_MOVE_SECONDS,
+                              threshold=threshold, payback_steps=self.options.adapt_payback)
+        except Exception as err:  # noqa: BLE001 - every rank must hear of it
+            return {"reason": f"re-planning failed: {type(err).__name__}: {err}",
+                    "speeds": None}
+        payload = decision.to_dict()
+        if decision.plan is not None:
+            if str(plan_layout(decision.plan)) in self._refused:
+                payload["plan"] = None
+                payload["reason"] = (f"staying: the best plan at the measured speeds, "
+                                     f"{plan_layout(decision.plan)}, made steps slower when "
+                                     f"tried")
+            else:
+                self._tried = (self.plan, step_seconds)
+        return payload
 
 
 def _cloned(value: Any) -> Any:

@@ -34,6 +34,7 @@ class RunLoop(DataAgreement):
     """Runs of the schedule on this rank (see the module's docstring)."""
 
     calibration: Calibration  # made by Pipeline: the rank's running estimate of its costs
+    _first_run: bool = True  # the next run is the first of its train() call
 
     def _train_rank(self, loader: Iterable[Any] | None, steps: int | None,
                     epochs: int | None) -> Iterator[torch.Tensor | None]:
@@ -41,6 +42,7 @@ class RunLoop(DataAgreement):
         if self._broken is not None:
             raise RuntimeError(f"this Pipeline cannot train any more: {self._broken}; load the "
                                f"last checkpoint (Pipeline.load) to go on")
+        self._first_run = True  # its trace is the call's `last_events`
         self.calibration.begin_train()  # what the call costs outside its runs, from here
         steps, chunks, spec, batches = self._open_data(loader, steps, epochs)
         assert self.plan is not None
@@ -213,7 +215,9 @@ class RunLoop(DataAgreement):
             vote.settle()  # a stop agreed on in the last steps ends the run here, drained
         self._step += steps
         self.last_stats = executor.stats.to_dict()
-        self.last_events = executor.events or []
+        if self._first_run:  # a call's later runs (after a checkpoint, an adapt check)
+            self.last_events = executor.events or []  # number their microbatches from 0 again
+            self._first_run = False
 
     def _abandon(self, executor: Executor, yielded: int, chunks: int,
                  error: type[BaseException], vote: StopVote | None = None) -> None:
