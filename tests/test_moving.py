@@ -286,3 +286,42 @@ def test_a_rank_dying_mid_move_fails_the_others_clearly_and_keeps_the_checkpoint
     assert manifest["step"] == 2
     loaded = Pipeline.load(folder, make_model(), loss_fn, momentum, ranks="threads")
     assert len(list(loaded.train(batches(1)))) == 1
+
+
+def test_a_move_that_made_steps_slower_is_undone_and_not_tried_again(monkeypatch) -> None:
+    from pipedream_fast.planner import replan as replan_module
+
+    start = layout("1f1b", [2], [[0], [1]], 2)
+    target = layout("1f1b", [4], [[0], [1]], 2)
+    monkeypatch.setattr(replan_module, "replan", lambda *a, **k: replan_module.Replan(
+        target, "forced by the test", (1.0, 0.5), 2.0, 1.0, 0.5))
+    pipe = Pipeline(make_model(), loss_fn, momentum, plan=start, schedule="1f1b",
+                    ranks="threads", profile=object())  # rank 0 decides; the profile unread
+    list(pipe.train(batches(1)))
+    rank0 = pipe._ranks[0]
+    rank0._microbatch_samples, rank0._adapt_chunks = 16, 1
+    first = rank0._decide({}, step_seconds=0.010)
+    assert first["plan"] is not None  # moves, and remembers the step time before
+    pipe.move(Plan.from_dict(first["plan"]))
+    back = rank0._decide({}, step_seconds=0.013)  # 30% slower than before the move
+    assert "made steps 30% slower" in back["reason"] and "moving back" in back["reason"]
+    assert Plan.from_dict(back["plan"]).stages[0].stop == 2
+    pipe.move(Plan.from_dict(back["plan"]))
+    again = rank0._decide({}, step_seconds=0.010)
+    assert again["plan"] is None and "made steps slower when tried" in again["reason"]
+
+
+def test_a_move_that_paid_is_kept(monkeypatch) -> None:
+    from pipedream_fast.planner import replan as replan_module
+
+    start = layout("1f1b", [2], [[0], [1]], 2)
+    decisions = iter([layout("1f1b", [4], [[0], [1]], 2), None])
+    monkeypatch.setattr(replan_module, "replan", lambda *a, **k: replan_module.Replan(
+        next(decisions), "forced by the test", (1.0, 0.5), 2.0, 1.0, 0.5))
+    pipe = Pipeline(make_model(), loss_fn, momentum, plan=start, schedule="1f1b",
+                    ranks="threads", profile=object())
+    list(pipe.train(batches(1)))
+    rank0 = pipe._ranks[0]
+    rank0._microbatch_samples, rank0._adapt_chunks = 16, 1
+    pipe.move(Plan.from_dict(rank0._decide({}, step_seconds=0.010)["plan"]))
+    assert rank0._decide({}, step_seconds=0.008)["plan"] is None  # faster: stays
