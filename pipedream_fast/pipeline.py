@@ -161,6 +161,12 @@ class Pipeline(Moving):
     uses the weights its forward read; the velocity is saved in checkpoints. See
     `pipedream_fast.runtime.staleness_correction`.
 
+    Plans that follow the machine (`adapt=True`, `move(plan)`): every `adapt_every` steps rank
+    0 re-plans from the speed each rank measured and, when the gain pays for it, every rank
+    moves its blocks to the new plan at that step boundary, with their optimizer, scheduler
+    and staleness state; see `pipedream_fast.rank.moving`. A given `plan=` needs the
+    `profile=` it was made from.
+
     Models from libraries (nanoGPT, Hugging Face, torchvision, timm) are split unedited: a
     model torch.fx cannot trace is captured with torch.export from the first minibatch (or
     `example_inputs`), and is then cut at that point. Inputs may be a tensor, a tuple of
