@@ -19,7 +19,8 @@ import pytest
 from pipedream_fast.formats import BlockProfile, Plan, Profile, StagePlan
 from pipedream_fast.planner import evaluate_plan, make_plan
 from pipedream_fast.planner.choose import plan_for
-from pipedream_fast.planner.replan import Replan, measured_speeds, replan, state_bytes
+from pipedream_fast.planner.replan import (Replan, calibrated_profile, measured_speeds, replan,
+                                           state_bytes)
 from pipedream_fast.runtime.calibration import CalibrationSnapshot, Estimate
 from pipedream_fast.topology import Topology
 from test_planner_hetero import layouts
@@ -373,3 +374,39 @@ def test_state_bytes_counts_what_the_new_holders_receive():
     moved = hand_plan(EIGHT, [(0, 5, (0, 1, 2)), (5, 8, (3,))])
     # blocks 0-3 gain rank 2, block 4 ranks 0 and 1, block 5 rank 3; blocks 6-7 stay on 3
     assert state_bytes(EIGHT, four, moved) == per_block * (4 + 2 + 1)
+
+
+# --- the baseline: the profile scaled to the run's own measurements ------------------------------
+
+def test_a_calibrated_profile_makes_every_rank_run_at_one_and_scales_each_stage_alike():
+    plan = straight(EIGHT, 2)
+    # rank 1's stage measures 3x what the profile says (say, overheads the profile missed)
+    snaps = snapshots(EIGHT, plan, [1.0, 3.0])
+    calibrated = calibrated_profile(EIGHT, plan, snaps, 8)
+    assert not isinstance(calibrated, str)
+    assert [b.forward_ms + b.backward_ms for b in calibrated.blocks] == \
+        pytest.approx([3.0] * 4 + [9.0] * 4)
+    same = decide(calibrated, plan, [1.0, 1.0], snaps=snaps)
+    assert same.speeds == pytest.approx((1.0, 1.0))
+    # the profile's balanced split is not balanced as the blocks run: a block moves to rank 0
+    # (rank 1's stage, not its speed, was the slow part)
+    assert same.plan is not None and stages_of(same.plan)[0] == (0, 5, (0,))
+    assert same.current_ms == pytest.approx(36.0) and same.best_ms == pytest.approx(27.0)
+    # rank 1 then slows 1.5x: a move, costed with the calibrated blocks (rank 1's cost 9 ms)
+    later = decide(calibrated, plan, [1.0, 4.5], snaps=snapshots(EIGHT, plan, [1.0, 4.5]))
+    assert later.speeds == pytest.approx((1.0, 2 / 3))
+    assert later.plan is not None and later.plan.stages[0].stop == 6  # 30 vs 27 ms
+
+
+def test_a_calibrated_profile_needs_every_stage_measured():
+    plan = straight(EIGHT, 2)
+    snaps = snapshots(EIGHT, plan, [1.0, 1.0])
+    del snaps[1]
+    assert "rank 1 has no calibration snapshot" in calibrated_profile(EIGHT, plan, snaps, 8)
+
+
+def test_a_plan_from_a_manual_split_replans_with_the_profile_of_its_blocks():
+    """A plan made from balance= names the model's class and batch size 0."""
+    plan = dataclasses.replace(straight(EIGHT, 2), model="Sequential", batch_size=0)
+    d = decide(EIGHT, plan, [1.0, 1.5])
+    assert d.plan is not None and d.plan.stages[0].stop > 4

@@ -44,7 +44,7 @@ from pipedream_fast.topology import Topology
 if TYPE_CHECKING:  # the runtime package imports torch; the planner need not
     from pipedream_fast.runtime.calibration import CalibrationSnapshot, Estimate
 
-__all__ = ["Replan", "measured_speeds", "replan", "state_bytes"]
+__all__ = ["Replan", "calibrated_profile", "measured_speeds", "replan", "state_bytes"]
 
 SAME_SPEED = 0.995
 """Ranks at or above this fraction of the fastest are reported as running at full speed."""
@@ -113,6 +113,7 @@ def _measure(profile: Profile, plan: Plan, snapshots: Mapping[int, CalibrationSn
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) \
             or microbatch_size < 1:
         raise ValueError(f"microbatch_size must be a positive integer, got {microbatch_size!r}")
+    plan = _named_as(plan, profile)
     plan.check_matches(profile)
     scale = microbatch_size / profile.batch_size
     raw = []
@@ -136,6 +137,47 @@ def _measure(profile: Profile, plan: Plan, snapshots: Mapping[int, CalibrationSn
         raw.append(speed)
     fastest = max(raw)
     return tuple(s / fastest for s in raw)
+
+
+def calibrated_profile(profile: Profile, plan: Plan,
+                       snapshots: Mapping[int, CalibrationSnapshot],
+                       microbatch_size: int) -> Profile | str:
+    """`profile` with each block's times scaled by how its stage's measured compute compares
+    with the profile's (the mean over the stage's ranks), so that every rank's speed is 1.0
+    against it now: a per-block cost that knows what the profile left out (what an action
+    costs whatever its blocks, another batch size, the run's own kernels). Later speeds
+    measured against it are changes since this moment. Or why there are no measurements."""
+    plan = _named_as(plan, profile)
+    plan.check_matches(profile)
+    scale = microbatch_size / profile.batch_size
+    blocks = list(profile.blocks)
+    for index, stage in enumerate(plan.stages):
+        measured = []
+        for rank in stage.ranks:
+            snap = snapshots.get(rank)
+            if snap is None:
+                return f"not enough measurements yet: rank {rank} has no calibration snapshot"
+            seconds = _stage_seconds(snap, index)
+            if isinstance(seconds, str):
+                return f"not enough measurements yet: {seconds}"
+            measured.append(seconds * 1e3)
+        profiled = scale * sum(b.forward_ms + b.backward_ms
+                               for b in profile.blocks[stage.start:stage.stop])
+        if not profiled > 0:
+            return f"the profile gives stage {index} no compute to scale"
+        factor = sum(measured) / len(measured) / profiled
+        for b in range(stage.start, stage.stop):
+            blocks[b] = dataclasses.replace(blocks[b], forward_ms=blocks[b].forward_ms * factor,
+                                            backward_ms=blocks[b].backward_ms * factor)
+    return dataclasses.replace(profile, blocks=blocks)
+
+
+def _named_as(plan: Plan, profile: Profile) -> Plan:
+    """`plan` under the profile's model name and batch size when it has the profile's blocks
+    (a plan made from a manual split names neither)."""
+    if plan.stages[-1].stop == len(profile.blocks):
+        return dataclasses.replace(plan, model=profile.model, batch_size=profile.batch_size)
+    return plan
 
 
 def measured_speeds(profile: Profile, plan: Plan, snapshots: Mapping[int, CalibrationSnapshot],
@@ -358,8 +400,9 @@ def replan(profile: Profile, plan: Plan, snapshots: Mapping[int, CalibrationSnap
                       speeds, None, None, 0.0)
     planned_as = spec.plans_as or plan.schedule
     straight = all(len(s.ranks) == 1 for s in plan.stages)
-    current_ms = evaluate_plan(dataclasses.replace(plan, schedule=planned_as), profile,
-                               at_speed, chunks).bottleneck_ms
+    current_ms = evaluate_plan(dataclasses.replace(_named_as(plan, profile),
+                                                   schedule=planned_as),
+                               profile, at_speed, chunks).bottleneck_ms
     options: dict[str, Any] = {"straight": straight, **spec.planning}
     try:
         best = make_plan(profile, at_speed, schedule=planned_as, chunks=chunks, margin=0.0,

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from pipedream_fast import checkpoint as ckpt
-from pipedream_fast.formats import FormatError, Plan
+from pipedream_fast.formats import FormatError, Plan, Profile
 from pipedream_fast.options import ADAPTABLE
 from pipedream_fast.rank.run_loop import RunLoop
 from pipedream_fast.training import named_state
@@ -69,6 +69,7 @@ class Moving(RunLoop):
     # rank 0's: the plan before the last adaptive move and the step time then (checked at the
     # next check), and the plans that made steps slower
     _tried: tuple[Plan, float] | None = None
+    _baseline: Profile | None = None  # the profile scaled to the first check's measurements
     _refused: set[str]
 
     # --- the move ------------------------------------------------------------------------------
@@ -87,9 +88,7 @@ class Moving(RunLoop):
         self._agree(lambda: gathered.extend(self._control.all_gather_object(mine)),
                     "moving the stages to the new plan")
         states = [state for part in gathered for state in part]
-        moved_bytes = sum(state["bytes"] for state in states
-                          if self._owner(plan, state["start"]) != self._owner(old,
-                                                                            state["start"]))
+        moved_bytes = self._moved_bytes(states, old, plan)
         self._release(old, plan)
         self._setup(plan)  # collective: new stages, optimizers, links and tied-weight groups
         self._put_state(states)
@@ -101,6 +100,28 @@ class Moving(RunLoop):
                   "reason": reason, "bytes": moved_bytes}
         self.moves.append(record)
         return record
+
+    def _moved_bytes(self, states: list[dict[str, Any]], old: Plan, new: Plan) -> int:
+        """The bytes of weights and optimizer state a rank gains: each block's, once for every
+        rank that holds it under `new` and not under `old` (every rank receives all of the
+        gathered state; this is what a point-to-point move would send)."""
+        assert self._chain is not None
+        block_of = {key: b for b, block in enumerate(self._chain.blocks)
+                    for t in _tensors(block.module) for key in self._names.get(id(t), ())}
+        size = [0] * len(self._chain.blocks)
+        for state in states:
+            tensors = [*state["weights"].items(),
+                       *((k, v) for k, s in state["optimizer"].items() for v in s.values())]
+            seen: set[int] = set()
+            for key, t in tensors:
+                if isinstance(t, torch.Tensor) and key in block_of and id(t) not in seen:
+                    seen.add(id(t))  # tied keys name one tensor
+                    size[block_of[key]] += t.numel() * t.element_size()
+
+        def holders(plan: Plan, block: int) -> set[int]:
+            return {r for s in plan.stages if s.start <= block < s.stop for r in s.ranks}
+
+        return sum(size[b] * len(holders(new, b) - holders(old, b)) for b in range(len(size)))
 
     def _check_movable(self, plan: Plan) -> None:
         assert self.plan is not None
@@ -120,11 +141,6 @@ class Moving(RunLoop):
         if self._runtimes and any(r.copies and len(r.copies) > 1
                                   for r in self._runtimes.values()):
             raise ValueError("a localsgd pipeline keeps weight copies per stage; it cannot move")
-
-    @staticmethod
-    def _owner(plan: Plan, block: int) -> int:
-        """The first rank of the stage holding `block`."""
-        return next(s.ranks[0] for s in plan.stages if s.start <= block < s.stop)
 
     def _key(self, tensor: torch.Tensor) -> str:
         keys = self._names.get(id(tensor), ())
@@ -160,16 +176,12 @@ class Moving(RunLoop):
             params = dict(module.named_parameters())
             velocity = {self._key(params[n]): v for n, v in zip(names, correction["velocity"])}
         stage = self.plan.stages[index]
-        size = sum(t.numel() * t.element_size() for t in weights.values()) + sum(
-            v.numel() * v.element_size() for s in per_param.values() for v in s.values()
-            if isinstance(v, torch.Tensor))
         return {"stage": index, "start": stage.start, "stop": stage.stop, "weights": weights,
                 "optimizer": per_param, "groups": groups,
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "correction": None if correction is None else {
                     **{k: v for k, v in correction.items() if k != "velocity"},
-                    "velocity": velocity},
-                "bytes": size}
+                    "velocity": velocity}}
 
     def _release(self, old: Plan, new: Plan) -> None:
         """Drops this rank's stage objects; the tensors of blocks it no longer holds go back
@@ -249,10 +261,11 @@ class Moving(RunLoop):
 
     # --- adapt ---------------------------------------------------------------------------------
     def _after_run(self, steps: int, seconds: float, chunks: int) -> None:
-        """After a run of `steps` minibatches that took `seconds` (the caller's loop
-        included): with `adapt`, every `adapt_every` steps, the re-planning check."""
+        """After a run of `steps` minibatches whose steps after the first took `seconds`
+        (the caller's loop included): with `adapt`, every `adapt_every` steps, the
+        re-planning check (a run of one step has no steady step to time: no check)."""
         every = self.options.adapt_every
-        if not self.options.adapt or steps == 0 or self._step % every:
+        if not self.options.adapt or steps < 2 or self._step % every:
             return
         if self.schedule_name not in ADAPTABLE:  # schedule='auto' chose one that cannot move
             if not self.adapt_checks:
@@ -262,7 +275,7 @@ class Moving(RunLoop):
             return
         self._adapt_chunks = chunks
         self._microbatch_samples = max(1, self._agreed_batch // chunks)
-        self._adapt_check(seconds / steps)
+        self._adapt_check(seconds / (steps - 1))
 
     def _adapt_check(self, step_seconds: float) -> None:
         """Every rank, every `adapt_every` steps of an adaptive run: rank 0 decides from the
@@ -298,12 +311,18 @@ class Moving(RunLoop):
     def _decide(self, snapshots: Mapping[int, Any], step_seconds: float) -> dict[str, Any]:
         """Rank 0's decision at an adapt check, as the payload every rank follows.
 
-        A move the measurements called for may still not pay: the speeds come from the
-        profile's per-block costs, which leave out what an action costs whatever its blocks
-        (autograd, the executor: most of a small model's time). So the check after a move
+        The first check with measurements of every stage takes them as the baseline: the
+        profile's per-block costs scaled, stage by stage, to what they measured
+        (`calibrated_profile`), so every rank runs at 1.0x against it. The profile alone
+        leaves out what an action costs whatever its blocks (autograd, the executor: most of a
+        small model's time) and may be of another batch size, which would read as speed. Later
+        checks measure each rank's speed against the baseline: `adapt` follows the machine's
+        changes during the run (a rank slow from the start is the planner's `@speeds=`).
+
+        A move the measurements called for may still not pay. So the check after a move
         compares the step time with the one before it; a move that made steps slower by more
         than `adapt_threshold` is undone, and its plan is not tried again."""
-        from pipedream_fast.planner.replan import replan
+        from pipedream_fast.planner.replan import calibrated_profile, replan
 
         assert self.plan is not None
         threshold = self.options.adapt_threshold
@@ -319,8 +338,17 @@ class Moving(RunLoop):
                                   f"trying that plan again"}
         if self._profile is None:
             return {"reason": "no profile to re-plan from", "speeds": None}
+        if self._baseline is None:
+            found = calibrated_profile(self._profile, self.plan, snapshots,
+                                       self._microbatch_samples)
+            if isinstance(found, str):
+                return {"reason": f"staying: {found}", "speeds": None}
+            self._baseline = found
+            return {"reason": "staying: this check's measurements are the baseline (each "
+                              "block's cost as it runs here; every rank at 1.0x)",
+                    "speeds": [1.0] * self.world_size}
         try:
-            decision = replan(self._profile, self.plan, snapshots,
+            decision = replan(self._baseline, self.plan, snapshots,
                               microbatch_size=self._microbatch_samples,
                               chunks=self._adapt_chunks, step_seconds=step_seconds,
                               move_seconds=self.moves[-1]["seconds"] if self.moves

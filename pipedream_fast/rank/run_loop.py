@@ -35,6 +35,7 @@ class RunLoop(DataAgreement):
 
     calibration: Calibration  # made by Pipeline: the rank's running estimate of its costs
     _first_run: bool = True  # the next run is the first of its train() call
+    _first_step_done: float = 0.0  # when the run's first step was yielded (perf_counter)
 
     def _train_rank(self, loader: Iterable[Any] | None, steps: int | None,
                     epochs: int | None) -> Iterator[torch.Tensor | None]:
@@ -59,14 +60,15 @@ class RunLoop(DataAgreement):
                         run = min(run, every - self._step % every)
                     vote = StopVote(self._control, self.world_size, len(self.plan.stages) + 1,
                                     self._agree)
-                    began = time.perf_counter()
                     trained = yield from self._run(run, chunks, spec, batches, request, vote)
                     done += trained
                     if vote.signum:
                         self._stop(vote.signum)
                     if self.checkpoint_every and self._step % self.checkpoint_every == 0:
                         self._save_periodic()
-                    self._after_run(trained, time.perf_counter() - began, chunks)
+                    # the steady steps: after the first, which pays the run's start
+                    self._after_run(trained, time.perf_counter() - self._first_step_done,
+                                    chunks)
             self.calibration.end_train()
         finally:
             if self._reading is not None:  # where the next run (or a checkpoint) goes on
@@ -78,7 +80,8 @@ class RunLoop(DataAgreement):
 
     def _after_run(self, steps: int, seconds: float, chunks: int) -> None:
         """Called between the runs of a `train` call, every rank at the same step, with the
-        pipeline drained (`Moving` re-plans there)."""
+        pipeline drained (`Moving` re-plans there); `seconds`: from the end of the run's first
+        step (the caller's loop included) to the end of its last."""
 
     def _stop(self, signum: int) -> None:
         """Every rank agreed to stop here on `signum`: save if configured, raise `Stopped`."""
@@ -122,6 +125,8 @@ class RunLoop(DataAgreement):
         try:
             for item in self._losses(executor, tracker, steps, chunks, request, vote):
                 yielded += 1  # before the yield: a caller leaving there has had this step
+                if yielded == 1:
+                    self._first_step_done = time.perf_counter()
                 yield item
         except _StopAgreed:  # every rank leaves after the same step, as on a break
             self._abandon(executor, yielded, chunks, GeneratorExit, vote)
