@@ -46,6 +46,10 @@ SUITE = (
     Benchmark("sim_accuracy", "sim_accuracy.py", ("--steps", "20"),
               ("--steps", "6", "--repeats", "1", "--only", "pipedream,data-parallel"), 5.0,
               "simulator within 10% of the runtime for every trainable schedule"),
+    Benchmark("adaptive", "adaptive.py", (), ("--models", "convs", "--steps", "convs=30",
+                                              "--repeats", "1", "--retries", "0"), 11.0,
+              "adapt=True with one rank slowed 1.5x part-way recovers at least 80% of the gap "
+              "to the best static plan"),
     Benchmark("vs_pipelining", "vs_pipelining.py", ("--steps", "6", "--repeats", "2"),
               ("--quick", "--steps", "4", "--repeats", "1"), 3.0,
               "1f1b at least 1.2x torch.distributed.pipelining's Schedule1F1B"),
