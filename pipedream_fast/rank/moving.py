@@ -80,10 +80,10 @@ class Moving(RunLoop):
         self._check_movable(plan)
         old = self.plan
         began = time.perf_counter()
-        self._broken = (f"a move of the stages from {plan_layout(old)} to {plan_layout(plan)} "
-                        f"failed half-way on rank {self.rank}")
         mine = [self._stage_state(index) for index in self.stage_indices
                 if old.stages[index].ranks[0] == self.rank]
+        self._broken = (f"a move of the stages from {plan_layout(old)} to {plan_layout(plan)} "
+                        f"failed half-way on rank {self.rank}")  # until the move is done
         gathered: list[Any] = []
         self._agree(lambda: gathered.extend(self._control.all_gather_object(mine)),
                     "moving the stages to the new plan")
@@ -138,9 +138,6 @@ class Moving(RunLoop):
                              f"{list(plan.stages[0].ranks)}, but ranks "
                              f"{list(self.plan.stages[0].ranks)} read the loader: a move keeps "
                              f"the first stage's ranks")
-        if self._runtimes and any(r.copies and len(r.copies) > 1
-                                  for r in self._runtimes.values()):
-            raise ValueError("a localsgd pipeline keeps weight copies per stage; it cannot move")
 
     def _key(self, tensor: torch.Tensor) -> str:
         keys = self._names.get(id(tensor), ())
