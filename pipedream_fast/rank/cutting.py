@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,15 +106,21 @@ class Cutting(Checkpointing):
     def _plan_from(self, example_inputs: Any) -> Plan:
         """Rank 0 profiles `example_inputs` and plans; every rank gets the plan (or the error)."""
         payload: list[Any] = [None]
+        failure: Exception | None = None
         if self.rank == 0:
             try:
                 with GLOBAL_STATE:  # rank threads share the model; another may be capturing it
                     payload[0] = {"plan": self._make_plan(example_inputs).to_dict()}
             except Exception as err:  # every rank must hear of it, not wait for a plan
-                payload[0] = {"error": f"{type(err).__name__}: {err}"}
+                failure = err
+                payload[0] = {"error": f"{type(err).__name__}: {err}",
+                              "traceback": "".join(traceback.format_exception(err))}
         planned = self._control.broadcast_object(payload[0], src=0)
         if "error" in planned:
-            raise RuntimeError(f"planning on rank 0 failed: {planned['error']}")
+            if failure is not None:  # rank 0 raises with the original error chained
+                raise RuntimeError(f"planning on rank 0 failed: {planned['error']}") from failure
+            raise RuntimeError(f"planning on rank 0 failed: {planned['error']}\n"
+                               f"rank 0's traceback:\n{planned['traceback']}")
         return Plan.from_dict(planned["plan"])
 
     def _make_plan(self, example_inputs: Any) -> Plan:

@@ -1,6 +1,7 @@
 """From a captured graph and its groups of nodes to block modules: which tensors cross each
 cut, one `fx.GraphModule` per block, inputs written in place copied first, and symbolic
-sizes recomputed in each block from its own inputs' shapes (sizes never cross a cut)."""
+sizes recomputed in each block from its own inputs' shapes (sizes never cross a cut). A model
+captured in both modes gets blocks that run the graph of their current mode (`ModeBlock`)."""
 
 from __future__ import annotations
 
@@ -134,7 +135,10 @@ def _recompute_size(graph: fx.Graph, node: fx.Node, env: dict[fx.Node, fx.Node])
     if expr in sizes:
         return sizes[expr]
     symbols = list(sizes)
-    return graph.call_function(_SizeExpression(expr, symbols), tuple(sizes[s] for s in symbols))
+    kind = (bool if isinstance(value, torch.SymBool) else
+            float if isinstance(value, torch.SymFloat) else int)
+    return graph.call_function(_SizeExpression(expr, symbols, kind),
+                               tuple(sizes[s] for s in symbols))
 
 
 def _size_of(graph: fx.Graph, symbol: Any, env: dict[fx.Node, fx.Node], user: fx.Node) -> fx.Node:
@@ -149,17 +153,84 @@ def _size_of(graph: fx.Graph, symbol: Any, env: dict[fx.Node, fx.Node], user: fx
                        f"tensor reaching its block; mark the module that computes it as a leaf")
 
 
-class _SizeExpression:
-    """A size computed from other sizes (e.g. `s0 * s1`), evaluated with sympy's lambdify."""
+class ModeBlock(nn.Module):
+    """A block of a model whose training and eval graphs differ (`F.dropout(x, p,
+    self.training)`, stochastic depth, `if self.training:`): the training capture's graph in
+    train mode, the eval capture's otherwise. Both read the same parameters and buffers.
 
-    def __init__(self, expr: Any, symbols: list[Any]) -> None:
-        import sympy  # type: ignore[import-untyped]
+    `eval_graph` is None where the eval capture could not be cut like the training one (a
+    different number of tensors crossing a cut): evaluating then raises rather than running
+    the training graph, whose random masks would give wrong results silently."""
+
+    def __init__(self, train_graph: nn.Module, eval_graph: nn.Module | None,
+                 why_no_eval: str = "") -> None:
+        super().__init__()
+        self.train_graph = train_graph
+        self.eval_graph = eval_graph
+        self.why_no_eval = why_no_eval
+
+    def forward(self, *values: Any) -> Any:
+        if self.training:
+            return self.train_graph(*values)
+        if self.eval_graph is None:
+            raise TracingError(self.why_no_eval)
+        return self.eval_graph(*values)
+
+
+def mode_blocks(model_name: str, train: _Built, evals: _Built) -> list[nn.Module]:
+    """One `ModeBlock` per block of the two captures, aligned block by block. Where a cut
+    carries a different number of tensors in the two modes, the blocks cannot be swapped one
+    for the other: training keeps working and evaluation is refused with the reason."""
+    counts = [(k, len(t), len(e)) for k, (t, e) in enumerate(zip(train.cut_names,
+                                                                  evals.cut_names))
+              if len(t) != len(e)]
+    if not counts:
+        return [ModeBlock(t, e) for t, e in zip(train.modules, evals.modules)]
+    k, in_train, in_eval = counts[0]
+    why = (f"{model_name} computes something else in eval mode than in training (it reads "
+           f"self.training), and its eval graph cannot be cut where the training graph is: "
+           f"{in_train} tensors cross cut {k} in training, {in_eval} in eval mode. Evaluate "
+           f"it outside the pipeline: load pipe.state_dict() into the model and call "
+           f"model.eval()")
+    return [ModeBlock(t, None, why) for t in train.modules]
+
+
+class _SizeExpression:
+    """A size computed from other sizes (`s0 * s1`, `FloorDiv(s0, 2)`, `ToFloat(s0) / 8`),
+    evaluated with torch's own sympy interpreter, which knows every function its symbolic
+    shapes emit. An integer size stays an int, a float size a float (`SymFloat`), a
+    condition a bool. Results are kept per input sizes: shapes repeat, the interpreter is slow."""
+
+    _CACHE_LIMIT = 4096
+
+    def __init__(self, expr: Any, symbols: list[Any], kind: type) -> None:
+        self.expr = expr
+        self.symbols = symbols
+        self.kind = kind  # int, float or bool: the type of the size it computes
         self.text = str(expr)
-        self.fn = sympy.lambdify(symbols, expr, modules="math")
+        self.cache: dict[tuple[Any, ...], Any] = {}
         self.__name__ = f"size_{self.text}"
 
-    def __call__(self, *sizes: int) -> int:
-        return int(self.fn(*sizes))
+    def __call__(self, *sizes: Any) -> Any:
+        found = self.cache.get(sizes)
+        if found is None:
+            found = self._evaluate(sizes)
+            if len(self.cache) >= self._CACHE_LIMIT:
+                self.cache.clear()
+            self.cache[sizes] = found
+        return found
+
+    def _evaluate(self, sizes: tuple[Any, ...]) -> Any:
+        from torch.utils._sympy.interp import sympy_interp
+        from torch.utils._sympy.reference import PythonReferenceAnalysis
+        value = sympy_interp(PythonReferenceAnalysis, dict(zip(self.symbols, sizes)), self.expr)
+        if self.kind is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise TracingError(f"the size {self.text} came out as {value} for input sizes "
+                                   f"{dict(zip(map(str, self.symbols), sizes))}, not a whole "
+                                   f"number")
+            return int(value)
+        return self.kind(value)
 
     def __repr__(self) -> str:
         return f"size({self.text})"

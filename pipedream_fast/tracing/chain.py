@@ -50,6 +50,10 @@ class LayerChain:
     # arguments) as the first block's positional tensors; None: `positional_inputs`.
     input_flattener: Callable[[Any], tuple[Any, ...]] | None = field(default=None, repr=False)
     input_defaults: dict[str, Any] = field(default_factory=dict)  # fx: optional inputs
+    # Where the model returns another structure in eval mode (an auxiliary output only in
+    # training): how the last block's eval outputs unflatten; None: as in training.
+    unflatten_eval_output: Callable[[Sequence[Any]], Any] | None = field(default=None,
+                                                                       repr=False)
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -85,9 +89,11 @@ class LayerChain:
         if not 0 <= start < stop <= len(self.blocks):
             raise IndexError(f"stage [{start}, {stop}) is not a non-empty block range of a "
                              f"{len(self.blocks)}-block chain")
-        final = self.unflatten_output if stop == len(self.blocks) else None
+        last = stop == len(self.blocks)
         return _Stage([b.module for b in self.blocks[start:stop]],
-                      [b.name for b in self.blocks[start:stop]], final)
+                      [b.name for b in self.blocks[start:stop]],
+                      self.unflatten_output if last else None,
+                      self.unflatten_eval_output if last else None)
 
     def __call__(self, *inputs: Any) -> Any:
         """Run the whole chain block by block; equals the original model's forward."""
@@ -118,16 +124,19 @@ def positional_inputs(inputs: Any, input_names: Sequence[str],
 
 class _Stage(nn.Module):
     def __init__(self, modules: list[nn.Module], names: list[str],
-                 final: Callable[[Sequence[Any]], Any] | None) -> None:
+                 final: Callable[[Sequence[Any]], Any] | None,
+                 final_eval: Callable[[Sequence[Any]], Any] | None = None) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(modules)
         self.block_names = names
         self._final = final
+        self._final_eval = final_eval or final
 
     def forward(self, *values: Any) -> Any:
         for block in self.blocks:
             values = block(*values)
-        return self._final(values) if self._final is not None else values
+        final = self._final if self.training else self._final_eval
+        return final(values) if final is not None else values
 
 
 # ---- checks ---------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """The torch.export capture (non-strict, from example inputs) for code torch.fx cannot follow:
 the model is captured once in training and once in eval mode, non-tensor inputs are folded
-into constants, and each block runs the graph of its current mode (`_ModeBlock`)."""
+into constants, and each block runs the graph of its current mode (`ModeBlock`)."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from pipedream_fast.tracing.blocks import _body, _build_blocks
+from pipedream_fast.tracing.blocks import _body, _build_blocks, mode_blocks
 from pipedream_fast.tracing.chain import Block, LayerChain
 from pipedream_fast.tracing.errors import TracingError, _failing_line, _reason
 from pipedream_fast.tracing.grouping import _block_names, _group, _key_function
@@ -21,19 +21,6 @@ from pipedream_fast.tracing.grouping import _block_names, _group, _key_function
 _ASSERTIONS = {torch.ops.aten._assert_scalar.default, torch.ops.aten._assert_tensor_metadata.default,
                torch.ops.aten.sym_constrain_range_for_size.default,
                torch.ops.aten._assert_async.msg}
-
-
-class _ModeBlock(nn.Module):
-    """A block captured by torch.export: the graph of the training capture in train mode,
-    the eval capture's otherwise (both read the same parameters and buffers)."""
-
-    def __init__(self, train_graph: nn.Module, eval_graph: nn.Module) -> None:
-        super().__init__()
-        self.train_graph = train_graph
-        self.eval_graph = eval_graph
-
-    def forward(self, *values: Any) -> Any:
-        return (self.train_graph if self.training else self.eval_graph)(*values)
 
 
 def _as_call(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -96,7 +83,7 @@ def _trace_export(model: nn.Module, example_inputs: Any, leaves: Sequence[Any],
     kwargs = _call_kwargs(model, kwargs)
     try:
         train_gm, out_spec = _export_graph(model, args, kwargs, training=True)
-        eval_gm, _ = _export_graph(model, args, kwargs, training=False)
+        eval_gm, eval_out_spec = _export_graph(model, args, kwargs, training=False)
     except Exception as err:  # noqa: BLE001 - reported with the fx failure, as one message
         raise TracingError(
             f"cannot split {type(model).__name__}: torch.export failed{_failing_line(err)}: "
@@ -115,7 +102,7 @@ def _trace_export(model: nn.Module, example_inputs: Any, leaves: Sequence[Any],
     train = _build_blocks(train_gm, train_gm.graph, train_groups)
     evals = _build_blocks(eval_gm, eval_gm.graph, _group(_body(eval_gm.graph), key_of, keys))
     in_spec = pytree.tree_flatten((args, kwargs))[1]
-    modules = [_ModeBlock(t, e) for t, e in zip(train.modules, evals.modules)]
+    modules = mode_blocks(type(model).__name__, train, evals)
 
     def flatten(inputs: Any) -> tuple[Any, ...]:
         call_args, call_kwargs = _as_call(inputs)
@@ -126,15 +113,18 @@ def _trace_export(model: nn.Module, example_inputs: Any, leaves: Sequence[Any],
                                f": give every minibatch the same structure")
         return tuple(leaves_[i] for i in tensor_inputs)
 
-    def unflatten(values: Sequence[Any]) -> Any:
-        flat = fx.node.map_arg(train.output_structure,
-                               lambda n: values[train.output_position[n]])
-        return pytree.tree_unflatten(list(flat), out_spec)
+    def unflattener(built: Any, spec: pytree.TreeSpec) -> Callable[[Sequence[Any]], Any]:
+        def unflatten(values: Sequence[Any]) -> Any:
+            flat = fx.node.map_arg(built.output_structure,
+                                   lambda n: values[built.output_position[n]])
+            return pytree.tree_unflatten(list(flat), spec)
+        return unflatten
 
     return LayerChain(blocks=[Block(n, m) for n, m in zip(_block_names(keys), modules)],
                       input_names=[n.name for n in placeholders if n in inputs_kept],
-                      cuts=train.cut_names, unflatten_output=unflatten, captured_by="export",
-                      input_flattener=flatten)
+                      cuts=train.cut_names, unflatten_output=unflattener(train, out_spec),
+                      unflatten_eval_output=unflattener(evals, eval_out_spec),
+                      captured_by="export", input_flattener=flatten)
 
 
 def _fold_constant_inputs(graph: fx.Graph, values: Sequence[Any]) -> None:

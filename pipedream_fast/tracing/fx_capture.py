@@ -10,7 +10,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from pipedream_fast.tracing.blocks import _body, _build_blocks
+from pipedream_fast.tracing.blocks import _body, _build_blocks, mode_blocks
 from pipedream_fast.tracing.chain import Block, LayerChain
 from pipedream_fast.tracing.errors import TracingError, _failing_line, _reason
 from pipedream_fast.tracing.grouping import _block_names, _group, _key_function, _split_leaves
@@ -54,9 +54,45 @@ class _Tracer(fx.Tracer):
 
 
 def _trace_fx(model: nn.Module, leaves: Sequence[Any]) -> LayerChain:
+    """Traced in training and in eval mode: fx runs the Python of `forward`, so every read of
+    `self.training` (`F.dropout(x, p, self.training)`, torchvision's stochastic depth, timm's
+    drop path, `if self.training:`) is frozen into the graph. Where the two graphs differ,
+    each block runs the one of its current mode (`ModeBlock`)."""
     key_of = _key_function(model, leaves)
-    tracer = _Tracer(*_split_leaves(leaves))
     fixed = _flag_defaults(model)
+    graph = _fx_graph(model, leaves, fixed, training=True)
+    body = _body(graph)
+    if not body:
+        raise TracingError(f"{type(model).__name__}.forward computes nothing to split")
+    groups = _group(body, key_of)
+    keys = [k for k, _ in groups]
+    built = _build_blocks(model, graph, groups)
+    modules: list[nn.Module] = list(built.modules)
+    final_eval = None
+    eval_graph = _fx_graph(model, leaves, fixed, training=False)
+    if eval_graph.python_code("self").src != graph.python_code("self").src:
+        evals = _build_blocks(model, eval_graph, _group(_body(eval_graph), key_of, keys))
+        modules = mode_blocks(type(model).__name__, built, evals)
+        final_eval = _unflattener(evals)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    return LayerChain(
+        blocks=[Block(name, module) for name, module in zip(_block_names(keys), modules)],
+        input_names=[n.name for n in placeholders], cuts=built.cut_names,
+        unflatten_output=_unflattener(built), unflatten_eval_output=final_eval,
+        captured_by="fx", input_defaults={n.name: n.args[0] for n in placeholders if n.args})
+
+
+def _unflattener(built: Any) -> Callable[[Sequence[Any]], Any]:
+    structure, position = built.output_structure, built.output_position
+    return lambda values: fx.node.map_arg(structure, lambda n: values[position[n]])
+
+
+def _fx_graph(model: nn.Module, leaves: Sequence[Any], fixed: dict[str, Any], *,
+              training: bool) -> fx.Graph:
+    """The model's fx graph with every module in train (or eval) mode; modes restored after."""
+    modes = {m: m.training for m in model.modules()}
+    model.train(training)
+    tracer = _Tracer(*_split_leaves(leaves))
     try:
         graph = tracer.trace(model, concrete_args=fixed or None)
         _drop_fixed_inputs(graph, fixed)
@@ -64,20 +100,10 @@ def _trace_fx(model: nn.Module, leaves: Sequence[Any]) -> LayerChain:
         raise
     except Exception as err:  # noqa: BLE001 - the root forward itself failed to trace
         raise _untraceable("", model, err) from err
-    body = _body(graph)
-    if not body:
-        raise TracingError(f"{type(model).__name__}.forward computes nothing to split")
-    groups = _group(body, key_of)
-    built = _build_blocks(model, graph, groups)
-    structure = built.output_structure
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    return LayerChain(
-        blocks=[Block(name, module) for name, module in zip(_block_names([k for k, _ in groups]),
-                                                             built.modules)],
-        input_names=[n.name for n in placeholders], cuts=built.cut_names,
-        unflatten_output=lambda values: fx.node.map_arg(structure, lambda n: values[
-            built.output_position[n]]),
-        captured_by="fx", input_defaults={n.name: n.args[0] for n in placeholders if n.args})
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return graph
 
 
 def _flag_defaults(model: nn.Module) -> dict[str, Any]:
