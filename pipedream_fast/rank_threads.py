@@ -107,10 +107,12 @@ class RankThreads:
     def call(self, fn: Callable[[int], Any]) -> list[Any]:
         """`fn(rank)` on every rank thread at once; every rank's result, in rank order."""
         self._check_usable()
+        began = time.monotonic()
         started = [_in_thread(r, functools.partial(fn, r)) for r in range(self.size)]
-        return self._results(started)
+        return self._results(started, began)
 
-    def _results(self, started: list[tuple[Future[Any], threading.Thread]]) -> list[Any]:
+    def _results(self, started: list[tuple[Future[Any], threading.Thread]],
+                 began: float) -> list[Any]:
         futures = [f for f, _ in started]
         # Every wait of a rank is bounded by the timeout, so a rank stuck in its own code makes
         # the others fail within it: no deadline is needed here.
@@ -132,7 +134,10 @@ class RankThreads:
         self._left_behind = [(i, started[i][1]) for i in stuck]
         if stuck:
             doing = "; ".join(self._describe(rank) for rank in stuck)
-            error = WorkerStuck(f"{doing}, over the timeout of {self.timeout_s:g} s, and did "
+            # Over the timeout, or busy in its own work when another rank failed early.
+            late = (f"over the timeout of {self.timeout_s:g} s"
+                    if time.monotonic() - began >= self.timeout_s else "still busy")
+            error = WorkerStuck(f"{doing}, {late}, and did "
                                 f"not return after {reason}: a thread cannot be interrupted in "
                                 f"the middle of its work, so {'they are' if len(stuck) > 1 else 'it is'} "
                                 f"left behind, running in the background")
@@ -157,6 +162,7 @@ class RankThreads:
         with DeferredStop() as request:  # the caller's thread gets the signal
             def follow(rank: int) -> None:
                 gate.follow(rank, start(rank, request))
+            began = time.monotonic()
             started = [_in_thread(r, functools.partial(follow, r)) for r in range(self.size)]
             futures = [f for f, _ in started]
             taken = 0
@@ -170,7 +176,7 @@ class RankThreads:
                     gate.go()
             finally:
                 gate.stop()  # a break, an error, or (harmless) every rank done
-                self._results(started)
+                self._results(started, began)
 
 
 _END = object()

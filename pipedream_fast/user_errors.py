@@ -168,8 +168,11 @@ def describe(err: BaseException, rank: int | None = None, where_from: str | None
     if batch is not None:
         epoch, index = batch
         parts.append(f"batch {index}" + (f" of epoch {epoch}" if epoch else ""))
-    message = str(root).strip().splitlines()
-    text = f"{type(root).__name__}: {message[0]}" if message else type(root).__name__
+    # An error of the library's that names the cause and its remedy (a model that cannot be
+    # captured) is the line to show, not the bare error it was raised from.
+    explained = next((e for e in _chain(err) if getattr(e, "remedy_in_message", False)), root)
+    message = str(explained).strip().splitlines()
+    text = f"{type(explained).__name__}: {message[0]}" if message else type(explained).__name__
     at = f" (at {os.path.basename(where[0])}:{where[1]})" if where else ""
     if where and batch is None and where_from is None:
         at = f" (at {os.path.basename(where[0])}:{where[1]}, in {entered(root)})"

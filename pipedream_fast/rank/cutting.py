@@ -23,12 +23,28 @@ from pipedream_fast.runtime.stage import (StageRuntime)
 from pipedream_fast.runtime.transport import Transport
 from pipedream_fast.runtime.update_sync import GlobalUpdateSync, TiedWeight
 from pipedream_fast.schedules import SYNCHRONOUS, kind
-from pipedream_fast.tracing import LayerChain, shared_parameters
+from pipedream_fast.tracing import LayerChain, TracingError, shared_parameters
 from pipedream_fast.tracing import trace as trace_model
 from pipedream_fast.training import (GLOBAL_STATE, build_schedule, check_plan_fits,
                                      check_runtime_fits, manual_plan, model_fingerprint,
                                      resolve_schedule, batch_size, stage_runtime)
 from pipedream_fast.rank.checkpoints import Checkpointing
+
+
+# Rank threads capture the one shared model in turns: a capture that failed on one is not
+# tried again by the next (a minute of torch.export each), which fails the same way at once.
+# Per model, for one capture call: emptied once every rank has heard the outcomes.
+_FAILED_CAPTURES: dict[int, Exception] = {}
+
+
+def _again(err: Exception) -> Exception:
+    """The same failure, as a new exception object for another rank thread to raise."""
+    try:
+        copy = type(err)(*err.args)
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        copy = TracingError(str(err))
+    copy.__cause__ = err.__cause__
+    return copy
 
 
 @dataclass(frozen=True)
@@ -99,8 +115,33 @@ class Cutting(Checkpointing):
         device = next(iter(self._model.parameters()), torch.empty(0)).device
         inputs = pytree.tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
                                  if isinstance(t, _TensorShape) else t, structure)
-        with GLOBAL_STATE:
-            self._chain = trace_model(self._model, inputs, self._leaf_modules, check=False)
+        key = id(self._model)
+        failure: Exception | None = None
+        try:
+            with GLOBAL_STATE:
+                earlier = _FAILED_CAPTURES.get(key)
+                if earlier is not None:  # a rank thread before this one failed on this model
+                    raise _again(earlier)
+                try:
+                    self._chain = trace_model(self._model, inputs, self._leaf_modules,
+                                              check=False)
+                except Exception as err:
+                    _FAILED_CAPTURES[key] = err
+                    raise
+        except Exception as err:  # noqa: BLE001 - agreed on below, then raised
+            failure = err
+        # Every rank hears of every rank's outcome: one that failed must not leave the others
+        # waiting for it (or a rank thread starting a capture the first one knows fails).
+        outcomes = self._control.all_gather_object(
+            None if failure is None else f"{type(failure).__name__}: {failure}")
+        _FAILED_CAPTURES.pop(key, None)
+        if failure is not None:
+            raise failure
+        failed = [(rank, text) for rank, text in enumerate(outcomes) if text is not None]
+        if failed:
+            rank, text = failed[0]
+            raise TracingError(f"rank {rank} could not capture the model: {text}")
+        assert self._chain is not None
         self._check_ties_allowed(self._chain)
 
     def _plan_from(self, example_inputs: Any) -> Plan:

@@ -13,7 +13,24 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 class TracingError(ValueError):
-    """A model cannot be split into blocks (untraceable code, shared parameters, bad inputs)."""
+    """A model cannot be split into blocks (untraceable code, shared parameters, bad inputs).
+
+    Its message names the cause and a remedy that works, so a one-line report of the failure
+    (`user_errors.describe`) keeps this message rather than the error it was raised from."""
+
+    remedy_in_message = True
+
+
+class FxUntraceable(TracingError):
+    """torch.fx could not follow some module's forward: `module_path` names it ("" for the
+    model's own forward, where no leaf can help); `failure` is the message without the remedy,
+    `remedy` the fix alone."""
+
+    def __init__(self, failure: str, remedy: str, module_path: str) -> None:
+        super().__init__(f"{failure}; {remedy}")
+        self.failure = failure
+        self.remedy = remedy
+        self.module_path = module_path
 
 
 class NeedsExampleInputs(TracingError):

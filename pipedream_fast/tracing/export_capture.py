@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 from pipedream_fast.tracing.blocks import _body, _build_blocks, mode_blocks
 from pipedream_fast.tracing.chain import Block, LayerChain
-from pipedream_fast.tracing.errors import TracingError, _failing_line, _reason
+from pipedream_fast.tracing.errors import FxUntraceable, TracingError, _failing_line, _reason
 from pipedream_fast.tracing.grouping import _block_names, _group, _key_function
 
 _ASSERTIONS = {torch.ops.aten._assert_scalar.default, torch.ops.aten._assert_tensor_metadata.default,
@@ -87,8 +87,7 @@ def _trace_export(model: nn.Module, example_inputs: Any, leaves: Sequence[Any],
     except Exception as err:  # noqa: BLE001 - reported with the fx failure, as one message
         raise TracingError(
             f"cannot split {type(model).__name__}: torch.export failed{_failing_line(err)}: "
-            f"{_reason(err)}; torch.fx failed too ({fx_error}). Mark the module that holds "
-            f"the failing code as a leaf (leaf_modules=[...]) or pass an nn.Sequential"
+            f"{_reason(err)}; {_fx_failure(fx_error)}. {_remedy(model, fx_error, err)}"
         ) from err
     leaves_, _ = pytree.tree_flatten((args, kwargs))
     placeholders = [n for n in train_gm.graph.nodes if n.op == "placeholder"]
@@ -125,6 +124,30 @@ def _trace_export(model: nn.Module, example_inputs: Any, leaves: Sequence[Any],
                       cuts=train.cut_names, unflatten_output=unflattener(train, out_spec),
                       unflatten_eval_output=unflattener(evals, eval_out_spec),
                       captured_by="export", input_flattener=flatten)
+
+
+def _fx_failure(fx_error: TracingError) -> str:
+    return (fx_error.failure if isinstance(fx_error, FxUntraceable) else str(fx_error)) \
+        + " as well"
+
+
+def _remedy(model: nn.Module, fx_error: TracingError, export_error: BaseException) -> str:
+    """A fix that works for this failure. A leaf helps only torch.fx (torch.export traces
+    through leaves), and only below the model's own forward."""
+    if isinstance(fx_error, FxUntraceable) and fx_error.module_path:
+        return f"For torch.fx, {fx_error.remedy}"
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) == "eager" and hasattr(
+            model, "set_experts_implementation"):
+        return ("Its experts run as a Python loop over the experts a batch hits "
+                "(experts_implementation 'eager'), which no capture can follow: call "
+                "model.set_experts_implementation('grouped_mm') (the default), which runs them "
+                "as grouped matrix products that torch.export captures")
+    return (f"Leaf modules cannot help: torch.fx fails in {type(model).__name__}'s own forward "
+            f"and torch.export traces through leaves. Make the failing step "
+            f"({_failing_line(export_error).strip() or 'see the cause above'}) tensor code "
+            f"(torch.where, masking, torch.cond instead of Python decisions on tensor values), "
+            f"or pass an nn.Sequential of the model's parts")
 
 
 def _fold_constant_inputs(graph: fx.Graph, values: Sequence[Any]) -> None:

@@ -12,22 +12,22 @@ from torch import nn
 
 from pipedream_fast.tracing.blocks import _body, _build_blocks, mode_blocks
 from pipedream_fast.tracing.chain import Block, LayerChain
-from pipedream_fast.tracing.errors import TracingError, _failing_line, _reason
+from pipedream_fast.tracing.errors import FxUntraceable, TracingError, _failing_line, _reason
 from pipedream_fast.tracing.grouping import _block_names, _group, _key_function, _split_leaves
 
 
-def _untraceable(path: str, m: nn.Module, err: BaseException) -> TracingError:
+def _untraceable(path: str, m: nn.Module, err: BaseException) -> FxUntraceable:
     cls = type(m).__name__
     what = f"module {path!r} ({cls})" if path else f"the model's own forward ({cls})"
     if path:
         fix = (f"mark it as a leaf so it is kept whole and never traced: "
-               f"trace(model, leaf_modules=[{path!r}]) or leaf_modules=[{cls}] "
-               f"(pipedream-fast profile: --leaf {path})")
+               f"leaf_modules=[{path!r}] or leaf_modules=[{cls}] (Pipeline(...), trace(...); "
+               f"pipedream-fast profile: --leaf {path})")
     else:
         fix = ("leaves cannot help with the root module: move the data-dependent code into a "
                "submodule and list that submodule in leaf_modules=, or pass an nn.Sequential")
-    return TracingError(f"torch.fx cannot trace {what}{_failing_line(err)}: {_reason(err)}; "
-                        f"{fix}")
+    return FxUntraceable(f"torch.fx cannot trace {what}{_failing_line(err)}: {_reason(err)}",
+                         fix, path)
 
 
 class _Tracer(fx.Tracer):
