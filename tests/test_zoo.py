@@ -13,11 +13,16 @@ each compared with a one-process loop computed here:
 * `precision="bf16"` equals the loop under `torch.autocast(bfloat16)`;
 * pipedream learns (untied models), or is refused at construction naming the tied weights;
 * `schedule="auto"` with no plan picks something that trains.
+
+The same models with their real drop rates (dropout, stochastic depth, drop path), and
+torchvision's Swin and EfficientNet-B0, train 2 steps, then `predict` (twice) and `evaluate`
+equal the trained weights loaded into the model in eval mode.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
@@ -40,7 +45,7 @@ if _MISSING:
     pytest.skip(f"the model zoo needs {', '.join(_MISSING)}: pip install -e '.[zoo]'",
                 allow_module_level=True)
 
-from zoo import ZOO, ZooModel, call  # noqa: E402 - after the check above
+from zoo import DROPPING, ZOO, ZooModel, call  # noqa: E402 - after the check above
 
 # One launched job runs every case (about 3 minutes on 2 quiet cores): its fixture's setup
 # counts against the first test's timeout.
@@ -142,8 +147,20 @@ def automatic(entry: ZooModel, rank: int, out: dict[str, Any]) -> None:
     pipe.close()
 
 
+def evaluation(entry: ZooModel, rank: int, out: dict[str, Any], **options: Any) -> None:
+    pipe = pipeline(entry, **options)
+    out["losses"] = [float(loss) for loss in pipe.train(entry.batches(2, 1), steps=2)]
+    out["state"] = pipe.state_dict()
+    inputs = split_item(entry, entry.batches(1, 7)[0])[0]
+    out["predict"] = [pipe.predict(inputs, everywhere=True) for _ in range(2)]
+    out["evaluate"] = pipe.evaluate(entry.batches(2, 7))["loss"]
+    pipe.close()
+
+
 SCENARIOS: dict[str, Callable[[ZooModel, int, dict[str, Any]], None]] = {
     "exact": exact, "bf16": bf16, "async": asynchronous, "auto": automatic}
+# (model, scenario) for every case of the job: the drop-rate models only evaluate.
+CASES = [(m, s) for m in ZOO for s in SCENARIOS] + [(m, "eval") for m in DROPPING]
 
 
 def zoo_job(rank: int, world: int, stores: list[str]) -> dict[str, Outcome]:
@@ -151,8 +168,7 @@ def zoo_job(rank: int, world: int, stores: list[str]) -> dict[str, Outcome]:
     fails on one rank must not leave the next one a broken group)."""
     torch.set_num_threads(1)
     results: dict[str, Outcome] = {}
-    cases = [(m, s) for m in ZOO for s in SCENARIOS]
-    for (model, scenario), store in zip(cases, stores):
+    for (model, scenario), store in zip(CASES, stores):
         out: dict[str, Any] = {}
         try:
             if dist.is_initialized():
@@ -160,7 +176,10 @@ def zoo_job(rank: int, world: int, stores: list[str]) -> dict[str, Outcome]:
             # A file store per case: ports picked ahead of the job could be taken by then.
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                     world_size=world, timeout=timedelta(seconds=2 * TIMEOUT))
-            SCENARIOS[scenario](ZOO[model], rank, out)
+            if scenario == "eval":
+                evaluation(DROPPING[model], rank, out)
+            else:
+                SCENARIOS[scenario](ZOO[model], rank, out)
             results[f"{model}/{scenario}"] = (out, None)
         except Exception:  # noqa: BLE001 - reported by the case's own test
             results[f"{model}/{scenario}"] = (out, traceback.format_exc())
@@ -170,7 +189,7 @@ def zoo_job(rank: int, world: int, stores: list[str]) -> dict[str, Outcome]:
 @pytest.fixture(scope="module")
 def job() -> list[dict[str, Outcome]]:
     folder = tempfile.mkdtemp(prefix="zoo-stores-")
-    stores = [os.path.join(folder, f"case{i}") for i in range(len(ZOO) * len(SCENARIOS))]
+    stores = [os.path.join(folder, f"case{i}") for i in range(len(CASES))]
     try:
         return launch(zoo_job, WORLD, stores, timeout=900, threads_per_rank=1)
     finally:
@@ -301,3 +320,42 @@ def test_rank_threads_capture_and_train_like_the_loop(name: str) -> None:
     keys = [k for k in want_state if want_state[k].is_floating_point()]
     assert relative(torch.cat([state[k].flatten().double() for k in keys]),
                     torch.cat([want_state[k].flatten().double() for k in keys])) <= 1e-5
+
+
+def check_evaluation(entry: ZooModel, got: list[dict[str, Any]]) -> None:
+    """Every rank's two predictions and evaluated loss against the model in eval mode with
+    the weights rank 0 returned."""
+    model = entry.build()
+    model.load_state_dict(got[0]["state"], strict=True)
+    model.eval()
+    inputs = split_item(entry, entry.batches(1, 7)[0])[0]
+    if isinstance(inputs, dict) and "use_cache" in inspect.signature(model.forward).parameters:
+        inputs = {**inputs, "use_cache": False}  # as the pipeline calls it: no cache returned
+    with torch.no_grad():
+        want = torch.utils._pytree.tree_leaves(call(model, inputs))
+        want_loss = sum(float(loss_of(entry, call(model, x), y)) for x, y in
+                        (split_item(entry, item) for item in entry.batches(2, 7))) / 2
+    for out in got:
+        first, second = (torch.utils._pytree.tree_leaves(p) for p in out["predict"])
+        assert all(torch.equal(a, b) for a, b in zip(first, second)), \
+            "two predictions of one input differ"
+        assert len(first) == len(want)
+        for a, b in zip(first, want):
+            assert relative(a, b) <= 1e-5, relative(a, b)
+        assert abs(out["evaluate"] - want_loss) <= 1e-5 * abs(want_loss), \
+            (out["evaluate"], want_loss)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(DROPPING))
+def test_with_real_drop_rates_predict_and_evaluate_equal_the_model_in_eval_mode(
+        job: Any, name: str) -> None:
+    check_evaluation(DROPPING[name], [result(job, f"{name}/eval", r) for r in range(WORLD)])
+
+
+@pytest.mark.parametrize("name", ["vit_tiny+drop_path", "swin_tiny", "efficientnet_b0"])
+def test_with_real_drop_rates_on_rank_threads_too(name: str) -> None:
+    entry = DROPPING[name]
+    out: dict[str, Any] = {}
+    evaluation(entry, 0, out, ranks="threads", workers=WORLD)
+    check_evaluation(entry, [out])

@@ -13,7 +13,10 @@ How the graph is captured
   Children are never traced, so any child works, traceable or not.
 * Any other module is first traced with `torch.fx` (nothing is executed, no inputs needed,
   and each `torch.nn` layer stays a call of the module itself, so `train()`/`eval()` act on
-  the blocks as on the model).
+  the blocks as on the model). Functional code that reads `self.training`
+  (`F.dropout(x, p, self.training)`, stochastic depth, drop path) is frozen by the trace, so
+  the model is traced in both modes and, where the graphs differ, each block runs the graph
+  of its current mode (`blocks.ModeBlock`).
 * Code that `torch.fx` cannot follow (an `assert` on a size, `if` on a shape, `**kwargs`,
   library code such as Hugging Face's masks) is captured with `torch.export` in non-strict
   mode from example inputs: Python runs for real, so asserts, shape checks and config reads

@@ -5,6 +5,7 @@ include the targets (`loss_fn=None`); torchvision and timm models take `(images,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,38 +66,39 @@ def cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out, y)
 
 
-def nanogpt() -> nn.Module:
+def nanogpt(drop: float = 0.0) -> nn.Module:
     from zoo.gpt import GPT, GPTConfig
     torch.manual_seed(0)
-    return GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32))
+    return GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32,
+                         dropout=drop))
 
 
-def llama() -> nn.Module:
+def llama(drop: float = 0.0) -> nn.Module:
     import transformers
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=2 * SEQ,
-                                      tie_word_embeddings=True)
+                                      tie_word_embeddings=True, attention_dropout=drop)
     return transformers.LlamaForCausalLM(config)
 
 
-def gpt2() -> nn.Module:
+def gpt2(drop: float = 0.0) -> nn.Module:
     import transformers
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=32,
-                                     n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                                     n_layer=2, n_head=4, resid_pdrop=drop, embd_pdrop=drop,
+                                     attn_pdrop=drop, bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(config)
 
 
-def bert() -> nn.Module:
+def bert(drop: float = 0.0) -> nn.Module:
     import transformers
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                      num_attention_heads=4, intermediate_size=64,
                                      max_position_embeddings=2 * SEQ, num_labels=3,
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                                     hidden_dropout_prob=drop, attention_probs_dropout_prob=drop)
     return transformers.BertForSequenceClassification(config)
 
 
@@ -106,12 +108,37 @@ def resnet18() -> nn.Module:
     return torchvision.models.resnet18(num_classes=10)
 
 
-def vit_tiny() -> nn.Module:
+def vit_tiny(drop: float = 0.0) -> nn.Module:
     import_torchvision()  # timm imports it
     import timm
     torch.manual_seed(0)
     return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,
-                             patch_size=8, depth=2, num_classes=10)
+                             patch_size=8, depth=2, num_classes=10, drop_rate=drop,
+                             attn_drop_rate=drop, drop_path_rate=drop)
+
+
+def swin_tiny() -> nn.Module:
+    """torchvision's Swin Transformer at a tiny size, with swin_t's stochastic depth (0.2)."""
+    import_torchvision()
+    from torchvision.models.swin_transformer import SwinTransformer
+    torch.manual_seed(0)
+    return SwinTransformer(patch_size=[4, 4], embed_dim=24, depths=[2, 2], num_heads=[2, 4],
+                           window_size=[4, 4], stochastic_depth_prob=0.2, num_classes=10)
+
+
+def efficientnet_b0() -> nn.Module:
+    """torchvision's EfficientNet-B0 with its defaults: stochastic depth 0.2, dropout 0.2."""
+    torchvision = import_torchvision()
+    torch.manual_seed(0)
+    return torchvision.models.efficientnet_b0(num_classes=10)
+
+
+def _images64(steps: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """64x64 images: at 32x32 EfficientNet's last stages see 1x1 maps, whose batch norm over
+    a 4-sample microbatch makes the plain model's own eval outputs NaN."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, 3, 64, 64, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+            for _ in range(steps)]
 
 
 def _lm_pairs(steps: int, seed: int) -> list[Any]:
@@ -140,6 +167,20 @@ ZOO = {m.name: m for m in [
     ZooModel("bert", bert, _classify, None, tied=False),
     ZooModel("resnet18", resnet18, _images, cross_entropy, tied=False),
     ZooModel("vit_tiny", vit_tiny, _images, cross_entropy, tied=False),
+]}
+
+# The models with their real drop rates (dropout, attention dropout, stochastic depth, drop
+# path), for checking that evaluation and prediction run them as model.eval() would: the
+# zoo above keeps them at 0 so that training can be compared with the plain loop exactly.
+DROPPING = {m.name: m for m in [
+    ZooModel("nanogpt+dropout", functools.partial(nanogpt, 0.1), _lm_pairs, None, tied=True),
+    ZooModel("llama+dropout", functools.partial(llama, 0.1), _lm_dicts, None, tied=True),
+    ZooModel("gpt2+dropout", functools.partial(gpt2, 0.1), _lm_dicts, None, tied=True),
+    ZooModel("bert+dropout", functools.partial(bert, 0.1), _classify, None, tied=False),
+    ZooModel("vit_tiny+drop_path", functools.partial(vit_tiny, 0.1), _images, cross_entropy,
+             tied=False),
+    ZooModel("swin_tiny", swin_tiny, _images, cross_entropy, tied=False),
+    ZooModel("efficientnet_b0", efficientnet_b0, _images64, cross_entropy, tied=False),
 ]}
 
 
