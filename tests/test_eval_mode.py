@@ -311,3 +311,29 @@ def test_the_launchers_one_line_keeps_the_remedy_of_a_capture_failure():
     assert "leaf_modules=['gate']" in line, line
     chain = trace(Net(), torch.randn(2, 4), leaf_modules=["gate"])  # and the remedy works
     assert len(chain) == 3
+
+
+class EvalOnlyBranch(nn.Module):
+    """Code that only eval mode runs, and that torch.fx cannot follow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if not self.training and h.sum() > 0:  # data-dependent, eval mode only
+            h = h * 2
+        return self.b(h)
+
+
+def test_a_model_untraceable_only_in_eval_mode_trains_and_refuses_evaluation():
+    torch.manual_seed(0)
+    model = EvalOnlyBranch()
+    chain = trace(model)
+    x = batches(1)[0][0]
+    torch.testing.assert_close(chain(x), model(x))
+    for block in chain.blocks:
+        block.module.eval()
+    with pytest.raises(TracingError, match="EvalOnlyBranch cannot be traced in eval mode"):
+        chain(x)

@@ -10,7 +10,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from pipedream_fast.tracing.blocks import _body, _build_blocks, mode_blocks
+from pipedream_fast.tracing.blocks import ModeBlock, _body, _build_blocks, mode_blocks
 from pipedream_fast.tracing.chain import Block, LayerChain
 from pipedream_fast.tracing.errors import FxUntraceable, TracingError, _failing_line, _reason
 from pipedream_fast.tracing.grouping import _block_names, _group, _key_function, _split_leaves
@@ -69,7 +69,14 @@ def _trace_fx(model: nn.Module, leaves: Sequence[Any]) -> LayerChain:
     built = _build_blocks(model, graph, groups)
     modules: list[nn.Module] = list(built.modules)
     final_eval = None
-    eval_graph = _fx_graph(model, leaves, fixed, training=False)
+    try:
+        eval_graph = _fx_graph(model, leaves, fixed, training=False)
+    except TracingError as err:  # training works: only evaluation is refused, saying why
+        why = (f"{type(model).__name__} cannot be traced in eval mode ({err}); evaluate it "
+               f"outside the pipeline: load pipe.state_dict() into the model and call "
+               f"model.eval()")
+        modules = [ModeBlock(m, None, why) for m in built.modules]
+        eval_graph = graph
     if eval_graph.python_code("self").src != graph.python_code("self").src:
         evals = _build_blocks(model, eval_graph, _group(_body(eval_graph), key_of, keys))
         modules = mode_blocks(type(model).__name__, built, evals)
