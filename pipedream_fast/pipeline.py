@@ -35,28 +35,25 @@ from torch.utils import _pytree as pytree
 
 from pipedream_fast import checkpoint as ckpt
 from pipedream_fast.formats import Plan, Profile
-from pipedream_fast.runtime.calibration import Calibration
-from pipedream_fast.runtime.executor import Executor
-from pipedream_fast.runtime.stage import (OptimizerFactory, SchedulerFactory,
-                                          StageRuntime)
-from pipedream_fast.runtime.transport import Transport
-from pipedream_fast.runtime.update_sync import GlobalUpdateSync, LossScaler
+from pipedream_fast.runtime.stage import (OptimizerFactory, SchedulerFactory)
 from pipedream_fast.schedules import SYNCHRONOUS
 from pipedream_fast.schedules.forward_only import forward_only
 from pipedream_fast.stopping import DeferredStop
-from pipedream_fast.tracing import LayerChain, NeedsExampleInputs
-from pipedream_fast.tracing import trace as trace_model
-from pipedream_fast.training import (GLOBAL_STATE, EpochBatches, MicrobatchFeed, data_source,
+from pipedream_fast.training import (MicrobatchFeed, data_source,
                                      feed_uses, named_state,
-                                     original_names, model_loss,
+                                     model_loss,
                                      batch_size, split_microbatches,
                                      to_device)
 from pipedream_fast.tuning import Tuning
 from pipedream_fast.options import OptionError, PipelineOptions
+from pipedream_fast.rank.checkpoints import Checkpoints
+from pipedream_fast.rank.cutting import Stages
+from pipedream_fast.rank.data import Progress
 from pipedream_fast.rank.moving import Moving
-from pipedream_fast.rank.state import NonFiniteLoss
+from pipedream_fast.rank.run_loop import RunLoop
+from pipedream_fast.rank.state import NonFiniteLoss, RankContext
 from pipedream_fast.rank_threads import RankThreads
-from pipedream_fast.world import Group, ProcessWorld, ThreadWorld, World
+from pipedream_fast.world import ProcessWorld, World
 
 
 def _check_split_matches(plan: Plan, kwargs: dict[str, Any]) -> None:
@@ -111,7 +108,7 @@ def _first_given(results: list[Any]) -> Any:
     return next((r for r in results if r is not None), None)
 
 
-class Pipeline(Moving):
+class Pipeline:
     """Pipeline-parallel training of `model` on the ranks of the default process group.
 
     Steps and updates: a *step* is one minibatch of the loader, split into `chunks`
@@ -197,7 +194,7 @@ class Pipeline(Moving):
             values = {**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)},
                       **values}
         opts = PipelineOptions.of(**values)
-        self.options = opts
+        self._options = opts
         self._threads: RankThreads | None = None
         self._run_id = ckpt.claim_run(opts.checkpoint_dir)  # refuses another run's folder
         if plan is not None and opts.stages is not None:
@@ -219,119 +216,58 @@ class Pipeline(Moving):
                                                   loss_fn=loss_fn, optimizer=optimizer,
                                                   profile=profile))
             return
-        self._world: World = _world if _world is not None else ProcessWorld(opts.timeout)
+        world: World = _world if _world is not None else ProcessWorld(opts.timeout)
         # A factory: every rank builds the model on the meta device and materialises only its
-        # own stages (`_setup`). Where the planner cuts it, rank 0 profiles it, which needs
-        # real weights: rank 0 builds it for real, and puts it back on meta once it is cut.
-        self._factory_built = False
-        self._built_on_meta = False
+        # own stages (`Stages.setup`). Where the planner cuts it, rank 0 profiles it, which
+        # needs real weights: rank 0 builds it for real, and puts it back on meta once it is cut.
+        factory_built = built_on_meta = False
         if not isinstance(model, nn.Module) and callable(model):
-            self._built_on_meta = True
-            self._factory_built = (self._world.rank == 0 and self._world.size > 1
-                                   and plan is None and opts.balance is None
-                                   and opts.split_points is None)
-            if self._factory_built:
+            built_on_meta = True
+            factory_built = (world.rank == 0 and world.size > 1 and plan is None
+                             and opts.balance is None and opts.split_points is None)
+            if factory_built:
                 model = model()
             else:
                 with torch.device("meta"):
                     model = model()
-        self.rank = self._world.rank
-        self.world_size = self._world.size
-        self.device = (torch.device(opts.device) if opts.device is not None
-                       else self._world.default_device(model))
-        self.tuning = tuning or Tuning()
-        self.tuning.check_device(self.device)
-        self.schedule_name = opts.schedule
-        self.microbatch_size = opts.microbatch_size
-        self.chunks = opts.chunks
-        self.loss_fn: Callable[[Any, Any], torch.Tensor] = loss_fn or model_loss
-        self._inputs_only = loss_fn is None  # loader items are the model's inputs alone
-        self.timeout = opts.timeout
-        self.trace = opts.trace
-        self.seed = opts.seed
-        self.precision = opts.precision
-        self.clip_grad_norm = opts.clip_grad_norm
-        self.on_nan = opts.on_nan
-        self.checkpoint_dir = opts.checkpoint_dir
-        self.checkpoint_every = opts.checkpoint_every
-        self.checkpoint_keep = opts.checkpoint_keep
-        self._optimizer_factory = optimizer
-        self._scheduler_factory = scheduler
-        self._stages_wanted = opts.stages
-        self._model: nn.Module | None = model  # until the stages are cut
-        # Rank threads share the caller's model (copies only where a rank needs its own).
-        self._shares_model = isinstance(self._world, ThreadWorld) and isinstance(model, nn.Module)
-        self._copied: dict[int, Any] = {}  # id of a model tensor -> this rank's copy of it
-        self._names = original_names(model)
-        self._leaf_modules = tuple(leaf_modules)
-        self._chain: LayerChain | None = None  # None: captured at the first minibatch
-        try:
-            with GLOBAL_STATE:
-                self._chain = trace_model(model, example_inputs, leaf_modules, check=False)
-        except NeedsExampleInputs:
-            pass  # torch.export needs inputs: the model is cut at its first minibatch
-        self.plan: Plan | None = None
-        self.stage_indices: tuple[int, ...] = ()
-        self._modules: dict[int, nn.Module] = {}  # the stages this rank holds
-        self._optimizers: dict[int, torch.optim.Optimizer] = {}
-        self._schedulers: dict[int, Any] = {}
-        self._runtimes: dict[int, StageRuntime] = {}
-        self._saved_copies: dict[int, list[dict[str, Any]]] = {}  # localsgd copies from `load`
-        # the staleness corrections' velocities from `load`, for stages not made yet
-        self._saved_staleness: dict[int, dict[str, Any] | None] = {}
-        weakref.finalize(self, self._world.release)
-        self._transport: Transport | None = None
-        # Agreement between runs (data, metrics, plans) and before updates, on CPU tensors,
-        # with the Pipeline's timeout: a dead or stuck rank fails the others within it.
-        control = self._world.new_group(list(range(self.world_size)), backend="gloo")
-        assert control is not None
-        self._control: Group = control
-        self._stop_request: DeferredStop | None = None  # the driving thread's, for threads
-        self._executor: Executor | None = None  # the last run's (what a stuck rank was doing)
-        # Forward-only traffic, one transport per (batch size, chunks, target structure):
-        # every link keeps the shapes of its first message.
-        self._inference_transports: dict[tuple[Any, ...], Transport] = {}
-        self._sync: GlobalUpdateSync | None = None
-        self._scaler = LossScaler() if opts.precision == "fp16" else None
-        self._step = 0  # minibatches trained so far
-        self._pending_restore: tuple[Path, dict[str, Any]] | None = None  # from `load`
-        self._peeked: tuple[EpochBatches, Any] | None = None  # a batch read to plan with
-        self._source: EpochBatches | None = None  # unused (training's are in `_reading`)
-        # Where training reads the loader (first-stage ranks; saved in checkpoints): its epoch
-        # (which seeds its order) and the batches of that epoch trained on; the loader of the
-        # last run and its batches, where a run on the same loader goes on reading; the
-        # batches of the run in progress and `_step` when it began.
-        self._epoch, self._epoch_batches = 0, 0
-        self._last_loader: Any = None
-        self._live: EpochBatches | None = None
-        self._reading: tuple[EpochBatches, int] | None = None
-        self.last_stats: dict[str, Any] = {}
-        self.last_events: list[Any] = []
-        # This rank's running estimate of its costs, fed by every training run's executor
-        # (runtime/calibration.py); `sim.MeasuredCosts.from_calibration` reads it.
-        self.calibration = Calibration(self.rank)
-        # Moving stages (`move`, `adapt`): rank 0's per-block profile to re-plan from (given,
-        # or kept from planning), every move made and every re-planning check (see
-        # `rank/moving.py`), and why this rank cannot go on if a move failed half-way.
+        assert isinstance(model, nn.Module)
+        device = (torch.device(opts.device) if opts.device is not None
+                  else world.default_device(model))
+        tuning = tuning or Tuning()
+        tuning.check_device(device)
+        self._world = world
+        weakref.finalize(self, world.release)
+        ctx = RankContext(opts, world, device, tuning, loss_fn or model_loss,
+                          inputs_only=loss_fn is None, optimizer_factory=optimizer,
+                          scheduler_factory=scheduler, run_id=self._run_id)
         if isinstance(profile, (str, os.PathLike)):
             profile = Profile.load(profile)
-        self._profile = profile if self.rank == 0 else None
-        self.moves: list[dict[str, Any]] = []
-        self.adapt_checks: list[dict[str, Any]] = []
-        self._refused: set[str] = set()
-        self._broken: str | None = None
         if isinstance(plan, (str, os.PathLike)):
             plan = Plan.load(plan)
         if plan is not None and not isinstance(plan, Plan):
             raise TypeError(f"plan must be None, a path or a Plan, got {type(plan).__name__}")
-        self._split = (plan, opts.balance, opts.split_points)  # how to cut, once the chain is known
-        if self._chain is not None:
-            self._check_ties_allowed(self._chain)
-            plan = self._fixed_plan()
+        # The rank's parts (rank/state.py draws them): each owns its state.
+        self._ctx = ctx
+        self._stages = Stages(ctx, model, leaf_modules=tuple(leaf_modules),
+                              split=(plan, opts.balance, opts.split_points),
+                              factory_built=factory_built, built_on_meta=built_on_meta,
+                              profile=profile)
+        self._progress = Progress(ctx, self._stages)
+        self._checkpoints = Checkpoints(ctx, self._stages, self._progress)
+        self._run_loop = RunLoop(ctx, self._stages, self._progress, self._checkpoints,
+                                 trace=opts.trace)
+        self._moving = Moving(ctx, self._stages, self._progress, self._checkpoints,
+                              self._run_loop)
+        self._run_loop.after_run = self._moving.after_run
+        stages = self._stages
+        stages.try_capture(example_inputs)
+        if stages.chain is not None:  # cut now where the plan is known or can be made
+            stages.check_ties_allowed(stages.chain)
+            plan = stages.fixed_plan()
             if plan is None and example_inputs is not None:
-                plan = self._plan_from(example_inputs if self.rank == 0 else None)
+                plan = stages.plan_from(example_inputs if ctx.rank == 0 else None)
             if plan is not None:
-                self._setup(plan)
+                stages.setup(plan)
 
     def _start_threads(self, model: nn.Module | Callable[[], nn.Module], plan: Any,
                        objects: dict[str, Any]) -> None:
@@ -341,25 +277,24 @@ class Pipeline(Moving):
         (or a weight tied across stages) gets a copy; a factory is called by every rank."""
         if isinstance(plan, (str, os.PathLike)):
             plan = Plan.load(plan)
-        workers = self.options.workers
+        workers = self._options.workers
         if workers is None:
             if plan is None:
                 raise OptionError("workers", "ranks='threads' needs workers=N, the number of "
                                              "rank threads (or a plan=, whose worker count is "
                                              "taken)")
             workers = plan.workers
-        self.rank, self.world_size = 0, workers
-        threads = RankThreads(workers, self.options.timeout, on_reset=self._after_abort,
+        threads = RankThreads(workers, self._options.timeout, on_reset=self._after_abort,
                               describe=self._describe_rank)
         self._threads = threads
         self._ranks: list[Pipeline] = threads.call(
-            lambda r: Pipeline(model, plan=plan, options=self.options, _world=threads.worlds[r],
+            lambda r: Pipeline(model, plan=plan, options=self._options, _world=threads.worlds[r],
                                **objects))
 
     def _describe_rank(self, rank: int) -> str:
         """What rank thread `rank` is doing, for a report that it is stuck."""
         ranks = self.__dict__.get("_ranks")
-        executor = ranks[rank]._executor if ranks else None
+        executor = ranks[rank]._run_loop.executor if ranks else None
         current = executor.current if executor is not None else None
         if current is None:
             return f"rank {rank} is outside the schedule's actions (reading data, agreeing)"
@@ -371,10 +306,7 @@ class Pipeline(Moving):
         """ranks='threads', after a failure aborted every rank's waits: the transports it
         closed are dropped (the ranks make new ones), what was in flight is discarded."""
         for pipe in self._ranks:
-            pipe._transport = None
-            pipe._inference_transports.clear()
-            for runtime in pipe._runtimes.values():
-                runtime.abandon_run()
+            pipe._stages.forget_links()
 
     def _each_rank(self, fn: Callable[[Pipeline], Any]) -> None:
         """`fn` on this rank, or (ranks='threads') on every rank thread at once."""
@@ -383,36 +315,97 @@ class Pipeline(Moving):
         else:
             self._threads.call(lambda r: fn(self._ranks[r]))
 
-    def __getattr__(self, name: str) -> Any:
-        """ranks='threads': what is the same on every rank (plan, schedule_name, device...)
-        is rank 0's; `last_stats` and `calibration` are by rank, `last_events` every rank's."""
-        ranks = self.__dict__.get("_ranks")
-        if ranks is None or name.startswith("__"):
-            raise AttributeError(name)
-        if name == "last_stats":
-            return {r: p.last_stats for r, p in enumerate(ranks)}
-        if name == "last_events":
-            return [e for p in ranks for e in p.last_events]
-        if name == "calibration":
-            return {r: p.calibration for r, p in enumerate(ranks)}
-        return getattr(ranks[0], name)
+    def _first(self) -> Pipeline:
+        """This rank; with ranks='threads', rank 0's thread (what is the same on every rank)."""
+        return self._ranks[0] if self._threads is not None else self
+
+    # --- what a rank is ----------------------------------------------------------------------
+    @property
+    def options(self) -> PipelineOptions:
+        """The options, checked (a rank's has schedule='auto' resolved once it is cut)."""
+        return self._ctx.options if self._threads is None else self._options
+
+    @property
+    def rank(self) -> int:
+        """This rank (0 for the caller of ranks='threads')."""
+        return 0 if self._threads is not None else self._ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._threads.size if self._threads is not None else self._ctx.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._first()._ctx.device
+
+    @property
+    def tuning(self) -> Tuning:
+        return self._first()._ctx.tuning
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule (schedule='auto': the one chosen, once the model is cut)."""
+        return self._first()._ctx.schedule_name
+
+    @property
+    def seed(self) -> int:
+        return self._first()._ctx.seed
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan the model is cut with (None until the first minibatch, where it is
+        planned then)."""
+        return self._first()._stages.plan
+
+    @property
+    def stage_indices(self) -> tuple[int, ...]:
+        """The stages this rank holds (rank 0's under ranks='threads')."""
+        return self._first()._stages.stage_indices
+
+    @property
+    def moves(self) -> list[dict[str, Any]]:
+        """Every move of the stages made (`move`, `adapt`), its record."""
+        return self._first()._moving.moves
+
+    @property
+    def adapt_checks(self) -> list[dict[str, Any]]:
+        """Every re-planning check of `adapt`."""
+        return self._first()._moving.adapt_checks
+
+    @property
+    def last_stats(self) -> Any:
+        """The last run's statistics (by rank under ranks='threads')."""
+        if self._threads is not None:
+            return {r: p.last_stats for r, p in enumerate(self._ranks)}
+        return self._run_loop.last_stats
+
+    @property
+    def last_events(self) -> list[Any]:
+        """With `trace`, the actions of the first run of the last train() call (every rank's
+        under ranks='threads')."""
+        if self._threads is not None:
+            return [e for p in self._ranks for e in p.last_events]
+        return self._run_loop.last_events
+
+    @property
+    def calibration(self) -> Any:
+        """This rank's running estimate of its costs (`runtime/calibration.py`; by rank under
+        ranks='threads'), which `sim.MeasuredCosts.from_calibration` reads."""
+        if self._threads is not None:
+            return {r: p.calibration for r, p in enumerate(self._ranks)}
+        return self._run_loop.calibration
 
     # --- set-up ------------------------------------------------------------------------------
     @property
     def trace(self) -> bool:
         """Whether the next runs record a trace of their actions (`last_events`); may be
         switched between runs."""
-        if self._threads is not None:
-            return self._ranks[0].trace
-        return self._trace
+        return self._first()._run_loop.trace
 
     @trace.setter
     def trace(self, value: bool) -> None:
-        if self.__dict__.get("_threads") is not None:
-            for pipe in self._ranks:
-                pipe.trace = value
-        else:
-            self._trace = value
+        for pipe in (self._ranks if self._threads is not None else [self]):
+            pipe._run_loop.trace = value
 
     @property
     def stage_modules(self) -> dict[int, nn.Module]:
@@ -420,29 +413,31 @@ class Pipeline(Moving):
         ranks='threads', every stage (its first replica's)."""
         if self._threads is not None:
             return {i: m for p in reversed(self._ranks) for i, m in p.stage_modules.items()}
-        return dict(self._modules)
+        return dict(self._stages.modules)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers of this rank's stages, in stage order (one per stage with weights);
         with ranks='threads', every stage's (its first replica's)."""
         if self._threads is not None:
-            found = {i: o for p in reversed(self._ranks) for i, o in p._optimizers.items()}
-            self._ranks[0]._require_setup("optimizers")
+            found = {i: o for p in reversed(self._ranks)
+                     for i, o in p._stages.optimizers.items()}
+            self._ranks[0]._stages.require_setup("optimizers")
             return [found[i] for i in sorted(found)]
-        self._require_setup("optimizers")
-        return [self._optimizers[i] for i in sorted(self._optimizers)]
+        self._stages.require_setup("optimizers")
+        return [self._stages.optimizers[i] for i in sorted(self._stages.optimizers)]
 
     @property
     def schedulers(self) -> list[Any]:
         """The learning-rate schedulers of this rank's stages, in stage order (with
         ranks='threads', every stage's)."""
         if self._threads is not None:
-            found = {i: s for p in reversed(self._ranks) for i, s in p._schedulers.items()}
-            self._ranks[0]._require_setup("schedulers")
+            found = {i: s for p in reversed(self._ranks)
+                     for i, s in p._stages.schedulers.items()}
+            self._ranks[0]._stages.require_setup("schedulers")
             return [found[i] for i in sorted(found)]
-        self._require_setup("schedulers")
-        return [self._schedulers[i] for i in sorted(self._schedulers)]
+        self._stages.require_setup("schedulers")
+        return [self._stages.schedulers[i] for i in sorted(self._stages.schedulers)]
 
     # --- data ----------------------------------------------------------------------------------
     # --- training -----------------------------------------------------------------------------
@@ -464,11 +459,14 @@ class Pipeline(Moving):
         raised. Collective: every rank must iterate it."""
         if self._threads is not None:
             def start(rank: int, request: DeferredStop) -> Iterator[torch.Tensor | None]:
-                self._ranks[rank]._stop_request = request
+                self._ranks[rank]._run_loop.stop_request = request
                 return self._ranks[rank].train(loader, steps, epochs=epochs)
             yield from self._threads.train(start)
             return
-        yield from self._train_rank(loader, steps, epochs)
+        if self._moving.broken is not None:
+            raise RuntimeError(f"this Pipeline cannot train any more: {self._moving.broken}; "
+                               f"load the last checkpoint (Pipeline.load) to go on")
+        yield from self._run_loop.train(loader, steps, epochs)
 
     def step(self, inputs: Any, targets: Any) -> torch.Tensor | None:
         """One minibatch of a synchronous schedule (gpipe, 1f1b, data-parallel)."""
@@ -491,14 +489,13 @@ class Pipeline(Moving):
         metrics = dict(metrics or {})
         if "loss" in metrics:
             raise ValueError("'loss' is always reported (loss_fn); name the metric otherwise")
-        steps, chunks, spec, batches = self._open_data(loader, steps, None, evaluation=True)
-        self._source = None  # evaluation does not count as an epoch of training
+        steps, chunks, spec, batches = self._progress.open(loader, steps, None, evaluation=True)
         assert self.plan is not None
         schedule = forward_only([s.ranks for s in self.plan.stages], steps * chunks)
         inputs = None
         if batches is not None:
             feed = MicrobatchFeed(batches, chunks, feed_uses(schedule, [self.rank]))
-            inputs = data_source(feed, schedule, self.rank, self._flatten, self.device)
+            inputs = data_source(feed, schedule, self.rank, self._stages.flatten, self.device)
         sums: dict[str, float] = dict.fromkeys(["loss", *metrics], 0.0)
         count = [0]
 
@@ -509,15 +506,15 @@ class Pipeline(Moving):
                 return  # all padding
             if n < real.numel():  # the padded tail of a short last batch
                 out, target = (pytree.tree_map(lambda t: t[real], v) for v in (out, target))
-            sums["loss"] += float(self.loss_fn(out, target)) * n
+            sums["loss"] += float(self._ctx.loss_fn(out, target)) * n
             for name, fn in metrics.items():
                 sums[name] += float(fn(out, target)) * n
             count[0] += n
 
-        self._forward_only(schedule, inputs, spec, sink,
-                           key=(self._agreed_batch, chunks, pytree.treespec_dumps(spec)))
+        self._run_loop.forward_only(schedule, inputs, spec, sink,
+                           key=(self._progress.agreed_batch, chunks, pytree.treespec_dumps(spec)))
         parts: list[Any] = []
-        self._agree(lambda: parts.extend(self._control.all_gather_object((sums, count[0]))),
+        self._ctx.agree(lambda: parts.extend(self._ctx.control.all_gather_object((sums, count[0]))),
                     "gathering the metrics")
         total = sum(n for _, n in parts)
         return {name: sum(p[name] for p, _ in parts) / max(total, 1) for name in sums}
@@ -527,25 +524,25 @@ class Pipeline(Moving):
         """The model's outputs for one minibatch of `inputs` (eval mode, no gradients), on the
         ranks of the last stage (None elsewhere), or on every rank with `everywhere`. Every
         rank passes the same inputs (only the first stage's ranks read them). Collective."""
-        self._require_setup("predict()")
+        self._stages.require_setup("predict()")
         assert self.plan is not None
-        chunks = self._chunks_for(inputs)
+        chunks = self._ctx.chunks_for(inputs)
         parts = split_microbatches(inputs, chunks)
         schedule = forward_only([s.ranks for s in self.plan.stages], chunks)
         spec = pytree.tree_flatten(())[1]  # no target: nothing travels with the inputs
 
         def source(mb: int) -> tuple[tuple[Any, ...], Any]:
-            return self._flatten(to_device(parts[mb], self.device)), ()
+            return self._stages.flatten(to_device(parts[mb], self.device)), ()
 
         outputs: dict[int, Any] = {}
-        self._forward_only(schedule, source if 0 in self.stage_indices else None, spec,
+        self._run_loop.forward_only(schedule, source if 0 in self.stage_indices else None, spec,
                            lambda mb, out, _: outputs.__setitem__(mb, pytree.tree_map(
                                lambda t: t.detach().cpu(), out)),
                            key=(batch_size(inputs), chunks, pytree.treespec_dumps(spec)))
         last = len(self.plan.stages) - 1
         if everywhere or len(self.plan.stages[last].ranks) > 1:
             gathered: list[Any] = []
-            self._agree(lambda: gathered.extend(self._control.all_gather_object(outputs)),
+            self._ctx.agree(lambda: gathered.extend(self._ctx.control.all_gather_object(outputs)),
                         "gathering the outputs")
             for part in gathered:
                 outputs.update(part)
@@ -560,12 +557,12 @@ class Pipeline(Moving):
         """The whole model's state under its `state_dict()` keys, on rank 0 (None elsewhere):
         a tied weight under each of its keys as one tensor, no non-persistent buffers, so a
         fresh model loads it with `strict=True`. Collective: every rank must call it."""
-        self._require_setup("state_dict()")
+        self._stages.require_setup("state_dict()")
         assert self.plan is not None
-        mine = named_state([m for i, m in self._modules.items()
-                            if self.plan.stages[i].ranks[0] == self.rank], self._names)
+        mine = named_state([m for i, m in self._stages.modules.items()
+                            if self.plan.stages[i].ranks[0] == self.rank], self._stages.names)
         box: list[Any] = [None]
-        self._agree(lambda: box.__setitem__(0, self._control.gather_object(mine, dst=0)),
+        self._ctx.agree(lambda: box.__setitem__(0, self._ctx.control.gather_object(mine, dst=0)),
                     "gathering the model")
         gathered = box[0]
         if gathered is None:
@@ -573,7 +570,7 @@ class Pipeline(Moving):
         full: dict[str, torch.Tensor] = {}
         for part in gathered:
             full.update(part)
-        return ckpt.share_aliases(full, self._aliases())
+        return ckpt.share_aliases(full, self._stages.aliases())
 
     @_on_every_rank(_rank_0)
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -582,7 +579,7 @@ class Pipeline(Moving):
         over an existing checkpoint stages the new one and swaps it in; a file, or a folder
         holding anything but a checkpoint, is refused on every rank (a save never deletes
         other files). Collective."""
-        self._save_rank(path)
+        self._checkpoints.save(path)
 
     @_on_every_rank(_rank_0)
     def move(self, plan: Plan) -> dict[str, Any]:
@@ -593,7 +590,7 @@ class Pipeline(Moving):
         as it would have without the move. Returns the move's record (also appended to
         `moves`). `adapt=True` does this by itself when the measured speeds call for it; see
         `pipedream_fast.rank.moving` for the protocol. Collective."""
-        return self._move_rank(plan, "requested")
+        return self._moving.move(plan, "requested")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: nn.Module | Callable[[], nn.Module],
@@ -623,7 +620,7 @@ class Pipeline(Moving):
         if pipe.rank == 0:
             for note in notes:
                 print(f"pipedream_fast: {note}", flush=True)
-        pipe._each_rank(lambda p: p._resume(folder, manifest))
+        pipe._each_rank(lambda p: p._checkpoints.resume(folder, manifest))
         return pipe
 
 
@@ -636,5 +633,4 @@ class Pipeline(Moving):
                 pipe.close()
             return
         self._world.release()
-        self._transport = None
-        self._inference_transports.clear()
+        self._stages.drop_links()

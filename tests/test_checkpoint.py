@@ -66,7 +66,7 @@ def save_job(rank: int, world: int, root: str) -> dict[str, Any]:
 def resume_job(rank: int, world: int, root: str) -> dict[str, Any]:
     pipe = Pipeline.load(root, model(), nn.functional.cross_entropy, sgd, schedule="1f1b",
                          chunks=CHUNKS, timeout=TIMEOUT)
-    step = pipe._step
+    step = pipe._progress.step
     list(pipe.train(batches(10)[step:], steps=10 - step))
     state = pipe.state_dict()
     pipe.close()

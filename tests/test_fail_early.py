@@ -23,6 +23,7 @@ from torch import nn
 from pipedream_fast import checkpoint as ckpt
 from pipedream_fast.launch import launch
 from pipedream_fast.pipeline import Pipeline
+from pipedream_fast.rank.cutting import materialize
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = ["--steps", "2", "--batch-size", "16", "--trace-steps", "0"]  # if a run starts at all
@@ -134,12 +135,10 @@ def test_materialising_a_stage_is_seeded_keeps_ties_and_names_what_no_reset_sets
         with torch.device("meta"):
             model = nn.Sequential(Scaled(), nn.Linear(4, 4), nn.Linear(4, 4))
         model[2].weight = model[1].weight
-        pipe = Pipeline.__new__(Pipeline)  # the method alone: no process group needed
-        pipe.seed, pipe.rank = 7, 0
-        pipe._names = {id(t): (k,) for k, t in model.state_dict(keep_vars=True).items()}
+        names = {id(t): (k,) for k, t in model.state_dict(keep_vars=True).items()}
         with pytest.warns(UserWarning) as caught:
             torch.manual_seed(stage * 11)  # whatever state the rank's generator is in
-            pipe._materialize(model, torch.device("cpu"), stage)
+            materialize(model, torch.device("cpu"), stage, seed=7, names=names, rank=0)
         return model, [str(w.message) for w in caught]
 
     first, warned = materialised(0)

@@ -213,10 +213,10 @@ def nan_job(rank: int, world: int) -> dict[str, Any]:
         for _ in pipe.train(data, steps=4):
             pass
     except NonFiniteLoss as err:
-        return {"text": str(err), "trained": pipe._step}
+        return {"text": str(err), "trained": pipe._progress.step}
     finally:
         pipe.close()
-    return {"text": "", "trained": pipe._step}
+    return {"text": "", "trained": pipe._progress.step}
 
 
 @pytest.mark.slow

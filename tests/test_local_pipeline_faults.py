@@ -99,7 +99,7 @@ def workers() -> list[threading.Thread]:
 
 def assert_clean(pipe: LocalPipeline) -> None:
     assert workers() == []
-    for runtime in (rt for p in pipe._ranks for rt in p._runtimes.values()):
+    for runtime in (rt for p in pipe._ranks for rt in p._stages.runtimes.values()):
         assert not runtime.inflight and not runtime.input_grads
         assert runtime.ring is None or runtime.ring.held_versions() == []
 

@@ -93,7 +93,7 @@ def pipeline_job(rank: int, world: int, cases: list, resume: tuple | None, folde
         pipe = Pipeline(mlp(), loss_fn, sgd, plan=plan_for(stages), schedule="localsgd",
                         local_steps=h, model_replicas=r, timeout=60)
         losses = [float(loss) for loss in pipe.train(data(steps), steps=steps)]
-        copies = {i: stage_copies(rt) for i, rt in pipe._runtimes.items()}
+        copies = {i: stage_copies(rt) for i, rt in pipe._stages.runtimes.items()}
         out[(r, h, steps)] = (losses, pipe.state_dict(), copies)
         pipe.close()
     if resume is not None:
@@ -106,7 +106,7 @@ def pipeline_job(rank: int, world: int, cases: list, resume: tuple | None, folde
         restored = Pipeline.load(folder, mlp(), loss_fn, sgd, schedule="localsgd",
                                  local_steps=h, model_replicas=r, timeout=60)
         losses += [float(loss) for loss in restored.train(data(second, seed=2), steps=second)]
-        copies = {i: stage_copies(rt) for i, rt in restored._runtimes.items()}
+        copies = {i: stage_copies(rt) for i, rt in restored._stages.runtimes.items()}
         out["resume"] = (losses, restored.state_dict(), copies)
         restored.close()
     return out
@@ -179,7 +179,7 @@ def test_local_pipeline_threads_equal_reference_localsgd(case):
     pipe = LocalPipeline(mlp(), loss_fn, sgd, plan_for(stages), schedule="localsgd",
                          local_steps=h, model_replicas=r, timeout=60)
     losses = [float(loss) for loss in pipe.train(data(steps), steps)]
-    copies = {stage: stage_copies(rt) for p in pipe._ranks for stage, rt in p._runtimes.items()}
+    copies = {stage: stage_copies(rt) for p in pipe._ranks for stage, rt in p._stages.runtimes.items()}
     check(stages, r, h, [data(steps)], losses, pipe.state_dict(), [copies])
 
 
@@ -188,7 +188,7 @@ def test_local_pipeline_runs_continue_with_the_same_copies():
                          local_steps=1, model_replicas=2, timeout=60)
     losses = [float(loss) for loss in pipe.train(data(3), 3)]
     losses += [float(loss) for loss in pipe.train(data(4, seed=2), 4)]
-    copies = {stage: stage_copies(rt) for p in pipe._ranks for stage, rt in p._runtimes.items()}
+    copies = {stage: stage_copies(rt) for p in pipe._ranks for stage, rt in p._stages.runtimes.items()}
     check(2, 2, 1, [data(3), data(4, seed=2)], losses, pipe.state_dict(), [copies])
 
 

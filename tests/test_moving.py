@@ -155,7 +155,7 @@ def process_job(rank: int, world: int, schedule: str, move: bool, factory: bool)
         pipe.move(layout(schedule, [1, 4], [[0], [1], [2]], 3))
         pipe.move(layout(schedule, [3, 4], [[0], [1], [2]], 3))
     losses += [float(x) for x in pipe.train(data[3:])]
-    meta = [all(p.is_meta for p in b.module.parameters()) for b in pipe._chain.blocks]
+    meta = [all(p.is_meta for p in b.module.parameters()) for b in pipe._stages.chain.blocks]
     return {"losses": losses, "state": pipe.state_dict(), "meta": meta}
 
 
@@ -310,16 +310,16 @@ def test_a_move_that_made_steps_slower_is_undone_and_not_tried_again(monkeypatch
                     ranks="threads", profile=object())  # rank 0 decides; the profile unread
     list(pipe.train(batches(1)))
     rank0 = pipe._ranks[0]
-    rank0._microbatch_samples, rank0._adapt_chunks = 16, 1
-    rank0._baseline = rank0._profile  # past the first check
-    first = rank0._decide({}, step_seconds=0.010)
+    rank0._moving._microbatch_samples, rank0._moving._adapt_chunks = 16, 1
+    rank0._moving._baseline = rank0._stages.profile  # past the first check
+    first = rank0._moving._decide({}, step_seconds=0.010)
     assert first["plan"] is not None  # moves, and remembers the step time before
     pipe.move(Plan.from_dict(first["plan"]))
-    back = rank0._decide({}, step_seconds=0.013)  # 30% slower than before the move
+    back = rank0._moving._decide({}, step_seconds=0.013)  # 30% slower than before the move
     assert "made steps 30% slower" in back["reason"] and "moving back" in back["reason"]
     assert Plan.from_dict(back["plan"]).stages[0].stop == 2
     pipe.move(Plan.from_dict(back["plan"]))
-    again = rank0._decide({}, step_seconds=0.010)
+    again = rank0._moving._decide({}, step_seconds=0.010)
     assert again["plan"] is None and "made steps slower when tried" in again["reason"]
 
 
@@ -334,7 +334,7 @@ def test_a_move_that_paid_is_kept(monkeypatch) -> None:
                     ranks="threads", profile=object())
     list(pipe.train(batches(1)))
     rank0 = pipe._ranks[0]
-    rank0._microbatch_samples, rank0._adapt_chunks = 16, 1
-    rank0._baseline = rank0._profile  # past the first check
-    pipe.move(Plan.from_dict(rank0._decide({}, step_seconds=0.010)["plan"]))
-    assert rank0._decide({}, step_seconds=0.008)["plan"] is None  # faster: stays
+    rank0._moving._microbatch_samples, rank0._moving._adapt_chunks = 16, 1
+    rank0._moving._baseline = rank0._stages.profile  # past the first check
+    pipe.move(Plan.from_dict(rank0._moving._decide({}, step_seconds=0.010)["plan"]))
+    assert rank0._moving._decide({}, step_seconds=0.008)["plan"] is None  # faster: stays

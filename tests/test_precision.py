@@ -60,12 +60,12 @@ def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
 def fp16_job(rank: int, world: int) -> dict[str, Any]:
     pipe = Pipeline(model(), nn.functional.cross_entropy, sgd, schedule="1f1b", chunks=CHUNKS,
                     balance=[2, 3], precision="fp16", timeout=60)
-    assert pipe._scaler is not None
-    pipe._scaler.scale, pipe._scaler.interval = INIT_SCALE, GROWTH_INTERVAL
+    assert pipe._stages.scaler is not None
+    pipe._stages.scaler.scale, pipe._stages.scaler.interval = INIT_SCALE, GROWTH_INTERVAL
     scales = []
     for _ in pipe.train(batches(), steps=STEPS):  # a step is yielded before its update
-        scales.append(pipe._scaler.scale)
-    scales = scales[1:] + [pipe._scaler.scale]  # the scale after each update
+        scales.append(pipe._stages.scaler.scale)
+    scales = scales[1:] + [pipe._stages.scaler.scale]  # the scale after each update
     out = {"state": pipe.state_dict(), "scales": scales}
     try:
         Pipeline(model(), nn.functional.cross_entropy, sgd, schedule="pipedream",

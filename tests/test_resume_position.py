@@ -117,7 +117,7 @@ def resume_job(rank: int, world: int, root: str, folders: list[str]) -> dict[str
     for folder in folders:
         pipe = Pipeline.load(Path(root) / folder, model(), nn.functional.cross_entropy, sgd,
                              schedule="1f1b", chunks=CHUNKS, timeout=TIMEOUT)
-        resumed_at = pipe._step
+        resumed_at = pipe._progress.step
         list(pipe.train(loader(), steps=STEPS - resumed_at))
         out[folder] = (resumed_at, pipe.state_dict())
         pipe.close()

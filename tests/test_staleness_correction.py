@@ -115,7 +115,7 @@ def test_the_executor_finds_the_schedules_delays(schedule, layout, law):
         module.StalenessCorrection.read = original  # type: ignore[method-assign]
     steady = {}
     for rank in pipe._ranks:
-        for index, runtime in rank._runtimes.items():
+        for index, runtime in rank._stages.runtimes.items():
             steady[index] = max(seen[id(runtime.correction)])
     assert steady == {s: law(s) for s in range(3)}
 
@@ -166,9 +166,9 @@ def test_a_checkpoint_carries_the_velocity_so_a_loaded_run_continues_exactly(tmp
     # The velocity matters: the same weights and optimizer state without it end elsewhere.
     forgetful = load()
     for rank in forgetful._ranks:
-        for runtime in rank._runtimes.values():
+        for runtime in rank._stages.runtimes.values():
             runtime.restore_correction(None)
-        rank._saved_staleness = dict.fromkeys(rank._saved_staleness)
+        rank._checkpoints.saved_staleness = dict.fromkeys(rank._checkpoints.saved_staleness)
     list(forgetful.train(data[3:], steps=3))
     assert distance(forgetful.state_dict(), want) > 1e-4
 

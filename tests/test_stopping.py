@@ -58,7 +58,7 @@ def break_job(rank: int, world: int) -> dict[str, Any]:
             if step == 2:
                 break  # three steps trained
         out[f"{schedule} break_s"] = time.perf_counter() - began
-        out[f"{schedule} trained"] = pipe._step
+        out[f"{schedule} trained"] = pipe._progress.step
         losses = [float(x) for x in pipe.train(data[3:8], steps=5)]
         out[f"{schedule} losses"] = losses
         out[f"{schedule} state"] = pipe.state_dict()
@@ -76,7 +76,7 @@ def nan_job(rank: int, world: int) -> dict[str, Any]:
     except NonFiniteLoss as err:
         out["stop"] = str(err)
     out["stop_s"] = time.perf_counter() - began
-    out["stop_step"] = pipe._step
+    out["stop_step"] = pipe._progress.step
     out["stop_state"] = pipe.state_dict()
     pipe.close()
     pipe = pipeline("1f1b", on_nan="skip")

@@ -154,7 +154,7 @@ def train_threads(plan: Plan, schedule: str, tuning: Tuning, monkeypatch: pytest
 
 def thread_runtimes(pipe: LocalPipeline) -> dict[tuple[int, int], Any]:
     """Every rank thread's stage runtimes, by (stage, rank)."""
-    return {(i, r): rt for r, p in enumerate(pipe._ranks) for i, rt in p._runtimes.items()}
+    return {(i, r): rt for r, p in enumerate(pipe._ranks) for i, rt in p._stages.runtimes.items()}
 
 
 def test_every_knob_reaches_the_threads_and_none_changes_the_results(monkeypatch):
@@ -194,12 +194,12 @@ def process_job(rank: int, world: int) -> dict:
             pipe = Pipeline(mlp(), loss_fn, sgd, plan=plan, schedule=schedule, chunks=CHUNKS,
                             timeout=60, tuning=tuning)
             losses = [float(loss) for loss in pipe.train(batches(), STEPS)]
-            engine = pipe._transport._engine
+            engine = pipe._stages.transport._engine
             out[(schedule, label)] = {
                 "run": (losses, pipe.state_dict()),
                 "engine": (engine.depth, engine.spin_us, engine.recv_pool),
-                "rings": {i: rt.ring.capacity for i, rt in pipe._runtimes.items()},
-                "buckets": {i: rt.buckets.num_buckets for i, rt in pipe._runtimes.items()
+                "rings": {i: rt.ring.capacity for i, rt in pipe._stages.runtimes.items()},
+                "buckets": {i: rt.buckets.num_buckets for i, rt in pipe._stages.runtimes.items()
                             if rt.buckets}}
             pipe.close()
     try:

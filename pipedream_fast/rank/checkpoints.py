@@ -1,6 +1,6 @@
-"""A rank's part of checkpoints: its stages written to a checkpoint folder (the manifest
-committed by rank 0 once every stage file is on disk), and a checkpoint's state restored
-into its stages (`load`). The files themselves are `pipedream_fast.checkpoint`'s.
+"""A rank's part of checkpoints (`Checkpoints`): its stages written to a checkpoint folder
+(the manifest committed by rank 0 once every stage file is on disk), and a checkpoint's state
+restored into its stages (`load`). The files themselves are `pipedream_fast.checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -15,28 +15,61 @@ import torch
 from pipedream_fast import checkpoint as ckpt
 from pipedream_fast.runtime.stage import (StageRuntime)
 from pipedream_fast.training import (named_state)
-from pipedream_fast.rank.state import RankState
+from pipedream_fast.rank.cutting import Stages
+from pipedream_fast.rank.data import Progress
+from pipedream_fast.rank.state import RankContext
 
 
-class Checkpointing(RankState):
-    """Saving this rank's stages and restoring them (see the module's docstring)."""
+class Checkpoints:
+    """Saving this rank's stages and restoring them (see the module's docstring).
 
-    def _save_rank(self, path: str | os.PathLike[str]) -> None:
+    Owns what a checkpoint read by `load` still has to put into stages not made yet:
+    `pending_restore` (the folder and manifest, until the model is cut), `saved_copies`
+    (localsgd's weight copies, until the stage's runtime is made) and `saved_staleness`
+    (the staleness corrections' velocities, likewise; a move parks its gathered ones here too).
+    It restores through the stages' hooks (`Stages.on_cut`, `Stages.on_runtime`).
+    """
+
+    def __init__(self, ctx: RankContext, stages: Stages, progress: Progress) -> None:
+        self.ctx = ctx
+        self.stages = stages
+        self.progress = progress
+        self.pending_restore: tuple[Path, dict[str, Any]] | None = None
+        self.saved_copies: dict[int, list[dict[str, Any]]] = {}
+        self.saved_staleness: dict[int, dict[str, Any] | None] = {}
+        stages.on_cut = self.restore_pending
+        stages.on_runtime = self.restore_into
+
+    def restore_into(self, runtime: StageRuntime) -> None:
+        """A new stage runtime gets what `load` (or a move) saved for its stage."""
+        self.restore_copies(runtime)
+        if runtime.stage in self.saved_staleness:
+            runtime.restore_correction(self.saved_staleness.pop(runtime.stage))
+
+    def save_correction_for(self, stage: int, state: dict[str, Any] | None) -> None:
+        """A staleness correction's state for stage `stage`, put into its runtime when that
+        is made (a move's gathered velocity)."""
+        self.saved_staleness[stage] = state
+
+    def forget_saved_corrections(self) -> None:
+        self.saved_staleness.clear()
+
+    def save(self, path: str | os.PathLike[str]) -> None:
         """Writes a checkpoint directory (see `pipedream_fast.checkpoint`): each stage's first
         rank writes its stage durably, then rank 0 commits the set with the manifest. Saving
         over an existing checkpoint stages the new one and swaps it in; a file, or a folder
         holding anything but a checkpoint, is refused on every rank (a save never deletes
         other files). Collective."""
-        self._require_setup("save()")
-        assert self.plan is not None
+        self.stages.require_setup("save()")
+        assert self.stages.plan is not None
         final = Path(path)
         decided: list[Any] = [None]  # rank 0's: the folder to write, or why not
-        if self.rank == 0:
+        if self.ctx.rank == 0:
             try:
                 decided[0] = ckpt.prepare_save(final)
             except ckpt.CheckpointError as err:  # every rank must hear of it, not wait
                 decided[0] = str(err)
-        self._agree(lambda: decided.__setitem__(0, self._control.broadcast_object(decided[0],
+        self.ctx.agree(lambda: decided.__setitem__(0, self.ctx.control.broadcast_object(decided[0],
                                                                                   src=0)),
                     "saving a checkpoint")
         if isinstance(decided[0], str):
@@ -44,62 +77,61 @@ class Checkpointing(RankState):
         folder: Path = decided[0]
         folder.mkdir(parents=True, exist_ok=True)
         entries = []
-        for index, module in self._modules.items():
-            if self.plan.stages[index].ranks[0] != self.rank:
+        for index, module in self.stages.modules.items():
+            if self.stages.plan.stages[index].ranks[0] != self.ctx.rank:
                 continue  # replicas hold the same weights: the first one writes them
-            optimizer, scheduler = self._optimizers.get(index), self._schedulers.get(index)
-            payload = {"model": named_state([module], self._names),
+            optimizer, scheduler = self.stages.optimizers.get(index), self.stages.schedulers.get(index)
+            payload = {"model": named_state([module], self.stages.names),
                        "optimizer": optimizer.state_dict() if optimizer else None,
                        "scheduler": scheduler.state_dict() if scheduler is not None else None}
-            copies = self._copies_state(index)
+            copies = self.copies_state(index)
             if copies is not None:
                 payload["copies"] = copies
-            correction = self._correction_state(index)
+            correction = self.correction_state(index)
             if correction is not None:
                 payload["staleness"] = correction
             entries.append((index, ckpt.write_stage(folder, index, payload)))
         # Where the loader stands, known to the first stage's ranks: during train() (a
         # periodic save, a stop) after the steps trained so far, whatever was read ahead.
         position = None
-        if 0 in self.stage_indices:
-            position = (self._reading[0].position(self._step - self._reading[1])
-                        if self._reading is not None else (self._epoch, self._epoch_batches))
+        if 0 in self.stages.stage_indices:
+            position = self.progress.position()
         gathered: list[Any] = []
-        self._agree(lambda: gathered.extend(self._control.all_gather_object((entries, position))),
-                    "saving a checkpoint")
-        if self.rank == 0:
+        self.ctx.agree(lambda: gathered.extend(
+            self.ctx.control.all_gather_object((entries, position))), "saving a checkpoint")
+        if self.ctx.rank == 0:
             epoch, index = next(p for _, p in gathered if p is not None)
             ckpt.write_manifest(folder, ckpt.manifest_for(
-                self._step, epoch, self.schedule_name, self.plan.to_dict(),
-                [e for part, _ in gathered for e in part], self._run_id, self._aliases(),
-                epoch_batches=index, seed=self.seed))
+                self.progress.step, epoch, self.ctx.schedule_name, self.stages.plan.to_dict(),
+                [e for part, _ in gathered for e in part], self.ctx.run_id, self.stages.aliases(),
+                epoch_batches=index, seed=self.ctx.seed))
             if folder != final:
                 ckpt.swap_in(final)
-        self._agree(self._control.barrier, "saving a checkpoint")
+        self.ctx.agree(self.ctx.control.barrier, "saving a checkpoint")
 
-    def _copies_state(self, index: int) -> list[dict[str, Any]] | None:
+    def copies_state(self, index: int) -> list[dict[str, Any]] | None:
         """localsgd: the weight copies of stage `index` beyond the module's own (copy 0), by
         the stage module's parameter names, with their optimizer and scheduler state."""
-        runtime = self._runtimes.get(index)
+        runtime = self.stages.runtimes.get(index)
         if runtime is None or len(runtime.copies) < 2:
-            return self._saved_copies.get(index)  # loaded, not trained since: kept as read
+            return self.saved_copies.get(index)  # loaded, not trained since: kept as read
         return [{"params": {n: p.detach().clone() for n, p in zip(runtime.param_names, c.params)},
                  "optimizer": c.optimizer.state_dict() if c.optimizer is not None else None,
                  "scheduler": c.scheduler.state_dict() if c.scheduler is not None else None}
                 for c in runtime.copies[1:]]
 
-    def _correction_state(self, index: int) -> dict[str, Any] | None:
+    def correction_state(self, index: int) -> dict[str, Any] | None:
         """The staleness correction's state of stage `index` (its velocity), if it has one."""
-        runtime = self._runtimes.get(index)
+        runtime = self.stages.runtimes.get(index)
         if runtime is None:
-            return self._saved_staleness.get(index)  # loaded, not trained since
+            return self.saved_staleness.get(index)  # loaded, not trained since
         if runtime.correction is not None:
             return runtime.correction.state_dict()
         return runtime.pending_correction_state
 
-    def _restore_copies(self, runtime: StageRuntime) -> None:
+    def restore_copies(self, runtime: StageRuntime) -> None:
         """Puts the weight copies a checkpoint saved (`load`) into a new stage runtime."""
-        saved = self._saved_copies.pop(runtime.stage, None)
+        saved = self.saved_copies.pop(runtime.stage, None)
         if saved is None:
             return
         if len(saved) != len(runtime.copies) - 1:
@@ -116,41 +148,40 @@ class Checkpointing(RankState):
             if state.get("scheduler") is not None and weights.scheduler is not None:
                 weights.scheduler.load_state_dict(state["scheduler"])
 
-    def _save_periodic(self) -> None:
-        assert self.checkpoint_dir is not None
-        root = Path(self.checkpoint_dir)
-        self._save_rank(root / f"step-{self._step}")
-        if self.rank == 0:
-            ckpt.prune(root, self.checkpoint_keep, self._run_id)
+    def save_periodic(self) -> None:
+        assert self.ctx.options.checkpoint_dir is not None
+        root = Path(self.ctx.options.checkpoint_dir)
+        self.save(root / f"step-{self.progress.step}")
+        if self.ctx.rank == 0:
+            ckpt.prune(root, self.ctx.options.checkpoint_keep, self.ctx.run_id)
 
-    def _resume(self, folder: Path, manifest: dict[str, Any]) -> None:
+    def resume(self, folder: Path, manifest: dict[str, Any]) -> None:
         """Where `load` puts the checkpoint: weights and states now, or once the model is
         cut (a model captured at its first minibatch); the step and the loader's place."""
-        self._pending_restore = (folder, manifest)
-        if self.plan is not None:
-            self._restore_pending()
-        self._step = int(manifest["step"])
-        self._epoch = int(manifest["epoch"])
-        self._epoch_batches = int(manifest.get("epoch_batches", 0))
+        self.pending_restore = (folder, manifest)
+        if self.stages.plan is not None:
+            self.restore_pending()
+        self.progress.restore(int(manifest["step"]), int(manifest["epoch"]),
+                              int(manifest.get("epoch_batches", 0)))
 
-    def _restore_pending(self) -> None:
+    def restore_pending(self) -> None:
         """Puts a checkpoint's weights, optimizer and scheduler state into this rank's stages
         (`load`; deferred to the cut for a model captured at its first minibatch)."""
-        if self._pending_restore is None:
+        if self.pending_restore is None:
             return
-        (folder, manifest), self._pending_restore = self._pending_restore, None
-        for index in self.stage_indices:
+        (folder, manifest), self.pending_restore = self.pending_restore, None
+        for index in self.stages.stage_indices:
             saved = ckpt.load_stage(folder, manifest, index)
-            ckpt.restore(self._modules[index], self._names, saved["model"],
+            ckpt.restore(self.stages.modules[index], self.stages.names, saved["model"],
                          str(folder / manifest["files"][str(index)]["file"]),
                          exact=manifest["format"] != ckpt.LEGACY)
-            if saved["optimizer"] is not None and index in self._optimizers:
-                self._optimizers[index].load_state_dict(saved["optimizer"])
-            if saved.get("scheduler") is not None and index in self._schedulers:
-                self._schedulers[index].load_state_dict(saved["scheduler"])
+            if saved["optimizer"] is not None and index in self.stages.optimizers:
+                self.stages.optimizers[index].load_state_dict(saved["optimizer"])
+            if saved.get("scheduler") is not None and index in self.stages.schedulers:
+                self.stages.schedulers[index].load_state_dict(saved["scheduler"])
             if saved.get("copies") is not None:  # localsgd: restored into the first run's stage
-                self._saved_copies[index] = saved["copies"]
-            if index in self._runtimes:
-                self._runtimes[index].restore_correction(saved.get("staleness"))
+                self.saved_copies[index] = saved["copies"]
+            if index in self.stages.runtimes:
+                self.stages.runtimes[index].restore_correction(saved.get("staleness"))
             else:  # restored into the stage when it is made
-                self._saved_staleness[index] = saved.get("staleness")
+                self.saved_staleness[index] = saved.get("staleness")

@@ -1,16 +1,19 @@
-"""Cutting the model on a rank: capturing it (at the first minibatch, when torch.export needs
-inputs), agreeing on a plan (the planner on rank 0), taking this rank's stages out of it
-(materialised, copied where rank threads would share a tensor), their optimizers,
-transport and the agreement across stages before updates (clipping, tied weights, fp16).
+"""A rank's stages (`Stages`): capturing the model (at the first minibatch, when torch.export
+needs inputs), agreeing on a plan (the planner on rank 0), taking this rank's stages out of
+it (materialised, copied where rank threads would share a tensor), their optimizers, stage
+runtimes, transports and the agreement across stages before updates (clipping, tied
+weights, fp16).
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 import traceback
 from dataclasses import dataclass
 from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -21,14 +24,17 @@ from pipedream_fast.formats import FormatError, Plan
 from pipedream_fast.ir import Schedule
 from pipedream_fast.runtime.stage import (StageRuntime)
 from pipedream_fast.runtime.transport import Transport
-from pipedream_fast.runtime.update_sync import GlobalUpdateSync, TiedWeight
+from pipedream_fast.runtime.update_sync import GlobalUpdateSync, LossScaler, TiedWeight
 from pipedream_fast.schedules import SYNCHRONOUS, kind
-from pipedream_fast.tracing import LayerChain, TracingError, shared_parameters
+from pipedream_fast.tracing import LayerChain, NeedsExampleInputs, TracingError, shared_parameters
 from pipedream_fast.tracing import trace as trace_model
 from pipedream_fast.training import (GLOBAL_STATE, build_schedule, check_plan_fits,
                                      check_runtime_fits, manual_plan, model_fingerprint,
-                                     resolve_schedule, batch_size, stage_runtime)
-from pipedream_fast.rank.checkpoints import Checkpointing
+                                     original_names, resolve_schedule, batch_size,
+                                     stage_runtime)
+from pipedream_fast.world import ThreadWorld
+from pipedream_fast.formats import Profile
+from pipedream_fast.rank.state import RankContext
 
 
 # Rank threads capture the one shared model in turns: a capture that failed on one is not
@@ -62,60 +68,130 @@ def _ties_cross_stages(chain: LayerChain, plan: Plan) -> bool:
                for blocks in shared_parameters(chain).values())
 
 
-class Cutting(Checkpointing):
-    """The model cut into this rank's stages (see the module's docstring)."""
+class Stages:
+    """The model and this rank's cut of it (see the module's docstring).
 
-    def _fixed_plan(self) -> Plan | None:
+    Owns: `model` (until it is cut; None after), `chain` (the captured model; None until the
+    first minibatch where torch.export needs one), `split` (how to cut: a plan, a balance or
+    split points), `plan` and `stage_indices` (the stages of this rank), by stage index the
+    stage `modules`, their `optimizers`, `schedulers` and `runtimes`, the training `transport`
+    and the forward-only ones (`inference_transports`), `sync` (the agreement across stages
+    before updates) and `scaler` (fp16), `names` (tensor id -> the model's state_dict keys),
+    `copied` (under rank threads: a model tensor's id -> this rank's copy), and rank 0's
+    per-block `profile`. Others read these; only this class changes them.
+
+    Two hooks let the checkpoint part put saved state in as stages are made: `on_cut()` after
+    `setup`, `on_runtime(runtime)` when a stage runtime is made.
+    """
+
+    def __init__(self, ctx: RankContext, model: nn.Module, *, leaf_modules: tuple[Any, ...],
+                 split: tuple[Plan | None, tuple[int, ...] | None, tuple[str, ...] | None],
+                 factory_built: bool, built_on_meta: bool, profile: Profile | None) -> None:
+        self.ctx = ctx
+        self.model: nn.Module | None = model
+        self.leaf_modules = leaf_modules
+        self.split = split
+        # a factory's real model on rank 0 (to profile it): back to meta once cut
+        self.factory_built = factory_built
+        self.built_on_meta = built_on_meta  # the model was built on the meta device
+        # Rank threads share the caller's model (copies only where a rank needs its own).
+        self.shares_model = isinstance(ctx.world, ThreadWorld)
+        self.copied: dict[int, Any] = {}
+        self.names = original_names(model)
+        self.chain: LayerChain | None = None
+        self.plan: Plan | None = None
+        self.stage_indices: tuple[int, ...] = ()
+        self.modules: dict[int, nn.Module] = {}
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.schedulers: dict[int, Any] = {}
+        self.runtimes: dict[int, StageRuntime] = {}
+        self.transport: Transport | None = None
+        # Forward-only traffic, one transport per (batch size, chunks, target structure):
+        # every link keeps the shapes of its first message.
+        self.inference_transports: dict[tuple[Any, ...], Transport] = {}
+        self.sync: GlobalUpdateSync | None = None
+        self.scaler = LossScaler() if ctx.precision == "fp16" else None
+        self.profile = profile if ctx.rank == 0 else None
+        self.on_cut: Callable[[], None] = lambda: None
+        self.on_runtime: Callable[[StageRuntime], None] = lambda runtime: None
+
+    def require_setup(self, what: str) -> None:
+        if self.plan is None:
+            raise RuntimeError(f"{what} exist once the model is cut into stages: this Pipeline "
+                               f"plans on its first minibatch (pass plan=, balance=, "
+                               f"split_points= or example_inputs= to cut it at construction)")
+
+    def flatten(self, inputs: Any) -> tuple[Any, ...]:
+        """A minibatch's (or microbatch's) inputs as the first stage's arguments."""
+        assert self.chain is not None
+        return self.chain.flatten_inputs(inputs)
+
+    def aliases(self) -> list[tuple[str, ...]]:
+        """The groups of keys that name one tensor of the model (tied weights)."""
+        return [keys for keys in self.names.values() if len(keys) > 1]
+
+    def try_capture(self, example_inputs: Any) -> None:
+        """Captures the model now where torch.fx can (or `example_inputs` are given); else it
+        is captured at the first minibatch (`capture`)."""
+        assert self.model is not None
+        try:
+            with GLOBAL_STATE:
+                self.chain = trace_model(self.model, example_inputs, self.leaf_modules,
+                                         check=False)
+        except NeedsExampleInputs:
+            pass  # torch.export needs inputs: the model is cut at its first minibatch
+
+    def fixed_plan(self) -> Plan | None:
         """The plan given, or made from a manual split; None when the planner must decide."""
-        assert self._chain is not None and self._model is not None
-        plan, balance, split_points = self._split
-        name = type(self._model).__name__
+        assert self.chain is not None and self.model is not None
+        plan, balance, split_points = self.split
+        name = type(self.model).__name__
         if balance is not None or split_points is not None:
-            return manual_plan(self._chain, self.world_size, self.schedule_name, balance,
+            return manual_plan(self.chain, self.ctx.world_size, self.ctx.schedule_name, balance,
                                split_points, model_name=name)
-        if plan is None and self.world_size == 1:
-            return manual_plan(self._chain, 1, self.schedule_name, balance=[len(self._chain)],
+        if plan is None and self.ctx.world_size == 1:
+            return manual_plan(self.chain, 1, self.ctx.schedule_name, balance=[len(self.chain)],
                                model_name=name)
         return plan
 
-    def _check_ties_allowed(self, chain: LayerChain) -> None:
+    def check_ties_allowed(self, chain: LayerChain) -> None:
         """Weights tied across blocks (an embedding and the output head) have their gradients
         summed across stages before each update, which asynchronous schedules cannot do:
         refused here, before any work, naming the weights."""
-        if self.schedule_name == "auto" or kind(self.schedule_name).synchronous:
+        if self.ctx.schedule_name == "auto" or kind(self.ctx.schedule_name).synchronous:
             return
-        tied = sorted(" = ".join(self._names.get(pid, ("?",))) for pid in shared_parameters(chain))
-        plan = self._split[0]
+        tied = sorted(" = ".join(self.names.get(pid, ("?",))) for pid in shared_parameters(chain))
+        plan = self.split[0]
         if tied and (plan is None or _ties_cross_stages(chain, plan)):
             raise ValueError(f"the model ties weights across blocks ({'; '.join(tied)}); on "
                              f"different stages a tied weight's gradients are summed before "
-                             f"each update, which {self.schedule_name!r} cannot do (an "
+                             f"each update, which {self.ctx.schedule_name!r} cannot do (an "
                              f"asynchronous schedule updates its stages at different times). "
                              f"Use a synchronous schedule ({', '.join(SYNCHRONOUS)})")
 
-    def _automatic_candidates(self) -> tuple[str, ...]:
+    def automatic_candidates(self) -> tuple[str, ...]:
         """schedule='auto' chooses among these: only synchronous ones for a model with tied
         weights, whose stages must agree before each update."""
         from pipedream_fast.planner.choose import AUTOMATIC
-        assert self._chain is not None
-        if shared_parameters(self._chain):
+        assert self.chain is not None
+        if shared_parameters(self.chain):
             return tuple(n for n in AUTOMATIC if kind(n).synchronous)
         return AUTOMATIC
 
-    def _capture(self, example_inputs: Any) -> None:
+    def capture(self, example_inputs: Any) -> None:
         """Captures the model with torch.export on every rank from the structure of rank 0's
         first minibatch (zeros of its shapes and dtypes: values do not matter). Collective."""
-        assert self._model is not None
+        assert self.model is not None
         payload: list[Any] = [None]
-        if self.rank == 0:
+        if self.ctx.rank == 0:
             payload[0] = pytree.tree_map(
                 lambda t: _TensorShape(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor)
                 else t, example_inputs)
-        structure = self._control.broadcast_object(payload[0], src=0)
-        device = next(iter(self._model.parameters()), torch.empty(0)).device
+        structure = self.ctx.control.broadcast_object(payload[0], src=0)
+        device = next(iter(self.model.parameters()), torch.empty(0)).device
         inputs = pytree.tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
                                  if isinstance(t, _TensorShape) else t, structure)
-        key = id(self._model)
+        key = id(self.model)
         failure: Exception | None = None
         try:
             with GLOBAL_STATE:
@@ -123,7 +199,7 @@ class Cutting(Checkpointing):
                 if earlier is not None:  # a rank thread before this one failed on this model
                     raise _again(earlier)
                 try:
-                    self._chain = trace_model(self._model, inputs, self._leaf_modules,
+                    self.chain = trace_model(self.model, inputs, self.leaf_modules,
                                               check=False)
                 except Exception as err:
                     _FAILED_CAPTURES[key] = err
@@ -132,7 +208,7 @@ class Cutting(Checkpointing):
             failure = err
         # Every rank hears of every rank's outcome: one that failed must not leave the others
         # waiting for it (or a rank thread starting a capture the first one knows fails).
-        outcomes = self._control.all_gather_object(
+        outcomes = self.ctx.control.all_gather_object(
             None if failure is None else f"{type(failure).__name__}: {failure}")
         _FAILED_CAPTURES.pop(key, None)
         if failure is not None:
@@ -141,14 +217,14 @@ class Cutting(Checkpointing):
         if failed:
             rank, text = failed[0]
             raise TracingError(f"rank {rank} could not capture the model: {text}")
-        assert self._chain is not None
-        self._check_ties_allowed(self._chain)
+        assert self.chain is not None
+        self.check_ties_allowed(self.chain)
 
-    def _plan_from(self, example_inputs: Any) -> Plan:
+    def plan_from(self, example_inputs: Any) -> Plan:
         """Rank 0 profiles `example_inputs` and plans; every rank gets the plan (or the error)."""
         payload: list[Any] = [None]
         failure: Exception | None = None
-        if self.rank == 0:
+        if self.ctx.rank == 0:
             try:
                 with GLOBAL_STATE:  # rank threads share the model; another may be capturing it
                     payload[0] = {"plan": self._make_plan(example_inputs).to_dict()}
@@ -156,7 +232,7 @@ class Cutting(Checkpointing):
                 failure = err
                 payload[0] = {"error": f"{type(err).__name__}: {err}",
                               "traceback": "".join(traceback.format_exception(err))}
-        planned = self._control.broadcast_object(payload[0], src=0)
+        planned = self.ctx.control.broadcast_object(payload[0], src=0)
         if "error" in planned:
             if failure is not None:  # rank 0 raises with the original error chained
                 raise RuntimeError(f"planning on rank 0 failed: {planned['error']}") from failure
@@ -170,121 +246,120 @@ class Cutting(Checkpointing):
         from pipedream_fast.profiler import profile_model  # planning is rank 0's job
         from pipedream_fast.topology import Topology
 
-        assert self._model is not None and self._chain is not None
-        args = self._chain.flatten_inputs(example_inputs)
-        profile = profile_model(self._model, args, batch_size=batch_size(example_inputs),
-                                progress=False, chain=self._chain)
-        if self._profile is None:  # what `adapt` re-plans from
-            self._profile = profile
-        topology = Topology.parse(f"{self.world_size}x1e9")
-        if self._stages_wanted is not None:
-            if self._stages_wanted != self.world_size:
-                raise ValueError(f"stages={self._stages_wanted} runs one stage per rank, but this "
-                                 f"job has {self.world_size} ranks")
-            name = "1f1b" if self.schedule_name == "auto" else self.schedule_name
+        assert self.model is not None and self.chain is not None
+        args = self.chain.flatten_inputs(example_inputs)
+        profile = profile_model(self.model, args, batch_size=batch_size(example_inputs),
+                                progress=False, chain=self.chain)
+        if self.profile is None:  # what `adapt` re-plans from
+            self.profile = profile
+        topology = Topology.parse(f"{self.ctx.world_size}x1e9")
+        if self.ctx.options.stages is not None:
+            if self.ctx.options.stages != self.ctx.world_size:
+                raise ValueError(f"stages={self.ctx.options.stages} runs one stage per rank, but this "
+                                 f"job has {self.ctx.world_size} ranks")
+            name = "1f1b" if self.ctx.schedule_name == "auto" else self.ctx.schedule_name
             return make_plan(profile, topology, schedule=kind(name).plans_as or name,
                              strategy="time", straight=True)
-        if self.schedule_name == "auto":
-            return self._choose_runnable(profile, topology, self._chunks_for(example_inputs))
-        return plan_for(self.schedule_name, profile, topology)
+        if self.ctx.schedule_name == "auto":
+            return self._choose_runnable(profile, topology, self.ctx.chunks_for(example_inputs))
+        return plan_for(self.ctx.schedule_name, profile, topology)
 
     def _choose_runnable(self, profile: Any, topology: Any, chunks: int) -> Plan:
         """schedule='auto': the fastest candidate whose options this Pipeline meets (2bw, for
         one, needs at least as many chunks as ranks); a candidate that cannot run with them
         is dropped and the choice made again."""
         from pipedream_fast.planner.choose import choose_schedule
-        candidates = list(self._automatic_candidates())
+        candidates = list(self.automatic_candidates())
         while True:
             plan = choose_schedule(profile, topology, candidates=tuple(candidates))
             try:
-                build_schedule(plan, plan.schedule, self.world_size, chunks,
-                               self.options.schedule_options)
+                build_schedule(plan, plan.schedule, self.ctx.world_size, chunks,
+                               self.ctx.options.schedule_options)
                 return plan
             except ValueError:
                 candidates.remove(plan.schedule)
                 if not candidates:
                     raise
 
-    def _setup(self, plan: Plan) -> None:
+    def setup(self, plan: Plan) -> None:
         """Cuts this rank's stages out of the model and makes their optimizers, transport and
         agreement across stages. Collective: every rank calls it with the same plan."""
-        if plan.workers != self.world_size:
+        if plan.workers != self.ctx.world_size:
             raise FormatError(f"the plan is for {plan.workers} workers but this job has "
-                              f"{self.world_size} ranks; start {plan.workers} processes or make "
-                              f"a plan for {self.world_size}")
-        self.schedule_name = resolve_schedule(self.schedule_name, plan)
-        self.options = self.options.replace(schedule=self.schedule_name)  # auto: now known
-        assert self._chain is not None  # captured before any plan is set up
-        check_plan_fits(plan, self._chain)
-        self._check_same_model_everywhere(self._chain)
+                              f"{self.ctx.world_size} ranks; start {plan.workers} processes or make "
+                              f"a plan for {self.ctx.world_size}")
+        self.ctx.resolve_schedule(resolve_schedule(self.ctx.schedule_name, plan))  # auto: known
+        assert self.chain is not None  # captured before any plan is set up
+        check_plan_fits(plan, self.chain)
+        self._check_same_model_everywhere(self.chain)
         self.plan = plan
-        self.stage_indices = plan.stages_of_rank(self.rank)
-        if self._factory_built:  # the real model rank 0 profiled: freed, cut as on every rank
-            for block in self._chain.blocks:
-                self._materialize(block.module, torch.device("meta"))
-            self._factory_built = False
+        self.stage_indices = plan.stages_of_rank(self.ctx.rank)
+        if self.factory_built:  # the real model rank 0 profiled: freed, cut as on every rank
+            for block in self.chain.blocks:
+                self.materialize(block.module, torch.device("meta"))
+            self.factory_built = False
         for index in self.stage_indices:
             stage_plan = plan.stages[index]
-            module = self._chain.stage_module(stage_plan.start, stage_plan.stop)
-            if self._shares_model and self._needs_own_copy(plan, index):
+            module = self.chain.stage_module(stage_plan.start, stage_plan.stop)
+            if self.shares_model and self._needs_own_copy(plan, index):
                 module = self._own_copy(module)
-            self._materialize(module, self.device, index)
-            self._modules[index] = module.to(self.device)
-        for index, module in self._modules.items():
+            self.materialize(module, self.ctx.device, index)
+            self.modules[index] = module.to(self.ctx.device)
+        for index, module in self.modules.items():
             params = list(module.parameters())
             if params:
-                self._optimizers[index] = self._optimizer_factory(params)
-                if self._scheduler_factory is not None:
-                    self._schedulers[index] = self._scheduler_factory(self._optimizers[index])
-        self._transport = self._new_transport()
+                self.optimizers[index] = self.ctx.optimizer_factory(params)
+                if self.ctx.scheduler_factory is not None:
+                    self.schedulers[index] = self.ctx.scheduler_factory(self.optimizers[index])
+        self.transport = self.new_transport()
         tied = self._tie_weights(plan)
-        skip_nan = self.on_nan == "skip"
-        if self.clip_grad_norm is not None or self._scaler is not None or tied or skip_nan:
-            if not kind(self.schedule_name).synchronous:
-                wants = [w for w, on in (("clip_grad_norm", self.clip_grad_norm is not None),
-                                         ("precision='fp16'", self._scaler is not None),
+        skip_nan = self.ctx.options.on_nan == "skip"
+        if self.ctx.options.clip_grad_norm is not None or self.scaler is not None or tied or skip_nan:
+            if not kind(self.ctx.schedule_name).synchronous:
+                wants = [w for w, on in (("clip_grad_norm", self.ctx.options.clip_grad_norm is not None),
+                                         ("precision='fp16'", self.scaler is not None),
                                          ("on_nan='skip'", skip_nan),
                                          ("tied weights across stages", bool(tied))) if on]
                 raise ValueError(f"{' and '.join(wants)} need every stage to agree before "
                                  f"each update, which only synchronous schedules allow "
-                                 f"({', '.join(SYNCHRONOUS)}); {self.schedule_name!r} updates "
+                                 f"({', '.join(SYNCHRONOUS)}); {self.ctx.schedule_name!r} updates "
                                  f"its stages at different times")
-            self._sync = GlobalUpdateSync(
-                self._control, {i: len(plan.stages[i].ranks) for i in self.stage_indices},
-                self.clip_grad_norm, self._scaler, tied, skip_nonfinite=skip_nan)
-        self._model = None  # only this rank's stages are kept
-        self._restore_pending()
+            self.sync = GlobalUpdateSync(
+                self.ctx.control, {i: len(plan.stages[i].ranks) for i in self.stage_indices},
+                self.ctx.options.clip_grad_norm, self.scaler, tied, skip_nonfinite=skip_nan)
+        self.model = None  # only this rank's stages are kept
+        self.on_cut()
 
-    def _new_transport(self, stage_groups: bool = True) -> Transport:
+    def new_transport(self, stage_groups: bool = True) -> Transport:
         """Point-to-point links of their own (a run left early abandons them with receives
         still posted, which must not disturb other traffic) and the replica all-reduce
         groups, released with the Pipeline. Collective."""
         assert self.plan is not None
-        return self._world.transport([s.ranks for s in self.plan.stages] if stage_groups
-                                     else [], self.device, self.tuning)
+        return self.ctx.world.transport([s.ranks for s in self.plan.stages] if stage_groups
+                                     else [], self.ctx.device, self.ctx.tuning)
 
     def _tie_weights(self, plan: Plan) -> list[TiedWeight]:
         """The weights this rank shares with other ranks' stages: each gets a process group
         of the ranks holding it and starts from the first holder's values. Collective."""
         stage_of_block = {b: i for i, s in enumerate(plan.stages) for b in range(s.start, s.stop)}
         tied: list[TiedWeight] = []
-        assert self._chain is not None
-        blocks_by_param = shared_parameters(self._chain)
-        params = {id(p): p for b in self._chain.blocks for p in b.module.parameters()}
+        assert self.chain is not None
+        blocks_by_param = shared_parameters(self.chain)
+        params = {id(p): p for b in self.chain.blocks for p in b.module.parameters()}
         for pid, blocks in sorted(blocks_by_param.items(), key=lambda kv: kv[1]):
             holders = sorted({stage_of_block[b] for b in blocks})
             if len(holders) < 2:
                 continue  # used twice within one stage: autograd sums it already
             ranks = sorted({r for s in holders for r in plan.stages[s].ranks})
-            name = " = ".join(self._names.get(pid, ("a weight",)))
+            name = " = ".join(self.names.get(pid, ("a weight",)))
             mine = [s for s in holders if s in self.stage_indices]
             if len(mine) > 1:
                 raise ValueError(f"{name} is used by stages {holders}, of which this rank holds "
                                  f"{mine}; tied weights need their stages on different ranks")
-            group = self._world.new_group(ranks)  # collective: every rank, same order
+            group = self.ctx.world.new_group(ranks)  # collective: every rank, same order
             if mine:
                 assert group is not None
-                param = self._copied.get(pid, params[pid])
+                param = self.copied.get(pid, params[pid])
                 src = plan.stages[holders[0]].ranks[0]
                 with torch.no_grad():
                     group.broadcast(param.data, src=src)
@@ -296,13 +371,13 @@ class Cutting(Checkpointing):
         """Rank threads share the caller's model: a stage's first rank trains the user's own
         modules; a replica, or a later stage holding a weight tied to an earlier one, needs
         tensors of its own (as a process has), made from the same values."""
-        if plan.stages[index].ranks[0] != self.rank:
+        if plan.stages[index].ranks[0] != self.ctx.rank:
             return True
-        assert self._chain is not None
+        assert self.chain is not None
         stage_of_block = {b: i for i, s in enumerate(plan.stages) for b in range(s.start, s.stop)}
         return any(index in holders and min(holders) < index
                    for holders in ({stage_of_block[b] for b in blocks}
-                                   for blocks in shared_parameters(self._chain).values()))
+                                   for blocks in shared_parameters(self.chain).values()))
 
     def _own_copy(self, module: nn.Module) -> nn.Module:
         """A deep copy of a stage for this rank alone; its tensors keep the model's names
@@ -310,15 +385,15 @@ class Cutting(Checkpointing):
         memo: dict[int, Any] = {}
         with GLOBAL_STATE:
             copied = copy.deepcopy(module, memo)
-        for pid, keys in list(self._names.items()):
+        for pid, keys in list(self.names.items()):
             if pid in memo and isinstance(memo[pid], torch.Tensor):
-                self._names[id(memo[pid])] = keys
-                self._copied[pid] = memo[pid]
+                self.names[id(memo[pid])] = keys
+                self.copied[pid] = memo[pid]
         return copied
 
     def _check_same_model_everywhere(self, chain: Any) -> None:
         """Every rank must have built the same model; compared before any training."""
-        prints = self._control.all_gather_object(model_fingerprint(chain))
+        prints = self.ctx.control.all_gather_object(model_fingerprint(chain))
         for rank, other in enumerate(prints):
             if other != prints[0]:
                 differ = next(i for i, (a, b) in enumerate(zip(prints[0], other)) if a != b) \
@@ -328,65 +403,149 @@ class Cutting(Checkpointing):
                 raise FormatError(f"rank {rank} built a different model than rank 0 ({where}); "
                                   f"every rank must construct the same model")
 
-    def _materialize(self, module: nn.Module, device: torch.device, stage: int = 0) -> None:
-        """The meta tensors of a stage get real memory on `device` (only this rank's stages are
-        ever allocated), initialised by each layer's reset_parameters() under a seed of
-        (`seed`, `stage`), so that the replicas of a stage start alike. With `device` meta,
-        every tensor of `module` goes back to meta instead (the real model rank 0 built from
-        a factory to profile it). Each tensor keeps its identity (`torch.utils.swap_tensors`,
-        where `to_empty` would make new Parameters): weights tied within a stage or across
-        stages stay tied, and `_names` (tensor -> state_dict keys) still names it."""
-        to_meta = device.type == "meta"
-        tensors = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())
-                   if t.is_meta != to_meta}
-        if not tensors:
-            return
+    def materialize(self, module: nn.Module, device: torch.device, stage: int = 0) -> None:
+        """`materialize` with this rank's seed and names."""
+        materialize(module, device, stage, seed=self.ctx.seed, names=self.names,
+                    rank=self.ctx.rank)
 
-        def empty(t: torch.Tensor) -> torch.Tensor:
-            # NaN, so that a tensor no reset_parameters() sets is found below
-            new = (torch.full_like(t, float("nan"), device=device) if t.is_floating_point()
-                   and not to_meta else torch.zeros_like(t, device=device))
-            return nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
-
-        with torch.no_grad():
-            for t in tensors.values():
-                t.grad = None
-                torch.utils.swap_tensors(t, empty(t))
-        if to_meta:
-            return
-        with GLOBAL_STATE, torch.random.fork_rng(
-                devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(self.seed * 1_000_003 + stage)
-            for sub in module.modules():
-                # nn.MultiheadAttention names its initialisation _reset_parameters
-                reset = getattr(sub, "reset_parameters", getattr(sub, "_reset_parameters", None))
-                if callable(reset):
-                    reset()
-        left = {self._names.get(id(t), (name,))[0]: t for name, t in itertools.chain(
-            module.named_parameters(), module.named_buffers())
-            if id(t) in tensors and t.is_floating_point() and bool(t.isnan().any())}
-        if left:
-            import warnings
-            with torch.no_grad():
-                for t in left.values():
-                    t.masked_fill_(t.isnan(), 0.0)
-            warnings.warn(f"rank {self.rank}: {', '.join(list(left)[:5])}"
-                          f"{f' (and {len(left) - 5} more)' if len(left) > 5 else ''} of stage "
-                          f"{stage} start at zero: the model was built on the meta device and "
-                          f"no reset_parameters() of its modules sets them. Give their module a "
-                          f"reset_parameters(), or pass a built model", stacklevel=3)
-
-    def _runtimes_for(self, schedule: Schedule) -> dict[int, StageRuntime]:
+    def runtimes_for(self, schedule: Schedule) -> dict[int, StageRuntime]:
         assert self.plan is not None
-        for index, module in self._modules.items():
-            if index not in self._runtimes:
-                self._runtimes[index] = stage_runtime(
-                    self.plan, index, self.rank, module, self._optimizers.get(index), schedule,
-                    self.loss_fn, self._schedulers.get(index), self.precision, self.tuning,
-                    optimizer_factory=self._optimizer_factory,
-                    scheduler_factory=self._scheduler_factory)
-                self._restore_copies(self._runtimes[index])
-                if index in self._saved_staleness:
-                    self._runtimes[index].restore_correction(self._saved_staleness.pop(index))
-            check_runtime_fits(self._runtimes[index], schedule, self.rank)
-        return self._runtimes
+        for index, module in self.modules.items():
+            if index not in self.runtimes:
+                self.runtimes[index] = stage_runtime(
+                    self.plan, index, self.ctx.rank, module, self.optimizers.get(index), schedule,
+                    self.ctx.loss_fn, self.schedulers.get(index), self.ctx.precision, self.ctx.tuning,
+                    optimizer_factory=self.ctx.optimizer_factory,
+                    scheduler_factory=self.ctx.scheduler_factory)
+                self.on_runtime(self.runtimes[index])
+            check_runtime_fits(self.runtimes[index], schedule, self.ctx.rank)
+        return self.runtimes
+
+
+    def training_transport(self) -> Transport:
+        """The links of training runs: made again (collectively) after a run left early."""
+        if self.transport is None:
+            self.transport = self.new_transport()
+        return self.transport
+
+    def inference_transport(self, key: tuple[Any, ...]) -> Transport:
+        """The transport of forward-only runs of one shape (made collectively on first use:
+        every rank knows the key from the same agreed values)."""
+        if key not in self.inference_transports:
+            assert self.plan is not None
+            self.inference_transports[key] = self.new_transport(stage_groups=False)
+        return self.inference_transports[key]
+
+    def abandon_run(self) -> None:
+        """A run was left early: the microbatches in flight are discarded, and the training
+        transport, whose links may hold messages never to be received, is replaced at the
+        next run (collectively)."""
+        for runtime in self.runtimes.values():
+            runtime.abandon_run()
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+    def drop_links(self) -> None:
+        """The transports are dropped (closed by the world's release or an abort); new ones
+        are made at the next run."""
+        self.transport = None
+        self.inference_transports.clear()
+
+    def forget_links(self) -> None:
+        """Under rank threads after an abort: the transports it closed are dropped and the
+        runtimes' runs discarded."""
+        self.drop_links()
+        for runtime in self.runtimes.values():
+            runtime.abandon_run()
+
+    def release(self, new: Plan) -> None:
+        """Drops this rank's stage objects before a move to `new`; the tensors of blocks it
+        no longer holds go back to meta where the model was built there."""
+        assert self.plan is not None
+        old = self.plan
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        for transport in self.inference_transports.values():
+            transport.close()
+        self.inference_transports.clear()
+        self.modules.clear()
+        self.optimizers.clear()
+        self.schedulers.clear()
+        self.runtimes.clear()
+        self.sync = None
+        kept_blocks = {b for i in new.stages_of_rank(self.ctx.rank)
+                       for b in range(new.stages[i].start, new.stages[i].stop)}
+        dropped = {b for i in self.stage_indices
+                   for b in range(old.stages[i].start, old.stages[i].stop)} - kept_blocks
+        if self.built_on_meta and dropped:
+            assert self.chain is not None
+            keep = {id(t) for b in kept_blocks for t in tensors_of(self.chain.blocks[b].module)}
+            gone = {id(t): t for b in sorted(dropped)
+                    for t in tensors_of(self.chain.blocks[b].module)
+                    if id(t) not in keep and not t.is_meta}
+            gc.collect()  # the optimizers and schedulers just dropped hold them in cycles
+            with torch.no_grad():
+                for t in gone.values():
+                    t.grad = None
+                    meta = torch.empty_like(t, device="meta")
+                    try:
+                        torch.utils.swap_tensors(t, nn.Parameter(meta, t.requires_grad)
+                                                 if isinstance(t, nn.Parameter) else meta)
+                    except RuntimeError:  # still referenced somewhere: kept, not freed
+                        pass
+
+
+def tensors_of(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def materialize(module: nn.Module, device: torch.device, stage: int = 0, *, seed: int,
+                names: dict[int, tuple[str, ...]], rank: int) -> None:
+    """The meta tensors of a stage get real memory on `device` (only this rank's stages are
+    ever allocated), initialised by each layer's reset_parameters() under a seed of
+    (`seed`, `stage`), so that the replicas of a stage start alike. With `device` meta,
+    every tensor of `module` goes back to meta instead (the real model rank 0 built from
+    a factory to profile it). Each tensor keeps its identity (`torch.utils.swap_tensors`,
+    where `to_empty` would make new Parameters): weights tied within a stage or across
+    stages stay tied, and `names` (tensor -> state_dict keys) still names it."""
+    to_meta = device.type == "meta"
+    tensors = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())
+               if t.is_meta != to_meta}
+    if not tensors:
+        return
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        # NaN, so that a tensor no reset_parameters() sets is found below
+        new = (torch.full_like(t, float("nan"), device=device) if t.is_floating_point()
+               and not to_meta else torch.zeros_like(t, device=device))
+        return nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+
+    with torch.no_grad():
+        for t in tensors.values():
+            t.grad = None
+            torch.utils.swap_tensors(t, empty(t))
+    if to_meta:
+        return
+    with GLOBAL_STATE, torch.random.fork_rng(
+            devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed * 1_000_003 + stage)
+        for sub in module.modules():
+            # nn.MultiheadAttention names its initialisation _reset_parameters
+            reset = getattr(sub, "reset_parameters", getattr(sub, "_reset_parameters", None))
+            if callable(reset):
+                reset()
+    left = {names.get(id(t), (name,))[0]: t for name, t in itertools.chain(
+        module.named_parameters(), module.named_buffers())
+        if id(t) in tensors and t.is_floating_point() and bool(t.isnan().any())}
+    if left:
+        import warnings
+        with torch.no_grad():
+            for t in left.values():
+                t.masked_fill_(t.isnan(), 0.0)
+        warnings.warn(f"rank {rank}: {', '.join(list(left)[:5])}"
+                      f"{f' (and {len(left) - 5} more)' if len(left) > 5 else ''} of stage "
+                      f"{stage} start at zero: the model was built on the meta device and "
+                      f"no reset_parameters() of its modules sets them. Give their module a "
+                      f"reset_parameters(), or pass a built model", stacklevel=3)

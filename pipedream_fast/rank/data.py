@@ -1,6 +1,7 @@
-"""A run's data, agreed by every rank: the first stage's first rank reads the first batch and
-tells the others the steps, chunks, target structure and where the loader's reading begins;
-replicas of the first stage check that they read alike.
+"""A rank's progress through its data (`Progress`): the steps trained, where the loader
+stands, and each run's data agreed by every rank: the first stage's first rank reads the
+first batch and tells the others the steps, chunks, target structure and where the loader's
+reading begins; replicas of the first stage check that they read alike.
 """
 
 from __future__ import annotations
@@ -15,13 +16,58 @@ from torch.utils import _pytree as pytree
 
 from pipedream_fast.training import (EpochBatches, check_loader, InputsOnly, batch_size,
                                      fingerprint, pad_batch, steps_for, target_spec)
-from pipedream_fast.rank.cutting import Cutting
+from pipedream_fast.rank.cutting import Stages
+from pipedream_fast.rank.state import RankContext
 
 
-class DataAgreement(Cutting):
-    """Where a run reads its loader (see the module's docstring)."""
+class Progress:
+    """Steps trained and where the loader stands (see the module's docstring).
 
-    def _open_data(self, loader: Any, steps: int | None, epochs: int | None,
+    Owns: `step` (minibatches trained so far), and where training reads the loader
+    (first-stage ranks; saved in checkpoints): its `epoch` (which seeds its order) and the
+    batches of that epoch trained on (`epoch_batches`); the loader of the last run
+    (`last_loader`) and its batches (`live`), where a run on the same loader goes on reading;
+    `reading`: the batches of the run in progress and `step` when it began; `agreed_batch`,
+    the size of the last run's minibatches; `peeked`, a batch read to plan with.
+    """
+
+    def __init__(self, ctx: RankContext, stages: Stages) -> None:
+        self.ctx = ctx
+        self.stages = stages
+        self.step = 0
+        self.epoch, self.epoch_batches = 0, 0
+        self.last_loader: Any = None
+        self.live: EpochBatches | None = None
+        self.reading: tuple[EpochBatches, int] | None = None
+        self.agreed_batch = 0
+        self.peeked: tuple[EpochBatches, Any] | None = None
+
+    def position(self) -> tuple[int, int]:
+        """(epoch, batches of it trained): during train() (a periodic save, a stop) after the
+        steps trained so far, whatever was read ahead."""
+        if self.reading is not None:
+            return self.reading[0].position(self.step - self.reading[1])
+        return self.epoch, self.epoch_batches
+
+    def advance(self, steps: int) -> None:
+        """`steps` more minibatches trained."""
+        self.step += steps
+
+    def restore(self, step: int, epoch: int, epoch_batches: int) -> None:
+        """Where a checkpoint left off (`load`)."""
+        self.step, self.epoch, self.epoch_batches = step, epoch, epoch_batches
+
+    def end_reading(self, loader: Any) -> None:
+        """After a train() call: where the next run (or a checkpoint) goes on."""
+        if self.reading is None:
+            return
+        (source, began), self.reading = self.reading, None
+        consumed = self.step - began  # the steps trained, not the batches read ahead
+        self.epoch, self.epoch_batches = source.position(consumed)
+        self.last_loader = loader
+        self.live = source if source.read == consumed and self.epoch_batches else None
+
+    def open(self, loader: Any, steps: int | None, epochs: int | None,
                    evaluation: bool = False
                    ) -> tuple[int, int, pytree.TreeSpec, Iterator[Any] | None]:
         """Agrees on a run's data: the first stage's first rank reads the first batch, checks
@@ -39,32 +85,32 @@ class DataAgreement(Cutting):
         for a model that computes its own loss: padding would enter its mean, so a short last
         batch is refused)."""
         user_loader = loader
-        if self._inputs_only and loader is not None:
+        if self.ctx.inputs_only and loader is not None:
             loader = InputsOnly(loader)
-        epoch, index = self._epoch, 0 if evaluation else self._epoch_batches
-        if (not evaluation and index and self._last_loader is not None
-                and user_loader is not self._last_loader):
+        epoch, index = self.epoch, 0 if evaluation else self.epoch_batches
+        if (not evaluation and index and self.last_loader is not None
+                and user_loader is not self.last_loader):
             epoch, index = epoch + 1, 0  # another loader: a new epoch
-        if self.plan is None:  # cut and plan on the first minibatch
-            if self.rank == 0:
-                self._peeked = self._peek(loader, self._open_batches(
+        if self.stages.plan is None:  # cut and plan on the first minibatch
+            if self.ctx.rank == 0:
+                self.peeked = self._peek(loader, self._open_batches(
                     user_loader, loader, epoch, index, evaluation))
-            first = self._peeked[1][0] if self._peeked else None
-            if self._chain is None:
-                self._capture(first)
-            self._setup(self._fixed_plan() or self._plan_from(first))
-        assert self.plan is not None
-        lead = self.plan.stages[0].ranks[0]
+            first = self.peeked[1][0] if self.peeked else None
+            if self.stages.chain is None:
+                self.stages.capture(first)
+            self.stages.setup(self.stages.fixed_plan() or self.stages.plan_from(first))
+        assert self.stages.plan is not None
+        lead = self.stages.plan.stages[0].ranks[0]
         payload: list[Any] = [None]
         batches: Iterator[Any] | None = None
         source: EpochBatches | None = None
-        if self.rank == lead:
+        if self.ctx.rank == lead:
             try:
-                peeked, self._peeked = self._peeked, None
+                peeked, self.peeked = self.peeked, None
                 source, first = peeked if peeked is not None else self._peek(
                     loader, self._open_batches(user_loader, loader, epoch, index, evaluation))
-                chunks = self._chunks_for(first[0])
-                check_loader(loader, chunks, allow_short_last=evaluation and not self._inputs_only)
+                chunks = self.ctx.chunks_for(first[0])
+                check_loader(loader, chunks, allow_short_last=evaluation and not self.ctx.inputs_only)
                 size = batch_size(first[0])
                 target = (first[1], torch.ones(size, dtype=torch.bool)) if evaluation else first[1]
                 total = steps_for(loader, steps, epochs)
@@ -76,22 +122,22 @@ class DataAgreement(Cutting):
                 batches = itertools.chain([first], source)
             except Exception as err:  # every rank must hear of it
                 payload[0] = {"error": f"{type(err).__name__}: {err}"}
-        self._agree(lambda: payload.__setitem__(0, self._control.broadcast_object(payload[0],
+        self.ctx.agree(lambda: payload.__setitem__(0, self.ctx.control.broadcast_object(payload[0],
                                                                                   src=lead)),
                     f"the start of the run (rank {lead} reads the data)")
         if "error" in payload[0]:
             raise ValueError(f"the data loader on rank {lead} (first stage): "
                              f"{payload[0]['error']}")
         agreed = payload[0]
-        self._agreed_batch = agreed["batch_size"]
-        if 0 in self.stage_indices and batches is None:  # a replica of the first stage
+        self.agreed_batch = agreed["batch_size"]
+        if 0 in self.stages.stage_indices and batches is None:  # a replica of the first stage
             source = self._open_batches(user_loader, loader, agreed["epoch"], agreed["index"],
                                         evaluation)
             batches = source
         if not evaluation:
-            self._epoch, self._epoch_batches = agreed["epoch"], agreed["index"]
-            self._reading = (source, self._step) if source is not None else None
-        if len(self.plan.stages[0].ranks) > 1:
+            self.epoch, self.epoch_batches = agreed["epoch"], agreed["index"]
+            self.reading = (source, self.step) if source is not None else None
+        if len(self.stages.plan.stages[0].ranks) > 1:
             batches = self._check_replicas_read_alike(batches)
         if evaluation and batches is not None:
             batches = (pad_batch(b, agreed["batch_size"]) for b in batches)
@@ -101,11 +147,11 @@ class DataAgreement(Cutting):
                       evaluation: bool) -> EpochBatches:
         """The batches of `loader` from batch `index` of `epoch` on: the last run's, read on,
         when it stopped there on this loader, else read again from the epoch's start."""
-        live = self._live
-        if (not evaluation and live is not None and user_loader is self._last_loader
+        live = self.live
+        if (not evaluation and live is not None and user_loader is self.last_loader
                 and live.position(live.read) == (epoch, index)):
             return live.rest()
-        return EpochBatches(loader, self.seed, epoch, index,
+        return EpochBatches(loader, self.ctx.seed, epoch, index,
                             one_shot=isinstance(user_loader, Iterator))
 
     def _check_replicas_read_alike(self, batches: Iterator[Any] | None) -> Iterator[Any] | None:
@@ -113,15 +159,16 @@ class DataAgreement(Cutting):
         every one). The seeded random state makes torch's, Python's and NumPy's shuffling
         agree; a loader drawing from a random state of its own would not, and is caught here
         on the run's first batch. Collective."""
-        assert self.plan is not None
+        assert self.stages.plan is not None
         first = next(batches, None) if batches is not None else None
         prints: list[Any] = []
-        self._agree(lambda: prints.extend(self._control.all_gather_object(
+        self.ctx.agree(lambda: prints.extend(self.ctx.control.all_gather_object(
             None if first is None else fingerprint(first))),
                     "comparing the first stage's first batches")
-        seen = {prints[r] for r in self.plan.stages[0].ranks}
+        seen = {prints[r] for r in self.stages.plan.stages[0].ranks}
         if len(seen) > 1:
-            raise ValueError(f"the replicas of the first stage (ranks {list(self.plan.stages[0].ranks)}) "
+            raise ValueError(f"the replicas of the first stage (ranks "
+                             f"{list(self.stages.plan.stages[0].ranks)}) "
                              f"read different first batches: the loader's order depends on a "
                              f"random state other than torch's, Python's or NumPy's global one "
                              f"(a generator of its own?); seed it the same on every rank, or "

@@ -19,7 +19,7 @@ is drained: no microbatch in flight, no stashed weight version needed, every upd
    exchange those over the control group (one `all_gather_object`); each rank keeps what its
    stages under the new plan hold.
 4. **Rebuild.** Each rank drops its stage runtimes, optimizers, schedulers and links, cuts
-   its new stages out of the model (`Cutting._setup`: collective, new links and tied-weight
+   its new stages out of the model (`Stages.setup`: collective, new links and tied-weight
    groups), and copies the gathered state in: a parameter's optimizer state follows the
    parameter, a new stage takes its groups' hyperparameters, scheduler and step count from
    the old stage that held its first block. Blocks a rank no longer holds go back to the meta
@@ -34,18 +34,20 @@ half-built pipeline, so the Pipeline refuses to train again (`load` the last che
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 from pipedream_fast import checkpoint as ckpt
 from pipedream_fast.formats import FormatError, Plan, Profile
 from pipedream_fast.options import ADAPTABLE
+from pipedream_fast.rank.checkpoints import Checkpoints
+from pipedream_fast.rank.cutting import Stages, tensors_of
+from pipedream_fast.rank.data import Progress
 from pipedream_fast.rank.run_loop import RunLoop
+from pipedream_fast.rank.state import RankContext
 from pipedream_fast.training import named_state
 
 # A move's time, before one was measured: what the payback test charges the first move
@@ -58,44 +60,57 @@ def plan_layout(plan: Plan) -> list[list[Any]]:
     return [[s.start, s.stop, list(s.ranks)] for s in plan.stages]
 
 
-class Moving(RunLoop):
-    """Moving this rank's stages to a new plan (see the module's docstring)."""
+class Moving:
+    """Moving this rank's stages to a new plan (see the module's docstring).
 
-    _built_on_meta: bool  # the model was built from a factory on the meta device
-    moves: list[dict[str, Any]]
-    adapt_checks: list[dict[str, Any]]
-    _adapt_chunks: int
-    _microbatch_samples: int
-    # rank 0's: the plan before the last adaptive move and the step time then (checked at the
-    # next check), and the plans that made steps slower
-    _tried: tuple[Plan, float] | None = None
-    _baseline: Profile | None = None  # the profile scaled to the first check's measurements
-    _refused: set[str]
+    Owns: `moves` (every move made, its record), `adapt_checks` (every re-planning check),
+    `broken` (why this rank cannot go on, should a move fail half-way), and rank 0's
+    decision state: the plan before the last adaptive move and the step time then
+    (`_tried`, checked at the next check), the plans that made steps slower (`_refused`),
+    the profile scaled to the first check's measurements (`_baseline`), and the chunks and
+    microbatch size of the adaptive run (`_adapt_chunks`, `_microbatch_samples`).
+    """
+
+    def __init__(self, ctx: RankContext, stages: Stages, progress: Progress,
+                 checkpoints: Checkpoints, run_loop: RunLoop) -> None:
+        self.ctx = ctx
+        self.stages = stages
+        self.progress = progress
+        self.checkpoints = checkpoints
+        self.run_loop = run_loop
+        self.moves: list[dict[str, Any]] = []
+        self.adapt_checks: list[dict[str, Any]] = []
+        self.broken: str | None = None
+        self._tried: tuple[Plan, float] | None = None
+        self._refused: set[str] = set()
+        self._baseline: Profile | None = None
+        self._adapt_chunks = 1
+        self._microbatch_samples = 1
 
     # --- the move ------------------------------------------------------------------------------
-    def _move_rank(self, plan: Plan, reason: str) -> dict[str, Any]:
+    def move(self, plan: Plan, reason: str) -> dict[str, Any]:
         """Moves this rank's stages to `plan` (see the module's docstring). Collective."""
-        self._require_setup("move()")
-        assert self.plan is not None
+        self.stages.require_setup("move()")
+        assert self.stages.plan is not None
         self._check_movable(plan)
-        old = self.plan
+        old = self.stages.plan
         began = time.perf_counter()
-        mine = [self._stage_state(index) for index in self.stage_indices
-                if old.stages[index].ranks[0] == self.rank]
-        self._broken = (f"a move of the stages from {plan_layout(old)} to {plan_layout(plan)} "
-                        f"failed half-way on rank {self.rank}")  # until the move is done
+        mine = [self._stage_state(index) for index in self.stages.stage_indices
+                if old.stages[index].ranks[0] == self.ctx.rank]
+        self.broken = (f"a move of the stages from {plan_layout(old)} to {plan_layout(plan)} "
+                        f"failed half-way on rank {self.ctx.rank}")  # until the move is done
         gathered: list[Any] = []
-        self._agree(lambda: gathered.extend(self._control.all_gather_object(mine)),
+        self.ctx.agree(lambda: gathered.extend(self.ctx.control.all_gather_object(mine)),
                     "moving the stages to the new plan")
         states = [state for part in gathered for state in part]
         moved_bytes = self._moved_bytes(states, old, plan)
-        self._release(old, plan)
-        self._setup(plan)  # collective: new stages, optimizers, links and tied-weight groups
+        self.stages.release(plan)
+        self.stages.setup(plan)  # collective: new stages, optimizers, links and tied-weight groups
         self._put_state(states)
-        self.calibration.reset()
-        self._broken = None
+        self.run_loop.calibration.reset()
+        self.broken = None
         ended = time.perf_counter()
-        record = {"step": self._step, "seconds": ended - began, "started": began,
+        record = {"step": self.progress.step, "seconds": ended - began, "started": began,
                   "ended": ended, "from": plan_layout(old), "to": plan_layout(plan),
                   "reason": reason, "bytes": moved_bytes}
         self.moves.append(record)
@@ -105,10 +120,10 @@ class Moving(RunLoop):
         """The bytes of weights and optimizer state a rank gains: each block's, once for every
         rank that holds it under `new` and not under `old` (every rank receives all of the
         gathered state; this is what a point-to-point move would send)."""
-        assert self._chain is not None
-        block_of = {key: b for b, block in enumerate(self._chain.blocks)
-                    for t in _tensors(block.module) for key in self._names.get(id(t), ())}
-        size = [0] * len(self._chain.blocks)
+        assert self.stages.chain is not None
+        block_of = {key: b for b, block in enumerate(self.stages.chain.blocks)
+                    for t in tensors_of(block.module) for key in self.stages.names.get(id(t), ())}
+        size = [0] * len(self.stages.chain.blocks)
         for state in states:
             tensors = [*state["weights"].items(),
                        *((k, v) for k, s in state["optimizer"].items() for v in s.values())]
@@ -124,23 +139,23 @@ class Moving(RunLoop):
         return sum(size[b] * len(holders(new, b) - holders(old, b)) for b in range(len(size)))
 
     def _check_movable(self, plan: Plan) -> None:
-        assert self.plan is not None
+        assert self.stages.plan is not None
         if not isinstance(plan, Plan):
             raise TypeError(f"move() takes a Plan, got {type(plan).__name__}")
-        if self.schedule_name not in ADAPTABLE:
+        if self.ctx.schedule_name not in ADAPTABLE:
             raise ValueError(f"moving stages needs a pipeline of {', '.join(ADAPTABLE)}; "
-                             f"{self.schedule_name!r} cannot be re-planned")
-        if plan.workers != self.world_size:
+                             f"{self.ctx.schedule_name!r} cannot be re-planned")
+        if plan.workers != self.ctx.world_size:
             raise FormatError(f"the new plan is for {plan.workers} workers but this job has "
-                              f"{self.world_size} ranks")
-        if plan.stages[0].ranks != self.plan.stages[0].ranks:
+                              f"{self.ctx.world_size} ranks")
+        if plan.stages[0].ranks != self.stages.plan.stages[0].ranks:
             raise ValueError(f"the new plan puts the first stage on ranks "
                              f"{list(plan.stages[0].ranks)}, but ranks "
-                             f"{list(self.plan.stages[0].ranks)} read the loader: a move keeps "
+                             f"{list(self.stages.plan.stages[0].ranks)} read the loader: a move keeps "
                              f"the first stage's ranks")
 
     def _key(self, tensor: torch.Tensor) -> str:
-        keys = self._names.get(id(tensor), ())
+        keys = self.stages.names.get(id(tensor), ())
         if not keys:
             raise ValueError("a parameter of a stage has no key in the model's state_dict(), "
                              "so it cannot move between ranks")
@@ -148,10 +163,10 @@ class Moving(RunLoop):
 
     def _stage_state(self, index: int) -> dict[str, Any]:
         """What stage `index` hands to the new plan, by the whole model's keys (copies)."""
-        assert self.plan is not None
-        module = self._modules[index]
-        weights = named_state([module], self._names)
-        optimizer, scheduler = self._optimizers.get(index), self._schedulers.get(index)
+        assert self.stages.plan is not None
+        module = self.stages.modules[index]
+        weights = named_state([module], self.stages.names)
+        optimizer, scheduler = self.stages.optimizers.get(index), self.stages.schedulers.get(index)
         per_param: dict[str, dict[str, Any]] = {}
         groups: list[dict[str, Any]] = []
         if optimizer is not None:
@@ -164,15 +179,15 @@ class Moving(RunLoop):
                         for k, v in saved["state"][number].items()}
             groups = [{k: v for k, v in g.items() if k != "params"}
                       for g in saved["param_groups"]]
-        correction = self._correction_state(index)
+        correction = self.checkpoints.correction_state(index)
         velocity = None
         if correction is not None and correction.get("velocity") is not None:
-            runtime = self._runtimes.get(index)
+            runtime = self.stages.runtimes.get(index)
             names = runtime.param_names if runtime is not None else [
                 n for n, _ in module.named_parameters()]
             params = dict(module.named_parameters())
             velocity = {self._key(params[n]): v for n, v in zip(names, correction["velocity"])}
-        stage = self.plan.stages[index]
+        stage = self.stages.plan.stages[index]
         return {"stage": index, "start": stage.start, "stop": stage.stop, "weights": weights,
                 "optimizer": per_param, "groups": groups,
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -180,45 +195,9 @@ class Moving(RunLoop):
                     **{k: v for k, v in correction.items() if k != "velocity"},
                     "velocity": velocity}}
 
-    def _release(self, old: Plan, new: Plan) -> None:
-        """Drops this rank's stage objects; the tensors of blocks it no longer holds go back
-        to meta where the model was built there."""
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
-        for transport in self._inference_transports.values():
-            transport.close()
-        self._inference_transports.clear()
-        self._modules.clear()
-        self._optimizers.clear()
-        self._schedulers.clear()
-        self._runtimes.clear()
-        self._saved_staleness.clear()
-        self._sync = None
-        kept_blocks = {b for i in new.stages_of_rank(self.rank)
-                       for b in range(new.stages[i].start, new.stages[i].stop)}
-        dropped = {b for i in self.stage_indices
-                   for b in range(old.stages[i].start, old.stages[i].stop)} - kept_blocks
-        if self._built_on_meta and dropped:
-            assert self._chain is not None
-            keep = {id(t) for b in kept_blocks for t in _tensors(self._chain.blocks[b].module)}
-            gone = {id(t): t for b in sorted(dropped)
-                    for t in _tensors(self._chain.blocks[b].module)
-                    if id(t) not in keep and not t.is_meta}
-            gc.collect()  # the optimizers and schedulers just dropped hold them in cycles
-            with torch.no_grad():
-                for t in gone.values():
-                    t.grad = None
-                    meta = torch.empty_like(t, device="meta")
-                    try:
-                        torch.utils.swap_tensors(t, nn.Parameter(meta, t.requires_grad)
-                                                 if isinstance(t, nn.Parameter) else meta)
-                    except RuntimeError:  # still referenced somewhere: kept, not freed
-                        pass
-
     def _put_state(self, states: list[dict[str, Any]]) -> None:
         """Copies the gathered state into this rank's new stages (see the docstring)."""
-        assert self.plan is not None
+        assert self.stages.plan is not None
         weights: dict[str, torch.Tensor] = {}
         per_param: dict[str, dict[str, Any]] = {}
         velocity: dict[str, torch.Tensor] = {}
@@ -227,13 +206,13 @@ class Moving(RunLoop):
             per_param.update(state["optimizer"])
             if state["correction"] is not None and state["correction"]["velocity"]:
                 velocity.update(state["correction"]["velocity"])
-        for index in self.stage_indices:
-            stage = self.plan.stages[index]
-            module = self._modules[index]
-            ckpt.restore(module, self._names, weights, "the stages moved here", exact=False)
+        for index in self.stages.stage_indices:
+            stage = self.stages.plan.stages[index]
+            module = self.stages.modules[index]
+            ckpt.restore(module, self.stages.names, weights, "the stages moved here", exact=False)
             # the old stage that held the first block (with weights) gives the stage-wide state
             source = _source_of(states, stage.start, stage.stop)
-            optimizer = self._optimizers.get(index)
+            optimizer = self.stages.optimizers.get(index)
             if optimizer is not None:
                 saved = optimizer.state_dict()
                 order = [p for group in optimizer.param_groups for p in group["params"]]
@@ -245,7 +224,7 @@ class Moving(RunLoop):
                     for group, hyper in zip(saved["param_groups"], source["groups"]):
                         group.update({k: v for k, v in hyper.items() if k != "params"})
                 optimizer.load_state_dict(saved)
-            scheduler = self._schedulers.get(index)
+            scheduler = self.stages.schedulers.get(index)
             if scheduler is not None and source is not None and source["scheduler"]:
                 scheduler.load_state_dict(source["scheduler"])
             if source is not None and source["correction"] is not None:
@@ -254,53 +233,53 @@ class Moving(RunLoop):
                 correction = dict(source["correction"])
                 correction["velocity"] = (None if any(v is None for v in vector)
                                           else vector)
-                self._saved_staleness[index] = correction  # put into the stage's runtime
+                self.checkpoints.save_correction_for(index, correction)  # for its runtime
 
     # --- adapt ---------------------------------------------------------------------------------
-    def _after_run(self, steps: int, seconds: float, chunks: int) -> None:
+    def after_run(self, steps: int, seconds: float, chunks: int) -> None:
         """After a run of `steps` minibatches whose steps after the first took `seconds`
         (the caller's loop included): with `adapt`, every `adapt_every` steps, the
         re-planning check (a run of one step has no steady step to time: no check)."""
-        every = self.options.adapt_every
-        if not self.options.adapt or steps < 2 or self._step % every:
+        every = self.ctx.options.adapt_every
+        if not self.ctx.options.adapt or steps < 2 or self.progress.step % every:
             return
-        if self.schedule_name not in ADAPTABLE:  # schedule='auto' chose one that cannot move
+        if self.ctx.schedule_name not in ADAPTABLE:  # schedule='auto' chose one that cannot move
             if not self.adapt_checks:
-                self.adapt_checks.append({"step": self._step, "moved": False, "speeds": None,
-                                          "reason": f"{self.schedule_name!r} cannot be "
+                self.adapt_checks.append({"step": self.progress.step, "moved": False, "speeds": None,
+                                          "reason": f"{self.ctx.schedule_name!r} cannot be "
                                                     f"re-planned", "step_seconds": None})
             return
         self._adapt_chunks = chunks
-        self._microbatch_samples = max(1, self._agreed_batch // chunks)
+        self._microbatch_samples = max(1, self.progress.agreed_batch // chunks)
         self._adapt_check(seconds / (steps - 1))
 
     def _adapt_check(self, step_seconds: float) -> None:
         """Every rank, every `adapt_every` steps of an adaptive run: rank 0 decides from the
         ranks' measured speed whether to move (see the module's docstring); all follow."""
-        assert self.plan is not None
-        snapshot = self.calibration.snapshot()
+        assert self.stages.plan is not None
+        snapshot = self.run_loop.calibration.snapshot()
         gathered: list[Any] = [None]
-        self._agree(lambda: gathered.__setitem__(0, self._control.gather_object(snapshot,
+        self.ctx.agree(lambda: gathered.__setitem__(0, self.ctx.control.gather_object(snapshot,
                                                                                 dst=0)),
                     "gathering the measured speeds")
         payload: dict[str, Any] = {}
-        if self.rank == 0:
+        if self.ctx.rank == 0:
             payload = self._decide({s.rank: s for s in gathered[0]}, step_seconds)
         decided: list[Any] = [payload]
-        self._agree(lambda: decided.__setitem__(0, self._control.broadcast_object(decided[0],
+        self.ctx.agree(lambda: decided.__setitem__(0, self.ctx.control.broadcast_object(decided[0],
                                                                                   src=0)),
                     "agreeing on the re-plan")
         payload = decided[0]
         new = payload.get("plan")
-        self.adapt_checks.append({"step": self._step, "reason": payload["reason"],
+        self.adapt_checks.append({"step": self.progress.step, "reason": payload["reason"],
                                   "speeds": payload.get("speeds"), "moved": new is not None,
                                   "step_seconds": step_seconds})
-        self.calibration.reset()  # the next check measures the next adapt_every steps only
+        self.run_loop.calibration.reset()  # the next check measures the next adapt_every steps only
         if new is None:
             return
-        record = self._move_rank(Plan.from_dict(new), payload["reason"])
-        if self.rank == 0:
-            print(f"pipedream_fast: step {self._step}: moved the stages from {record['from']} "
+        record = self.move(Plan.from_dict(new), payload["reason"])
+        if self.ctx.rank == 0:
+            print(f"pipedream_fast: step {self.progress.step}: moved the stages from {record['from']} "
                   f"to {record['to']} in {record['seconds']:.2f} s ({payload['reason']})",
                   flush=True)
 
@@ -321,36 +300,36 @@ class Moving(RunLoop):
         than `adapt_threshold` is undone, and its plan is not tried again."""
         from pipedream_fast.planner.replan import calibrated_profile, replan
 
-        assert self.plan is not None
-        threshold = self.options.adapt_threshold
+        assert self.stages.plan is not None
+        threshold = self.ctx.options.adapt_threshold
         tried, self._tried = self._tried, None
         if tried is not None:
             previous, before = tried
             if step_seconds > before * (1 + threshold):
-                self._refused.add(str(plan_layout(self.plan)))
+                self._refused.add(str(plan_layout(self.stages.plan)))
                 return {"plan": previous.to_dict(), "speeds": None,
-                        "reason": f"the move to {plan_layout(self.plan)} made steps "
+                        "reason": f"the move to {plan_layout(self.stages.plan)} made steps "
                                   f"{step_seconds / before - 1:.0%} slower ({before * 1e3:.1f} "
                                   f"-> {step_seconds * 1e3:.1f} ms): moving back, and not "
                                   f"trying that plan again"}
-        if self._profile is None:
+        if self.stages.profile is None:
             return {"reason": "no profile to re-plan from", "speeds": None}
         if self._baseline is None:
-            found = calibrated_profile(self._profile, self.plan, snapshots,
+            found = calibrated_profile(self.stages.profile, self.stages.plan, snapshots,
                                        self._microbatch_samples)
             if isinstance(found, str):
                 return {"reason": f"staying: {found}", "speeds": None}
             self._baseline = found
             return {"reason": "staying: this check's measurements are the baseline (each "
                               "block's cost as it runs here; every rank at 1.0x)",
-                    "speeds": [1.0] * self.world_size}
+                    "speeds": [1.0] * self.ctx.world_size}
         try:
-            decision = replan(self._baseline, self.plan, snapshots,
+            decision = replan(self._baseline, self.stages.plan, snapshots,
                               microbatch_size=self._microbatch_samples,
                               chunks=self._adapt_chunks, step_seconds=step_seconds,
                               move_seconds=self.moves[-1]["seconds"] if self.moves
                               else FIRST_MOVE_SECONDS,
-                              threshold=threshold, payback_steps=self.options.adapt_payback)
+                              threshold=threshold, payback_steps=self.ctx.options.adapt_payback)
         except Exception as err:  # noqa: BLE001 - every rank must hear of it
             return {"reason": f"re-planning failed: {type(err).__name__}: {err}",
                     "speeds": None}
@@ -362,7 +341,7 @@ class Moving(RunLoop):
                                      f"{plan_layout(decision.plan)}, made steps slower when "
                                      f"tried")
             else:
-                self._tried = (self.plan, step_seconds)
+                self._tried = (self.stages.plan, step_seconds)
         return payload
 
 
@@ -373,10 +352,6 @@ def _cloned(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _cloned(v) for k, v in value.items()}
     return value
-
-
-def _tensors(module: nn.Module) -> list[torch.Tensor]:
-    return [*module.parameters(), *module.buffers()]
 
 
 def _source_of(states: list[dict[str, Any]], start: int, stop: int) -> dict[str, Any] | None:

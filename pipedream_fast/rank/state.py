@@ -1,31 +1,28 @@
-"""What every part of one rank of a Pipeline shares: its state (declared here, set by
-`Pipeline.__init__`) and the small helpers they all use.
+"""What every part of one rank of a Pipeline reads: the rank's settings and its world
+(`RankContext`), and the errors the parts raise.
 
-A rank of a Pipeline is one class built from parts, one module each (`RankState` <-
-`Checkpointing` <- `Cutting` <- `DataAgreement` <- `RunLoop` <- `Pipeline`): each part may
-use the ones before it.
+A rank is composed of parts, each an object owning its own state (see ARCHITECTURE.md):
+
+    Pipeline ─┬─ RankContext   settings, the world, the control group       (this module)
+              ├─ Stages        the model, the plan, this rank's stages       (cutting.py)
+              ├─ Progress      steps trained, where the loader stands        (data.py)
+              ├─ Checkpoints   saving, and restoring into the stages         (checkpoints.py)
+              ├─ RunLoop       executor runs: training and forward-only      (run_loop.py)
+              └─ Moving        moves between plans, and adapt                (moving.py)
+
+Each part is given the parts it calls when it is made; none reads another's private state.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
-
-from pipedream_fast.formats import Plan, Profile
-from pipedream_fast.runtime.executor import Executor
-from pipedream_fast.runtime.stage import (OptimizerFactory, SchedulerFactory, StageRuntime)
-from pipedream_fast.runtime.transport import Transport
-from pipedream_fast.runtime.update_sync import GlobalUpdateSync, LossScaler
-from pipedream_fast.stopping import DeferredStop
-from pipedream_fast.tracing import LayerChain
-from pipedream_fast.training import (EpochBatches)
-from pipedream_fast.tuning import Tuning
 from pipedream_fast.options import PipelineOptions
+from pipedream_fast.runtime.stage import OptimizerFactory, SchedulerFactory
+from pipedream_fast.tuning import Tuning
 from pipedream_fast.world import Group, World
 
 
@@ -37,97 +34,72 @@ class NonFiniteLoss(RuntimeError):
     """A microbatch's loss was NaN or infinite (on_nan='stop'); names step, microbatch, stage."""
 
 
-class RankState:
-    """The state of one rank of a Pipeline, and helpers every part uses."""
+class RankContext:
+    """One rank's settings and its world, read by every part.
 
-    # Set by `Pipeline.__init__` on a rank (see there); shared by every part of a rank.
-    options: PipelineOptions
-    rank: int
-    world_size: int
-    device: torch.device
-    tuning: Tuning
-    schedule_name: str
-    microbatch_size: int | None
-    chunks: int | None
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-    timeout: float
-    seed: int
-    precision: str
-    clip_grad_norm: float | None
-    on_nan: str
-    checkpoint_dir: str | None
-    checkpoint_every: int | None
-    checkpoint_keep: int
-    plan: Plan | None
-    stage_indices: tuple[int, ...]
-    last_stats: dict[str, Any]
-    last_events: list[Any]
-    _world: World
-    _trace: bool
-    _run_id: str
-    _inputs_only: bool
-    _optimizer_factory: OptimizerFactory
-    _scheduler_factory: SchedulerFactory | None
-    _stages_wanted: int | None
-    _model: nn.Module | None
-    _factory_built: bool
-    _shares_model: bool
-    _copied: dict[int, Any]
-    _names: dict[int, tuple[str, ...]]
-    _leaf_modules: tuple[Any, ...]
-    _chain: LayerChain | None
-    _split: tuple[Plan | None, tuple[int, ...] | None, tuple[str, ...] | None]
-    _modules: dict[int, nn.Module]
-    _optimizers: dict[int, torch.optim.Optimizer]
-    _schedulers: dict[int, Any]
-    _runtimes: dict[int, StageRuntime]
-    _saved_copies: dict[int, list[dict[str, Any]]]
-    _saved_staleness: dict[int, dict[str, Any] | None]
-    _transport: Transport | None
-    _control: Group
-    _stop_request: DeferredStop | None
-    _executor: Executor | None
-    _inference_transports: dict[tuple[Any, ...], Transport]
-    _sync: GlobalUpdateSync | None
-    _scaler: LossScaler | None
-    _step: int
-    _pending_restore: tuple[Path, dict[str, Any]] | None
-    _peeked: tuple[EpochBatches, Any] | None
-    _source: EpochBatches | None
-    _epoch: int
-    _epoch_batches: int
-    _last_loader: Any
-    _live: EpochBatches | None
-    _reading: tuple[EpochBatches, int] | None
-    _agreed_batch: int
-    _profile: Profile | None  # rank 0's per-block profile (adapt re-plans from it)
-    _broken: str | None  # why this rank cannot train any more (a move failed half-way)
+    Owns: `options` (checked once by the Pipeline; its `schedule` is resolved when a plan is
+    set up, for schedule='auto'), `rank`, `world_size`, `world`, `control` (the group every
+    agreement between runs goes through, on CPU, with the Pipeline's timeout), `device`,
+    `tuning`, `loss_fn`, `run_id` (the checkpoint folder's run), `inputs_only` (loader items
+    are the model's inputs alone) and the optimizer and scheduler factories.
+    """
 
-    def _require_setup(self, what: str) -> None:
-        if self.plan is None:
-            raise RuntimeError(f"{what} exist once the model is cut into stages: this Pipeline "
-                               f"plans on its first minibatch (pass plan=, balance=, "
-                               f"split_points= or example_inputs= to cut it at construction)")
+    def __init__(self, options: PipelineOptions, world: World, device: torch.device,
+                 tuning: Tuning, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 inputs_only: bool, optimizer_factory: OptimizerFactory,
+                 scheduler_factory: SchedulerFactory | None, run_id: str) -> None:
+        self.options = options
+        self.world = world
+        self.rank = world.rank
+        self.world_size = world.size
+        self.device = device
+        self.tuning = tuning
+        self.loss_fn = loss_fn
+        self.inputs_only = inputs_only
+        self.optimizer_factory = optimizer_factory
+        self.scheduler_factory = scheduler_factory
+        self.run_id = run_id
+        control = world.new_group(list(range(world.size)), backend="gloo")
+        assert control is not None
+        self.control: Group = control
 
-    def _flatten(self, inputs: Any) -> tuple[Any, ...]:
-        """A minibatch's (or microbatch's) inputs as the first stage's arguments."""
-        assert self._chain is not None
-        return self._chain.flatten_inputs(inputs)
+    # The settings the parts read most, by name.
+    @property
+    def schedule_name(self) -> str:
+        return self.options.schedule
 
-    def _chunks_for(self, batch_inputs: Any) -> int:
-        if self.chunks is not None:
-            return self.chunks
-        if self.microbatch_size is None:
+    def resolve_schedule(self, name: str) -> None:
+        """The schedule a plan settles (schedule='auto' learns its choice here)."""
+        self.options = self.options.replace(schedule=name)
+
+    @property
+    def timeout(self) -> float:
+        return self.options.timeout
+
+    @property
+    def seed(self) -> int:
+        return self.options.seed
+
+    @property
+    def precision(self) -> str:
+        return self.options.precision
+
+    def chunks_for(self, batch_inputs: Any) -> int:
+        """The microbatches a minibatch of `batch_inputs` splits into."""
+        if self.options.chunks is not None:
+            return self.options.chunks
+        size = self.options.microbatch_size
+        if size is None:
             return 1
         first = batch_inputs
         while not isinstance(first, torch.Tensor):
             first = next(iter(first.values())) if isinstance(first, dict) else first[0]
-        if first.shape[0] % self.microbatch_size:
+        if first.shape[0] % size:
             raise ValueError(f"batch size {first.shape[0]} is not a multiple of microbatch_size "
-                             f"{self.microbatch_size}")
-        return first.shape[0] // self.microbatch_size
+                             f"{size}")
+        return first.shape[0] // size
 
-    def _agree(self, collective: Callable[[], Any], what: str) -> None:
+    def agree(self, collective: Callable[[], Any], what: str) -> None:
         """Runs a collective of every rank, naming the ranks when one does not take part."""
         try:
             collective()
@@ -137,7 +109,3 @@ class RankState:
             raise RuntimeError(f"rank {self.rank}: {what} needs every rank, and {peers} did not "
                                f"take part within {self.timeout:.0f} s (died, stuck or called "
                                f"something else): {err}") from err
-
-    def _aliases(self) -> list[tuple[str, ...]]:
-        """The groups of keys that name one tensor of the model (tied weights)."""
-        return [keys for keys in self._names.values() if len(keys) > 1]
