@@ -39,6 +39,7 @@ plus the send's own time.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from collections.abc import Iterable, Mapping, Sequence
@@ -47,6 +48,7 @@ from pipedream_fast.formats import FormatError, Plan, Profile
 from pipedream_fast.ir import Action, ActionKind, Schedule, ScheduleError, validate
 from pipedream_fast.staleness import DelayReport, weight_delays
 from pipedream_fast.topology import Topology
+from pipedream_fast.trace import TraceEvent, write_chrome_trace
 
 K = ActionKind
 # Kinds that occupy the rank (what "busy" counts), read off each kind's declared timing.
@@ -450,3 +452,33 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimResult:
                                report.peak_versions[r], report.peak_inflight[r]))
     delays = weight_delays(flat, schedule.num_stages, schedule.num_microbatches)
     return SimResult(schedule, costs.time_unit, flat, makespan, ranks, delays)
+
+
+# ---- the simulation as a trace (pipedream_fast.trace's format) -------------------------
+
+def events_from_simulation(result: SimResult) -> list[TraceEvent]:
+    """The simulated actions as trace events (times in the simulation's unit, as ms)."""
+    events = []
+    for rec in result.records:
+        a = rec.action
+        args: dict[str, Any] = {"action": a.to_text(), "index": rec.index}
+        if rec.ready > rec.start:
+            args["waited_ms"] = rec.ready - rec.start
+        if a.peer is not None:
+            args["peer"] = a.peer
+        if a.microbatches:
+            args["microbatches"] = list(a.microbatches)
+        if a.copy:
+            args["copy"] = a.copy
+        events.append(TraceEvent(rec.rank, a.kind.value, rec.start, rec.end - rec.start,
+                                 a.stage, a.microbatch, a.version, args))
+    return events
+
+
+def write_simulation_trace(result: SimResult, path: str | os.PathLike[str]) -> None:
+    """The simulation as a Chrome/Perfetto trace (`trace.write_chrome_trace`)."""
+    s = result.schedule
+    write_chrome_trace(events_from_simulation(result), path, process=f"simulated {s.name}",
+                       rank_stages={r: s.stages_of(r) for r in range(s.num_ranks)},
+                       metadata={"schedule": s.name, "time_unit": result.time_unit,
+                                 "note": "one time unit of a unit-cost run is shown as 1 ms"})

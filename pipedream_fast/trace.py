@@ -1,7 +1,7 @@
 """Chrome / Perfetto traces: one format for the simulator's prediction and the runtime's run.
 
 A `TraceEvent` is one action on one rank with its start and duration in milliseconds. The
-simulator converts its records with `events_from_simulation`; the runtime appends a
+simulator converts its records with `sim.events_from_simulation`; the runtime appends a
 `TraceEvent` per action it performs (with `time.perf_counter()` based times) and writes them
 with the same `write_chrome_trace`, so a run and its prediction open side by side in
 chrome://tracing or https://ui.perfetto.dev.
@@ -20,12 +20,9 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipedream_fast.ir import ActionKind
-
-if TYPE_CHECKING:
-    from pipedream_fast.sim import SimResult
 
 @dataclass(frozen=True)
 class TraceEvent:
@@ -47,24 +44,6 @@ class TraceEvent:
         if self.microbatch is not None:
             return f"{short} {self.microbatch}"
         return f"{short} v{self.version}" if self.version is not None else short
-
-
-def events_from_simulation(result: SimResult) -> list[TraceEvent]:
-    events = []
-    for rec in result.records:
-        a = rec.action
-        args: dict[str, Any] = {"action": a.to_text(), "index": rec.index}
-        if rec.ready > rec.start:
-            args["waited_ms"] = rec.ready - rec.start
-        if a.peer is not None:
-            args["peer"] = a.peer
-        if a.microbatches:
-            args["microbatches"] = list(a.microbatches)
-        if a.copy:
-            args["copy"] = a.copy
-        events.append(TraceEvent(rec.rank, a.kind.value, rec.start, rec.end - rec.start,
-                                 a.stage, a.microbatch, a.version, args))
-    return events
 
 
 def chrome_trace(events: Iterable[TraceEvent], *, process: str = "pipedream-fast",
@@ -94,14 +73,6 @@ def write_chrome_trace(events: Iterable[TraceEvent], path: str | os.PathLike[str
                        **kwargs: Any) -> None:
     """Write `events` as a Chrome/Perfetto JSON trace (see `chrome_trace` for the options)."""
     Path(path).write_text(json.dumps(chrome_trace(events, **kwargs)) + "\n")
-
-
-def write_simulation_trace(result: SimResult, path: str | os.PathLike[str]) -> None:
-    s = result.schedule
-    write_chrome_trace(events_from_simulation(result), path, process=f"simulated {s.name}",
-                       rank_stages={r: s.stages_of(r) for r in range(s.num_ranks)},
-                       metadata={"schedule": s.name, "time_unit": result.time_unit,
-                                 "note": "one time unit of a unit-cost run is shown as 1 ms"})
 
 
 def read_chrome_trace(path: str | os.PathLike[str]) -> list[TraceEvent]:

@@ -13,10 +13,10 @@ from torch import nn
 
 from pipedream_fast.ir import Action
 from pipedream_fast.schedules import make_schedule
-from pipedream_fast.sim import ActionRecord, UnitCosts, simulate
+from pipedream_fast.sim import ActionRecord, UnitCosts, events_from_simulation, simulate
 from pipedream_fast.staleness import (pipedream_unit_law, records_from_events, trace_delays,
                                       weight_delays)
-from pipedream_fast.trace import TraceEvent, events_from_simulation
+from pipedream_fast.trace import TraceEvent
 
 
 def delays_of(name: str, stages: int, n: int, **kw):

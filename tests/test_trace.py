@@ -7,10 +7,9 @@ import json
 import pytest
 
 from pipedream_fast.schedules import SCHEDULE_NAMES, make_schedule
-from pipedream_fast.sim import UnitCosts, simulate
+from pipedream_fast.sim import UnitCosts, events_from_simulation, simulate, write_simulation_trace
 from pipedream_fast.timeline import draw_timeline
-from pipedream_fast.trace import (TraceEvent, events_from_simulation, read_chrome_trace,
-                                  write_chrome_trace, write_simulation_trace)
+from pipedream_fast.trace import TraceEvent, read_chrome_trace, write_chrome_trace
 
 
 def test_simulation_trace_has_one_slice_per_action(tmp_path) -> None:

@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save_schedule:
         schedule.save(args.save_schedule)
     if args.trace:
-        from pipedream_fast.trace import write_simulation_trace
+        from pipedream_fast.sim import write_simulation_trace
         write_simulation_trace(result, args.trace)
     if args.timeline:
         from pipedream_fast.timeline import draw_timeline

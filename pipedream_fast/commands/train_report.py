@@ -34,7 +34,8 @@ def _write(run_dir: Path, args: argparse.Namespace, s: Settings, setups: list[Ru
            histories: list[Any], outcomes: list[list[dict[str, Any]]],
            say: Callable[[str], None]) -> list[str]:
     from pipedream_fast import run_report as rr
-    from pipedream_fast.trace import write_chrome_trace, write_simulation_trace
+    from pipedream_fast.sim import write_simulation_trace
+    from pipedream_fast.trace import write_chrome_trace
 
     files: list[str] = []
     main = setups[0]
