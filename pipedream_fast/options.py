@@ -95,6 +95,11 @@ class PipelineOptions:
                                      metavar="FRACTION")
     adapt_payback: int = _option(200, "adapt moves only if the time saved pays for the move "
                                       "within this many steps", flag=True, metavar="STEPS")
+    recompute: str = _option(
+        "none", "blocks whose activations are not kept by the forward but made again in the "
+                "backward (less memory, one more forward): none, all, stages:0,2 (every block "
+                "of those stages) or blocks:NAME,NAME (the model's block names)", flag=True,
+        metavar="WHICH")
 
     def __post_init__(self) -> None:
         checks = [
@@ -126,6 +131,7 @@ class PipelineOptions:
         for name, ok, message in checks:
             if not ok:
                 raise OptionError(name, f"{message}, got {getattr(self, name)!r}")
+        recompute_spec(self.recompute)  # names the form expected if it is not one
         if self.adapt and self.schedule not in (*ADAPTABLE, "auto"):
             raise OptionError("adapt", f"adapt=True moves the blocks of a pipeline of "
                                        f"{listing(ADAPTABLE)}; it cannot re-plan schedule "
@@ -208,6 +214,22 @@ class PipelineOptions:
 
     def replace(self, **values: Any) -> PipelineOptions:
         return dataclasses.replace(self, **values)
+
+
+def recompute_spec(value: str) -> tuple[str, tuple[Any, ...]]:
+    """The `recompute` option read: ("none" | "all", ()), ("stages", stage indices) or
+    ("blocks", block names)."""
+    text = str(value).strip()
+    if text in ("none", "all"):
+        return text, ()
+    what, _, listed = text.partition(":")
+    items = tuple(i.strip() for i in listed.split(",") if i.strip())
+    if what == "stages" and items and all(i.isdigit() for i in items):
+        return "stages", tuple(sorted({int(i) for i in items}))
+    if what == "blocks" and items:
+        return "blocks", items
+    raise OptionError("recompute", f"recompute must be none, all, stages:I,J (stage indices) "
+                                   f"or blocks:NAME,NAME (block names), got {value!r}")
 
 
 def listing(names: Sequence[str]) -> str:

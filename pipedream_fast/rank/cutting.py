@@ -34,6 +34,7 @@ from pipedream_fast.training import (GLOBAL_STATE, build_schedule, check_plan_fi
                                      stage_runtime)
 from pipedream_fast.world import ThreadWorld
 from pipedream_fast.formats import Profile
+from pipedream_fast.options import recompute_spec
 from pipedream_fast.rank.state import RankContext
 
 
@@ -298,9 +299,10 @@ class Stages:
             for block in self.chain.blocks:
                 self.materialize(block.module, torch.device("meta"))
             self.factory_built = False
+        recompute = self.recomputed_blocks(plan)
         for index in self.stage_indices:
             stage_plan = plan.stages[index]
-            module = self.chain.stage_module(stage_plan.start, stage_plan.stop)
+            module = self.chain.stage_module(stage_plan.start, stage_plan.stop, recompute)
             if self.shares_model and self._needs_own_copy(plan, index):
                 module = self._own_copy(module)
             self.materialize(module, self.ctx.device, index)
@@ -329,6 +331,29 @@ class Stages:
                 self.ctx.options.clip_grad_norm, self.scaler, tied, skip_nonfinite=skip_nan)
         self.model = None  # only this rank's stages are kept
         self.on_cut()
+
+    def recomputed_blocks(self, plan: Plan) -> frozenset[int]:
+        """The blocks whose activations are made again in the backward (`recompute`),
+        checked against the model's blocks and the plan's stages."""
+        assert self.chain is not None
+        what, items = recompute_spec(self.ctx.options.recompute)
+        if what == "none":
+            return frozenset()
+        if what == "all":
+            return frozenset(range(len(self.chain)))
+        if what == "stages":
+            missing = [i for i in items if i >= len(plan.stages)]
+            if missing:
+                raise ValueError(f"recompute names stages {missing}, but the plan has stages "
+                                 f"0..{len(plan.stages) - 1}")
+            return frozenset(b for i in items
+                             for b in range(plan.stages[i].start, plan.stages[i].stop))
+        names = [b.name for b in self.chain.blocks]
+        unknown = [n for n in items if n not in names]
+        if unknown:
+            raise ValueError(f"recompute names blocks {unknown} the model does not have; its "
+                             f"blocks are {', '.join(names)}")
+        return frozenset(names.index(n) for n in items)
 
     def new_transport(self, stage_groups: bool = True) -> Transport:
         """Point-to-point links of their own (a run left early abandons them with receives

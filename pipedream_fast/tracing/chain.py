@@ -4,13 +4,14 @@ the model's inputs as the first block's arguments, and the checks run on a finis
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from pipedream_fast.recompute import recomputed
 from pipedream_fast.tracing.errors import TracingError
 
 
@@ -79,12 +80,15 @@ class LayerChain:
             return self.input_flattener(inputs)
         return positional_inputs(inputs, self.input_names, self.input_defaults)
 
-    def stage_module(self, start: int, stop: int) -> nn.Module:
+    def stage_module(self, start: int, stop: int,
+                     recompute: Collection[int] = ()) -> nn.Module:
         """Blocks [start, stop) as one module.
 
         It takes the tensors crossing the cut before `start` (the model inputs when start == 0)
         and returns a tuple of those crossing the cut after block `stop - 1`; a stage that ends
-        with the last block returns exactly what the model's `forward` returns.
+        with the last block returns exactly what the model's `forward` returns. The blocks
+        listed in `recompute` (indices in the chain) keep no activations in a training
+        forward: their backward runs them again (`pipedream_fast.recompute`).
         """
         if not 0 <= start < stop <= len(self.blocks):
             raise IndexError(f"stage [{start}, {stop}) is not a non-empty block range of a "
@@ -93,7 +97,8 @@ class LayerChain:
         return _Stage([b.module for b in self.blocks[start:stop]],
                       [b.name for b in self.blocks[start:stop]],
                       self.unflatten_output if last else None,
-                      self.unflatten_eval_output if last else None)
+                      self.unflatten_eval_output if last else None,
+                      frozenset(b - start for b in recompute if start <= b < stop))
 
     def __call__(self, *inputs: Any) -> Any:
         """Run the whole chain block by block; equals the original model's forward."""
@@ -125,16 +130,22 @@ def positional_inputs(inputs: Any, input_names: Sequence[str],
 class _Stage(nn.Module):
     def __init__(self, modules: list[nn.Module], names: list[str],
                  final: Callable[[Sequence[Any]], Any] | None,
-                 final_eval: Callable[[Sequence[Any]], Any] | None = None) -> None:
+                 final_eval: Callable[[Sequence[Any]], Any] | None = None,
+                 recompute: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(modules)
         self.block_names = names
         self._final = final
         self._final_eval = final_eval or final
+        self.recompute = recompute  # positions in `blocks` whose activations are not kept
 
     def forward(self, *values: Any) -> Any:
-        for block in self.blocks:
-            values = block(*values)
+        recomputing = self.recompute and self.training and torch.is_grad_enabled()
+        for index, block in enumerate(self.blocks):
+            if recomputing and index in self.recompute:
+                values = recomputed(block, values)
+            else:
+                values = block(*values)
         final = self._final if self.training else self._final_eval
         return final(values) if final is not None else values
 
