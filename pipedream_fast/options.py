@@ -95,6 +95,10 @@ class PipelineOptions:
                                      metavar="FRACTION")
     adapt_payback: int = _option(200, "adapt moves only if the time saved pays for the move "
                                       "within this many steps", flag=True, metavar="STEPS")
+    measure_memory: bool = _option(
+        False, "measure what each stage holds (weights, versions, gradients, optimizer state, "
+               "the activations of microbatches in flight): pipe.memory, the run summary",
+        flag=True)
     recompute: str = _option(
         "none", "blocks whose activations are not kept by the forward but made again in the "
                 "backward (less memory, one more forward): none, all, stages:0,2 (every block "

@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from pipedream_fast import checkpoint as ckpt
 from pipedream_fast.formats import Plan, Profile
+from pipedream_fast.runtime.memory import rank_memory
 from pipedream_fast.runtime.stage import (OptimizerFactory, SchedulerFactory)
 from pipedream_fast.schedules import SYNCHRONOUS
 from pipedream_fast.schedules.forward_only import forward_only
@@ -394,6 +395,15 @@ class Pipeline:
         if self._threads is not None:
             return {r: p.calibration for r, p in enumerate(self._ranks)}
         return self._run_loop.calibration
+
+    @property
+    def memory(self) -> dict[Any, Any]:
+        """What this rank's stages hold, measured at their tensors (`runtime/memory.py`):
+        {"stages": {stage: bytes by kind}, "rank": the rank's peak, "measured": whether the
+        activations were measured (measure_memory=True)}; by rank under ranks='threads'."""
+        if self._threads is not None:
+            return {r: p.memory for r, p in enumerate(self._ranks)}
+        return rank_memory(self._stages.runtimes, self._stages.meter, self._ctx.device)
 
     # --- set-up ------------------------------------------------------------------------------
     @property

@@ -82,6 +82,31 @@ def _write(run_dir: Path, args: argparse.Namespace, s: Settings, setups: list[Ru
     return files
 
 
+def memory_by_rank(results: list[dict[str, Any]]) -> dict[int, Any] | None:
+    """Each rank's measured memory (`Pipeline.memory`): one per rank process, or every rank
+    thread's in the one result of a threads run; None when it was not measured."""
+    found: dict[int, Any] = {}
+    for r in results:
+        memory = r.get("memory")
+        if not memory:
+            continue
+        if "rank" in memory and "stages" in memory:  # a process's own
+            found[r["rank"]] = memory
+        else:  # rank threads: by rank
+            found.update({int(rank): m for rank, m in memory.items()})
+    return found or None
+
+
+def _memory_text(results: list[dict[str, Any]]) -> str:
+    by_rank = memory_by_rank(results)
+    if not by_rank:
+        return "-"
+    mib = 1 << 20
+    return "; ".join(f"rank {rank} {m['rank']['total_peak'] / mib:.1f} MiB "
+                     f"(activations {m['rank']['activations_peak'] / mib:.1f})"
+                     for rank, m in sorted(by_rank.items()))
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
@@ -119,6 +144,8 @@ def _summary(s: Settings, setups: list[RunSetup], histories: list[Any],
                                if f.get("accuracy") is not None else "-")),
         ("test loss", per(lambda st, h, f: f"{f['loss']:.4f}" if "loss" in f else "-")),
     ]
+    if any(r.get("memory") for results in outcomes for r in results):
+        rows.append(("peak memory (measured)", [_memory_text(results) for results in outcomes]))
     if any(r.get("adapt") for results in outcomes for r in results):
         rows.append(("stages moved (adapt)", [_moves_text(results) for results in outcomes]))
     if s.data == "text":
@@ -267,6 +294,7 @@ def _summary_json(s: Settings, setups: list[RunSetup], histories: list[Any],
             "test_loss": final.get("loss"), "test_accuracy": final.get("accuracy"),
             "time_to_target_s": h.target_reached_s, "target_step": h.target_reached_step,
             "moves": next((r["moves"] for r in results if r.get("moves")), []),
+            "memory": memory_by_rank(results),
             "rank_stats": {r["rank"]: r.get("stats", {}) for r in results}})
     from pipedream_fast import run_report as rr
     runs[0]["weight_delays"] = rr.traced_weight_delays(outcomes[0], setups[0].sim_window)

@@ -144,6 +144,7 @@ def train_loop(pipe: Any, train: DataLoader, config: dict[str, Any],
     return {**result.to_dict(), "calibration": taken, "calibration_epochs": split,
             "calibration_warmup": warm, "calibration_rest": snapshots(pipe) if taken else {},
             "adapt": pipe.options.adapt, "moves": list(pipe.moves),
+            "memory": pipe.memory if pipe.options.measure_memory else None,
             "final_plan": pipe.plan.to_dict() if pipe.plan else None}
 
 

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from pipedream_fast.formats import FormatError, Plan
 from pipedream_fast.ir import Schedule
+from pipedream_fast.runtime.memory import MemoryMeter
 from pipedream_fast.runtime.stage import (StageRuntime)
 from pipedream_fast.runtime.transport import Transport
 from pipedream_fast.runtime.update_sync import GlobalUpdateSync, LossScaler, TiedWeight
@@ -113,6 +114,8 @@ class Stages:
         self.sync: GlobalUpdateSync | None = None
         self.scaler = LossScaler() if ctx.precision == "fp16" else None
         self.profile = profile if ctx.rank == 0 else None
+        # measure_memory: what the microbatches in flight hold, over the stages' runtimes
+        self.meter = MemoryMeter() if ctx.options.measure_memory else None
         self.on_cut: Callable[[], None] = lambda: None
         self.on_runtime: Callable[[StageRuntime], None] = lambda runtime: None
 
@@ -442,6 +445,8 @@ class Stages:
                     self.ctx.loss_fn, self.schedulers.get(index), self.ctx.precision, self.ctx.tuning,
                     optimizer_factory=self.ctx.optimizer_factory,
                     scheduler_factory=self.ctx.scheduler_factory)
+                if self.meter is not None:
+                    self.runtimes[index].measure_with(self.meter)
                 self.on_runtime(self.runtimes[index])
             check_runtime_fits(self.runtimes[index], schedule, self.ctx.rank)
         return self.runtimes

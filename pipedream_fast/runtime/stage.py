@@ -30,6 +30,7 @@ from torch import nn
 
 from pipedream_fast import _C
 from pipedream_fast.runtime.buckets import DEFAULT_BUCKET_BYTES, GradientBuckets
+from pipedream_fast.runtime.memory import MemoryMeter
 from pipedream_fast.runtime.staleness_correction import StalenessCorrection
 from pipedream_fast.runtime.split_backward import (Call, CallRecorder, input_part, splittable,
                                                    weight_part)
@@ -119,6 +120,15 @@ class StageRuntime:
         # Asynchronous schedules' correction for stale weights (`use_correction`), if any.
         self.correction: StalenessCorrection | None = None
         self.pending_correction_state: dict[str, Any] | None = None  # from a checkpoint
+        self.meter: MemoryMeter | None = None  # measure_memory: what the microbatches hold
+
+    def measure_with(self, meter: MemoryMeter) -> None:
+        """Counts what this stage's microbatches in flight hold on `meter` (`memory`); the
+        stage's weights and gradients are not activations."""
+        self.meter = meter
+        for c in self.copies:
+            if c.ring is not None:
+                meter.exclude([*c.ring.live_buffers(), *c.ring.grad_buffers()])
 
     def use_correction(self, kind: str | None) -> None:
         """The staleness correction of a run's schedule (None: none). A stage keeps its
@@ -242,6 +252,9 @@ class StageRuntime:
         starts clean: the microbatches in flight (their graphs and input gradients), the
         retained weight versions and the accumulated gradients. The live weights and the
         optimizer state keep every update that was applied."""
+        if self.meter is not None:
+            for microbatch in self.inflight:
+                self.meter.release(self.stage, microbatch)
         self.inflight.clear()
         self.input_grads.clear()
         if self.recorder is not None:
@@ -295,6 +308,8 @@ class StageRuntime:
         correction = self.correction if copy == 0 else None
         if ring is not None and ring.holds(version):
             tensors = ring.tensors(version)
+            if self.meter is not None:  # a stashed version is not an activation
+                self.meter.exclude(tensors)
             if self.buckets is not None:
                 self.buckets.watch(tensors)
             shifted = correction.read(tensors, microbatch, delay) if correction else None
@@ -323,8 +338,10 @@ class StageRuntime:
         calls: list[Call] = []
         if self.recorder is not None:
             self.recorder.recording = calls
+        meter = self.meter
         try:
-            with self._autocast():
+            with self._autocast(), (meter.recording(self.stage, microbatch) if meter
+                                    else contextlib.nullcontext()):
                 out = self._call(version, inputs, copy, microbatch, delay)
                 loss = self.loss_fn(out, target) if self.is_last and self.loss_fn else None
         finally:
@@ -337,6 +354,8 @@ class StageRuntime:
             outputs = out if isinstance(out, tuple) else (out,)
         grad_inputs = () if self.is_first else tuple(_floats(inputs))
         self.inflight[microbatch] = InFlight(grad_inputs, tuple(outputs), calls)
+        if meter is not None:
+            meter.hold(self.stage, microbatch, (*inputs, *outputs))
         return outputs
 
     def infer(self, inputs: tuple[Any, ...]) -> Any:
@@ -370,6 +389,8 @@ class StageRuntime:
         if not self.is_first:
             self.input_grads[microbatch] = [t.grad if t.grad is not None else torch.zeros_like(t)
                                             for t in state.inputs]
+        if self.meter is not None:
+            self.meter.release(self.stage, microbatch)
 
     def backward_input(self, microbatch: int, output_grads: Sequence[torch.Tensor] | None) -> None:
         """The input-gradient part of a split backward (see `split_backward`)."""
@@ -389,6 +410,8 @@ class StageRuntime:
     def backward_weight(self, microbatch: int) -> None:
         """The weight-gradient part; it ends the microbatch on this stage."""
         state = self.inflight.pop(microbatch)
+        if self.meter is not None:  # its graph and held tensors go with this part
+            self.meter.release(self.stage, microbatch)
         if state.weights_done or not state.roots:
             return
         if self.is_first:

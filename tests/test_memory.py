@@ -1,0 +1,94 @@
+"""Measured memory (`measure_memory=True`, `pipe.memory`; issue 28 item 1): what each stage
+holds, counted at its tensors, against counts made by hand from the model and the schedule.
+
+The model: blocks of Linear(64, 64) + Tanh, 2 on stage 0 and 3 on stage 1 (the last a
+Linear(64, 4) head). A forward of a Linear+Tanh block keeps its input (for the Linear's
+weight gradient) and the Tanh's output (for its own backward); a stage also holds its inputs
+and outputs until the microbatch's backward. Stage 0's microbatch inputs are views of the
+minibatch, whose storage they hold (counted once). So per microbatch in flight stage 0 holds
+2 activations of MB x 64 floats, beside the minibatch; how many microbatches are in flight
+is the schedule's: all of them under GPipe, two under 1F1B on 2 stages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipedream_fast.pipeline import Pipeline
+
+BATCH, CHUNKS, WIDTH = 32, 4, 64
+FLOAT = 4
+MINIBATCH = BATCH * WIDTH * FLOAT
+ACTIVATION = BATCH // CHUNKS * WIDTH * FLOAT  # one microbatch's 64 features
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)],
+                         nn.Linear(WIDTH, 4))
+
+
+def batches(steps: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, 4, (BATCH,), generator=g))
+            for _ in range(steps)]
+
+
+def measured(schedule: str, chunks: int = CHUNKS, **options: Any) -> dict[int, Any]:
+    pipe = Pipeline(build(), F.cross_entropy, lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                    balance=[2, 3], schedule=schedule, chunks=chunks, ranks="threads",
+                    workers=2, measure_memory=True, timeout=60, **options)
+    try:
+        list(pipe.train(batches(), steps=3))
+        return pipe.memory
+    finally:
+        pipe.close()
+
+
+def stage0(memory: dict[int, Any]) -> dict[str, int]:
+    return memory[0]["stages"][0]
+
+
+@pytest.mark.parametrize("schedule, in_flight", [("gpipe", CHUNKS), ("1f1b", 2)])
+def test_stage_0_holds_its_in_flight_microbatches_activations(schedule: str, in_flight: int):
+    got = stage0(measured(schedule))
+    assert got["activations_peak"] == MINIBATCH + in_flight * 2 * ACTIVATION, got
+
+
+def test_weights_gradients_optimizer_and_versions_are_their_tensors_bytes():
+    memory = measured("pipedream", chunks=1)
+    params = 2 * (WIDTH * WIDTH + WIDTH) * FLOAT  # stage 0: two Linear(64, 64)
+    got = stage0(memory)
+    assert got["parameters"] == params and got["gradients"] == params
+    assert got["optimizer"] == 2 * params + 2 * 8  # Adam: two moments, a step count each
+    assert got["weight_versions"] == 2 * params  # PipeDream stashes 2 versions on stage 0
+    last = memory[1]["stages"][1]
+    assert last["weight_versions"] == last["parameters"]  # one version on the last stage
+    assert got["total_peak"] == sum(v for k, v in got.items() if k != "total_peak")
+
+
+def test_the_rank_peak_counts_its_stages_together_and_without_measuring_only_weights():
+    memory = measured("1f1b")
+    rank = memory[0]["rank"]
+    assert memory[0]["measured"] and rank["activations_peak"] == stage0(memory)["activations_peak"]
+    pipe = Pipeline(build(), F.cross_entropy, lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                    balance=[2, 3], schedule="1f1b", chunks=CHUNKS, ranks="threads", workers=2,
+                    timeout=60)
+    try:
+        list(pipe.train(batches(), steps=1))
+        plain = pipe.memory[0]
+    finally:
+        pipe.close()
+    assert not plain["measured"] and plain["stages"][0]["activations_peak"] == 0
+    assert plain["stages"][0]["parameters"] == stage0(memory)["parameters"]
+
+
+def test_zero_bubble_holds_more_than_1f1b_until_its_weight_gradients():
+    """ZB-H1 keeps a microbatch's graph from its input gradient to its weight gradient."""
+    assert measured("zb-h1")[1]["stages"][1]["activations_peak"] > \
+        measured("1f1b")[1]["stages"][1]["activations_peak"]
