@@ -33,6 +33,7 @@ class FitResult:
     results: dict[str, float] = field(default_factory=dict)
     reached_at: float | None = None
     events: list[Any] = field(default_factory=list)
+    memory_samples: list[Any] = field(default_factory=list)  # measure_memory: traced window
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -94,6 +95,9 @@ def fit(pipe: Any, loader: Any, *, epochs: int | None = None, steps: int | None 
         if traced:
             out.events = trace_window(list(getattr(pipe, "last_events", None) or []),
                                       trace_steps * chunks)
+            end = max((e.start_ms + e.duration_ms for e in out.events), default=None)
+            out.memory_samples = [m for m in getattr(pipe, "last_memory", None) or []
+                          if end is not None and m.t_ms <= end]
         out.train_s += epoch_s
         if evaluate is None:
             continue

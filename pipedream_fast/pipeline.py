@@ -389,6 +389,14 @@ class Pipeline:
         return self._run_loop.last_events
 
     @property
+    def last_memory(self) -> list[Any]:
+        """With `trace` and measure_memory, the activation bytes held over the same run as
+        `last_events` (`trace.MemorySample`s; every rank's under ranks='threads')."""
+        if self._threads is not None:
+            return [m for p in self._ranks for m in p.last_memory]
+        return self._run_loop.last_memory
+
+    @property
     def calibration(self) -> Any:
         """This rank's running estimate of its costs (`runtime/calibration.py`; by rank under
         ranks='threads'), which `sim.MeasuredCosts.from_calibration` reads."""

@@ -194,6 +194,32 @@ def _cell(value: Any) -> Any:
     return value
 
 
+def plot_memory(path: str | os.PathLike[str], samples: Sequence[Any]) -> bool:
+    """The activation memory each rank held over the traced steps (`trace.MemorySample`s,
+    measure_memory), beside timeline.png; False without matplotlib."""
+    if not have_matplotlib():
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+    for rank in sorted({m.rank for m in samples}):
+        mine = sorted((m.t_ms, m.bytes) for m in samples if m.rank == rank)
+        ax.step([t for t, _ in mine], [b / (1 << 20) for _, b in mine], where="post",
+                label=f"rank {rank}")
+    ax.set_xlabel("time in the traced steps (ms)")
+    ax.set_ylabel("activations held (MiB)")
+    ax.set_title("memory of the microbatches in flight, measured")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot_curves(path: str | os.PathLike[str], runs: Sequence[RunHistory],
                 metric_label: str = "test accuracy") -> bool:
     """Training and test loss, and test accuracy, against samples seen; False without

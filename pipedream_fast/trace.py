@@ -46,10 +46,21 @@ class TraceEvent:
         return f"{short} v{self.version}" if self.version is not None else short
 
 
+@dataclass(frozen=True)
+class MemorySample:
+    """The activation bytes a rank held from `t_ms` on (measure_memory, a traced run)."""
+
+    rank: int
+    t_ms: float
+    bytes: int
+
+
 def chrome_trace(events: Iterable[TraceEvent], *, process: str = "pipedream-fast",
                  rank_stages: Mapping[int, Iterable[int]] | None = None,
-                 pid: int = 0, metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The trace as a JSON-ready dict; `rank_stages` names the tracks."""
+                 pid: int = 0, metadata: Mapping[str, Any] | None = None,
+                 memory: Iterable[MemorySample] = ()) -> dict[str, Any]:
+    """The trace as a JSON-ready dict; `rank_stages` names the tracks; `memory` becomes one
+    counter track per rank ("rank R activations", in MiB)."""
     events = list(events)
     ranks = sorted({e.rank for e in events} | set(rank_stages or {}))
     out: list[dict[str, Any]] = [{"ph": "M", "pid": pid, "name": "process_name",
@@ -66,6 +77,9 @@ def chrome_trace(events: Iterable[TraceEvent], *, process: str = "pipedream-fast
         out.append({"ph": "X", "pid": pid, "tid": e.rank, "name": e.name, "cat": e.kind,
                     "ts": e.start_ms * 1e3, "dur": e.duration_ms * 1e3,
                     "args": {k: v for k, v in args.items() if v is not None}})
+    for m in memory:
+        out.append({"ph": "C", "pid": pid, "name": f"rank {m.rank} activations",
+                    "ts": m.t_ms * 1e3, "args": {"MiB": m.bytes / (1 << 20)}})
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": dict(metadata or {})}
 
 

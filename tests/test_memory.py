@@ -92,3 +92,24 @@ def test_zero_bubble_holds_more_than_1f1b_until_its_weight_gradients():
     """ZB-H1 keeps a microbatch's graph from its input gradient to its weight gradient."""
     assert measured("zb-h1")[1]["stages"][1]["activations_peak"] > \
         measured("1f1b")[1]["stages"][1]["activations_peak"]
+
+
+def test_a_traced_run_records_the_memory_over_time_as_counter_tracks(tmp_path):
+    from pipedream_fast.trace import write_chrome_trace
+    pipe = Pipeline(build(), F.cross_entropy, lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                    balance=[2, 3], schedule="gpipe", chunks=CHUNKS, ranks="threads",
+                    workers=2, measure_memory=True, timeout=60, trace=True)
+    try:
+        list(pipe.train(batches(), steps=3))
+        samples, memory, events = pipe.last_memory, pipe.memory, pipe.last_events
+    finally:
+        pipe.close()
+    for rank in (0, 1):  # the samples rise to the peak and fall back to nothing held
+        mine = [m.bytes for m in samples if m.rank == rank]
+        assert max(mine) == memory[rank]["rank"]["activations_peak"] and mine[-1] == 0
+    write_chrome_trace(events, tmp_path / "trace.json", memory=samples)
+    import json
+    counters = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+                if e["ph"] == "C"]
+    assert {e["name"] for e in counters} == {"rank 0 activations", "rank 1 activations"}
+    assert len(counters) == len(samples)

@@ -35,7 +35,7 @@ def _write(run_dir: Path, args: argparse.Namespace, s: Settings, setups: list[Ru
            say: Callable[[str], None]) -> list[str]:
     from pipedream_fast import run_report as rr
     from pipedream_fast.sim import write_simulation_trace
-    from pipedream_fast.trace import write_chrome_trace
+    from pipedream_fast.trace import MemorySample, write_chrome_trace
 
     files: list[str] = []
     main = setups[0]
@@ -48,16 +48,21 @@ def _write(run_dir: Path, args: argparse.Namespace, s: Settings, setups: list[Ru
         extra.plan.save(run_dir / f"plan-{extra.name}.json")
         files.append(f"plan-{extra.name}.json")
     events = [e for r in outcomes[0] for e in r.get("events", [])]
+    memory = [m for r in outcomes[0] for m in r.get("memory_samples", [])]
     if events:
         origin = min(e.start_ms for e in events)
         events = [type(e)(e.rank, e.kind, e.start_ms - origin, e.duration_ms, e.stage,
                           e.microbatch, e.version, e.args) for e in events]
+        memory = [MemorySample(m.rank, m.t_ms - origin, m.bytes) for m in memory]
         write_chrome_trace(events, run_dir / "run_trace.json",
                            process=f"pipedream-fast train {main.schedule} (first "
                                    f"{args.trace_steps} steps)",
                            rank_stages={r: main.plan.stages_of_rank(r)
-                                        for r in range(main.plan.workers)})
+                                        for r in range(main.plan.workers)}, memory=memory)
         files.append("run_trace.json")
+        if memory and rr.have_matplotlib():
+            rr.plot_memory(run_dir / "memory.png", memory)
+            files.append("memory.png")
         if args.trace:
             shutil.copyfile(run_dir / "run_trace.json", args.trace)
             say(f"wrote {args.trace}")

@@ -23,6 +23,7 @@ from pipedream_fast.runtime.calibration import Calibration
 from pipedream_fast.runtime.executor import Executor
 from pipedream_fast.runtime.stage import (StageRuntime)
 from pipedream_fast.stopping import DeferredStop, StopVote
+from pipedream_fast.trace import MemorySample
 from pipedream_fast.training import (MicrobatchFeed, StepTracker, build_schedule, check_backend,
                                      data_source, feed_uses)
 from pipedream_fast.rank.checkpoints import Checkpoints
@@ -55,6 +56,7 @@ class RunLoop:
         self.executor: Executor | None = None
         self.last_stats: dict[str, Any] = {}
         self.last_events: list[Any] = []
+        self.last_memory: list[MemorySample] = []  # measure_memory: the same run's samples
         self.stop_request: DeferredStop | None = None
         self.after_run: Callable[[int, float, int], None] = lambda steps, seconds, chunks: None
         self._first_run = True  # the next run is the first of its train() call
@@ -123,6 +125,8 @@ class RunLoop:
             inputs = data_source(feed, schedule, self.ctx.rank, self.stages.flatten, self.ctx.device)
             if inputs is not None:  # its time is the feed's, not the first forward's
                 inputs = self.calibration.timed_feed(inputs)
+        if self.trace and self._first_run and self.stages.meter is not None:
+            self.stages.meter.samples = []  # the memory held over the traced run
         executor = Executor(schedule, self.ctx.rank, runtimes, transport, inputs,
                             target_spec=spec, trace=self.trace, update_sync=self.stages.sync,
                             calibration=self.calibration)
@@ -233,6 +237,11 @@ class RunLoop:
         self.last_stats = executor.stats.to_dict()
         if self._first_run:  # a call's later runs (after a checkpoint, an adapt check)
             self.last_events = executor.events or []  # number their microbatches from 0 again
+            meter = self.stages.meter
+            if meter is not None and meter.samples is not None:
+                self.last_memory = [MemorySample(self.ctx.rank, t, held)
+                                    for t, held in meter.samples]
+                meter.samples = None
             self._first_run = False
 
     def _abandon(self, executor: Executor, yielded: int, chunks: int,

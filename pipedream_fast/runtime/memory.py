@@ -27,6 +27,7 @@ backward, and the transport's buffers. On GPU the CUDA caching allocator's peak
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -59,6 +60,8 @@ class MemoryMeter:
         self.peak = 0
         self.stage_now: dict[int, int] = {}
         self.stage_peak: dict[int, int] = {}
+        # (perf_counter in ms, bytes held) at each change, while a traced run records them
+        self.samples: list[tuple[float, int]] | None = None
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Storages that are not activations (the stage's weights and gradients)."""
@@ -89,6 +92,7 @@ class MemoryMeter:
                 del self._holders[ptr]
                 self.now -= size
                 self.stage_now[owner] -= size
+                self._sample()
 
     def release_all(self) -> None:
         """A run left early: nothing is in flight any more."""
@@ -111,6 +115,11 @@ class MemoryMeter:
         self.stage_now[stage] = self.stage_now.get(stage, 0) + size
         self.peak = max(self.peak, self.now)
         self.stage_peak[stage] = max(self.stage_peak.get(stage, 0), self.stage_now[stage])
+        self._sample()
+
+    def _sample(self) -> None:
+        if self.samples is not None:
+            self.samples.append((time.perf_counter() * 1e3, self.now))
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
