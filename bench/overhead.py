@@ -9,7 +9,9 @@ the same 1f1b action stream (chunks 4, so it has its sends, receives and optimiz
 
 Both do the same arithmetic, so the difference per action is what the runtime adds (queues,
 bookkeeping, the executor's dispatch). Time per action is rank 0's run time over its number
-of actions, after a warm-up run, median of --repeat runs.
+of actions. Both drivers live in the same two rank processes and run in alternating rounds
+(`harness.alternate`: A B, B A, ...; a warm-up round dropped), and the ratio is taken round
+by round, so a shared machine's drift touches both sides alike.
 
     python bench/overhead.py [--steps 400] [--repeat 3] [--out bench/results/overhead.md]
 """
@@ -17,13 +19,8 @@ of actions, after a warm-up run, median of --repeat runs.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +32,8 @@ from pipedream_fast.ir import ActionKind as K
 from pipedream_fast.launch import launch
 from pipedream_fast.pipeline import Pipeline
 from pipedream_fast.training import build_schedule
+
+from harness import Spread, alternate, paired_ratio, write_results  # noqa: E402 - a sibling
 
 WIDTH, BATCH, CHUNKS = 16, 16, 4
 PLAN = Plan("tiny", BATCH // CHUNKS, 2, "1f1b",
@@ -52,29 +51,28 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(steps)]
 
 
-def executor_rank(rank: int, world: int, steps: int, repeat: int) -> dict[str, float]:
-    torch.set_num_threads(1)
+def executor_driver(steps: int) -> Any:
+    """The Pipeline, and one 1f1b run of `steps` minibatches through `Pipeline.train`
+    returning its us per action."""
     pipe = Pipeline(model(), nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.01),
                     plan=PLAN, schedule="1f1b", chunks=CHUNKS)
     batches = data(steps)
-    times = []
-    for run in range(repeat + 1):
+
+    def run() -> float:
         list(pipe.train(batches, steps))
-        if run:  # the first run warms up
-            times.append(pipe.last_stats["total_s"] / pipe.last_stats["actions"])
-    pipe.close()
-    return {"us_per_action": statistics.median(times) * 1e6,
-            "actions": float(pipe.last_stats["actions"])}
+        return pipe.last_stats["total_s"] / pipe.last_stats["actions"] * 1e6
+
+    return pipe, run
 
 
-def plain_rank(rank: int, world: int, steps: int, repeat: int) -> dict[str, float]:
-    """The same action stream, driven by plain torch.distributed point-to-point calls."""
-    torch.set_num_threads(1)
+def plain_driver(rank: int, world: int, steps: int) -> Any:
+    """One run of the same action stream, driven by plain torch.distributed point-to-point
+    calls, returning its us per action."""
     stage = model()[rank]
     optimizer = torch.optim.SGD(stage.parameters(), lr=0.01)
     batches = data(steps)
-    times, count = [], 0
-    for run in range(repeat + 1):
+
+    def run() -> float:
         schedule = build_schedule(PLAN, "1f1b", steps, CHUNKS)
         actions = list(schedule.program(rank))
         inputs: dict[int, torch.Tensor] = {}
@@ -127,10 +125,20 @@ def plain_rank(rank: int, world: int, steps: int, repeat: int) -> dict[str, floa
             work.wait()
         elapsed = time.perf_counter() - began
         dist.barrier()
-        count = len(actions)
-        if run:
-            times.append(elapsed / count)
-    return {"us_per_action": statistics.median(times) * 1e6, "actions": float(count)}
+        return elapsed / len(actions) * 1e6
+
+    return run
+
+
+def overhead_job(rank: int, world: int, steps: int, repeat: int) -> dict[str, Any]:
+    """Both drivers on this rank, in alternating rounds; rank 0's figures matter."""
+    torch.set_num_threads(1)
+    pipe, executor_run = executor_driver(steps)
+    values = alternate({"plain torch.distributed": plain_driver(rank, world, steps),
+                        "pipedream_fast executor": executor_run}, repeat)
+    actions = int(pipe.last_stats["actions"])
+    pipe.close()
+    return {"values": values, "actions": actions}
 
 
 def main() -> int:
@@ -141,33 +149,33 @@ def main() -> int:
     args = parser.parse_args()
     if args.steps < 1 or args.repeat < 1:
         parser.error("--steps and --repeat must be >= 1")
-    rows = []
-    for name, fn in (("plain torch.distributed", plain_rank),
-                     ("pipedream_fast executor", executor_rank)):
-        result = launch(fn, 2, args.steps, args.repeat, timeout=600)[0]
-        rows.append((name, result["us_per_action"], int(result["actions"])))
-        print(f"{name:26s} {result['us_per_action']:8.1f} us/action "
-              f"({int(result['actions'])} actions on rank 0)", flush=True)
-    base = rows[0][1]
-    overhead = rows[1][1] - base
-    print(f"overhead: {overhead:+.1f} us per action ({rows[1][1] / base:.2f}x)")
+    result = launch(overhead_job, 2, args.steps, args.repeat, timeout=1200)[0]
+    values = result["values"]
+    spreads = {name: Spread.of(v) for name, v in values.items()}
+    ratio = paired_ratio(values, "pipedream_fast executor", "plain torch.distributed")
+    for name, spread in spreads.items():
+        print(f"{name:26s} {spread.text()} us/action (median, range over {args.repeat} "
+              f"rounds; {result['actions']} actions on rank 0)", flush=True)
+    base = spreads["plain torch.distributed"].median
+    overhead = spreads["pipedream_fast executor"].median - base
+    print(f"overhead: {overhead:+.1f} us per action ({ratio.text(2)}x, round by round)")
     if args.out:
-        lines = ["# Runtime overhead per action (near-empty stages)", "",
-                 f"Command: `python bench/overhead.py {' '.join(sys.argv[1:])}`", "",
-                 f"Machine: {os.cpu_count()} cores, "
-                 f"{platform.processor() or platform.machine()}, torch {torch.__version__}; "
-                 f"{time.strftime('%Y-%m-%d')}. Two ranks, gloo, 1 thread each; 1f1b, "
-                 f"{args.steps} steps of {CHUNKS} microbatches; Linear({WIDTH}, {WIDTH}) "
-                 f"per stage.", "",
-                 "| driver | us per action (rank 0) | actions | vs plain |",
-                 "| --- | ---: | ---: | ---: |"]
-        lines += [f"| {name} | {us:.1f} | {n} | {us / base:.2f}x |" for name, us, n in rows]
-        lines += ["", f"The executor adds {overhead:+.1f} us per action over the plain loop."]
-        Path(args.out).write_text("\n".join(lines) + "\n")
-        Path(args.out).with_suffix(".json").write_text(json.dumps(
-            {"steps": args.steps, "rows": [{"driver": name, "us_per_action": us, "actions": n}
-                                           for name, us, n in rows],
-             "ratio": rows[1][1] / base}, indent=1) + "\n")
+        write_results(
+            args.out, "Runtime overhead per action (near-empty stages)",
+            [f"Two ranks, gloo, 1 thread each; 1f1b, {args.steps} steps of {CHUNKS} "
+             f"microbatches; Linear({WIDTH}, {WIDTH}) per stage. The two drivers alternate "
+             f"in the same processes ({args.repeat} rounds after a warm-up, A B then B A); "
+             f"medians with their range."],
+            ["driver", "us per action (rank 0)", "actions", "vs plain (round by round)"],
+            [(name, spread.text(), result["actions"],
+              "1.00x" if name.startswith("plain") else f"{ratio.text(2)}x")
+             for name, spread in spreads.items()],
+            [f"The executor adds {overhead:+.1f} us per action over the plain loop."],
+            {"steps": args.steps, "rounds": args.repeat, "values_us_per_action": values,
+             "rows": [{"driver": name, "us_per_action": spread.median,
+                       "actions": result["actions"]} for name, spread in spreads.items()],
+             "actions": result["actions"], "ratio": ratio.median,
+             "ratio_range": [ratio.low, ratio.high]})
     return 0
 
 
