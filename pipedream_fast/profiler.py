@@ -22,6 +22,9 @@ upstream, and nothing is double counted across blocks. An error names the block 
 * extra `saved_bytes`: bytes autograd keeps for the block's backward (recorded with
   `torch.autograd.graph.saved_tensors_hooks`, parameters excluded): the per-microbatch memory a
   stage holds while a microbatch is in flight. The planner's memory model uses it.
+* extra `held_bytes`: those, the block's inputs and its outputs, each storage once: what the
+  block holds until its backward, additive over a stage's blocks once the cuts inside it are
+  taken off (`sim_memory`).
 * extra `optimizer_ms`, `grad_scale_ms`, `grad_zero_ms`, `snapshot_ms`: one optimizer step
   over the block's parameters; the passes over its gradients an update adds (the mean over
   several microbatches, the clearing); one copy of its weights (what retaining a weight
@@ -127,8 +130,10 @@ class _Timer:
         return (time.perf_counter() - begin) * 1e3, result
 
 
-def _saved_bytes(module: nn.Module, inputs: tuple[Any, ...]) -> int:
-    """Bytes autograd saves for the backward of one forward of `module` (weights excluded)."""
+def _saved_bytes(module: nn.Module, inputs: tuple[Any, ...]) -> tuple[int, int]:
+    """Bytes autograd saves for the backward of one forward of `module` (weights excluded),
+    and the bytes the block holds until its backward: those, its inputs and its outputs,
+    each storage once (what a stage holds per microbatch in flight, `sim_memory`)."""
     weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     storages: dict[int, int] = {}
 
@@ -138,9 +143,14 @@ def _saved_bytes(module: nn.Module, inputs: tuple[Any, ...]) -> int:
             storages[storage.data_ptr()] = storage.nbytes()
         return t
 
+    fed = _copies(_detach(inputs))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(*_copies(_detach(inputs)))
-    return sum(storages.values())
+        outputs = module(*fed)
+    held = dict(storages)
+    for t in [*_tensors(fed), *_tensors(outputs)]:
+        storage = t.untyped_storage()
+        held[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()), sum(held.values())
 
 
 def _optimizer_state_bytes(chain: LayerChain, inputs: tuple[Any, ...],
@@ -305,10 +315,10 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
                             input_ms.append(i_ms)
                         if bar is not None:
                             bar.advance(task)
-                    saved = _saved_bytes(block.module, block_inputs[k])
+                    saved_held = _saved_bytes(block.module, block_inputs[k])
                 measured.append((block.name, statistics.median(forward_ms),
                                  statistics.median(backward_ms), _nbytes(_tensors(outputs)),
-                                 saved, statistics.median(input_ms)))
+                                 *saved_held, statistics.median(input_ms)))
             if bar is not None:
                 bar.update(task, description=f"{title}: optimizer state")
             before = None  # the built-in optimizers have lr 0; a factory's may step weights
@@ -332,14 +342,14 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
                 buffer.copy_(value)
 
     blocks: list[BlockProfile] = []
-    for (name, f_ms, b_ms, act, saved, i_ms), block, opt, (step_ms, scale_ms, zero_ms,
+    for (name, f_ms, b_ms, act, saved, held, i_ms), block, opt, (step_ms, scale_ms, zero_ms,
                                                           copy_ms) in zip(
             measured, chain.blocks, optimizer_bytes, update_ms):
         param_bytes = _nbytes(block.module.parameters())
         blocks.append(BlockProfile(name=name, forward_ms=f_ms, backward_ms=b_ms,
                                    activation_bytes=act, parameter_bytes=param_bytes,
                                    optimizer_state_bytes=opt,
-                                   extra={"saved_bytes": saved,
+                                   extra={"saved_bytes": saved, "held_bytes": held,
                                           "backward_input_ms": min(i_ms, b_ms),
                                           "optimizer_ms": step_ms,
                                           "grad_scale_ms": scale_ms, "grad_zero_ms": zero_ms,
