@@ -156,3 +156,31 @@ def test_the_simulators_memory_prediction_is_within_10_percent_of_the_measuremen
         assert got.activations_peak == pytest.approx(want["rank"]["activations_peak"],
                                                      rel=0.10), rank
         assert got.total_peak == pytest.approx(want["rank"]["total_peak"], rel=0.01), rank
+
+
+@pytest.mark.parametrize("schedule, chunks", [("gpipe", CHUNKS), ("1f1b", CHUNKS),
+                                              ("2bw", CHUNKS), ("pipedream", 1)])
+def test_the_planners_memory_figures_agree_with_the_simulators_peak(schedule: str,
+                                                                     chunks: int):
+    """The planner's per-stage formula (planner/costs.py) against the simulated run's peak,
+    rank by rank: within 5% (the formula counts one minibatch in flight on stage 0; the run
+    may overlap two)."""
+    from pipedream_fast.planner.costs import Costs, MemoryModel
+    from pipedream_fast.profiler import profile_model
+    from pipedream_fast.sim import ProfileCosts, simulate
+    from pipedream_fast.sim_memory import predict_memory
+    from pipedream_fast.tracing import trace
+    from pipedream_fast.training import build_schedule, manual_plan
+
+    micro = BATCH // chunks
+    profile = profile_model(build(), batches(1)[0][0][:micro], micro, optimizer="adam",
+                            warmup=0, repeat=1, progress=False)
+    plan = manual_plan(trace(build()), 2, schedule, balance=[2, 3])
+    plan.batch_size, plan.model = micro, profile.model
+    result = simulate(build_schedule(plan, schedule, 3, chunks),
+                      ProfileCosts.from_plan(profile, plan))
+    simulated = predict_memory(result, profile, plan, micro, chunks)
+    costs, memory = Costs.from_profile(profile), MemoryModel(schedule=schedule, chunks=chunks)
+    for rank, stage in enumerate(plan.stages):
+        planned = memory.replica_bytes(costs, stage.start, stage.stop, noam=2 - rank)
+        assert planned == pytest.approx(simulated[rank].total_peak, rel=0.05), rank

@@ -85,7 +85,7 @@ def memory_ok(profile: Profile, flat: list[tuple[int, int, int]], limit: float |
         after -= r
         versions = {"pipedream": noam, "2bw": 2}.get(schedule, 1)
         in_flight = microbatches if schedule == "gpipe" else noam
-        need = ((versions + 1) * sum(par[start:stop]) + sum(opt[start:stop])
+        need = ((versions + 2) * sum(par[start:stop]) + sum(opt[start:stop])
                 + in_flight * sum(saved[start:stop]))
         if need > limit:
             return False
@@ -163,7 +163,7 @@ def footprints(profile: Profile, workers: int, schedule: str) -> list[int]:
             for noam in range(1, workers + 1):
                 versions = {"pipedream": noam, "2bw": 2}.get(schedule, 1)
                 in_flight = workers if schedule == "gpipe" else noam
-                out.add((versions + 1) * sum(par[a:b]) + sum(opt[a:b]) + in_flight * sum(saved[a:b]))
+                out.add((versions + 2) * sum(par[a:b]) + sum(opt[a:b]) + in_flight * sum(saved[a:b]))
     return sorted(out)
 
 
@@ -384,7 +384,7 @@ def test_gpipe_footprint_counts_all_microbatches() -> None:
     profile = Profile(model="m", batch_size=1, device="cpu",
                       blocks=[BlockProfile("a", 1.0, 1.0, 0, 100, 0, extra={"saved_bytes": 10})])
     plan = make_plan(profile, Topology.parse("1x1e9"), schedule="gpipe", chunks=7)
-    assert plan.stages[0].extra["memory_bytes"] == 2 * 100 + 7 * 10
+    assert plan.stages[0].extra["memory_bytes"] == 3 * 100 + 7 * 10  # live, 1 slot, grads
     assert plan.extra["chunks"] == 7
 
 

@@ -101,7 +101,7 @@ def plan_cost(profile: Profile, topology: Topology, schedule: str, layout: Layou
         # pipedream: NOAM versions and microbatches; 1f1b with one microbatch per step
         # (chunks = 1): one version, at most that one microbatch in flight.
         versions, flight = (noam, noam) if schedule == "pipedream" else (1, 1)
-        need = (versions + 1) * sum(params[a:z]) + sum(state[a:z]) + flight * sum(saved[a:z])
+        need = (versions + 2) * sum(params[a:z]) + sum(state[a:z]) + flight * sum(saved[a:z])
         if topology.memories and need > min(topology.memories[q] for q in ranks):
             return math.inf
         if k + 1 < len(groups):
@@ -223,10 +223,11 @@ def test_identical_workers_plan_as_before() -> None:
 
 
 def test_a_worker_with_little_memory_gets_a_stage_that_fits() -> None:
-    # One worker: everything fits at NOAM 1 (2 x 6 params). Two workers straight: stage 0 at
-    # NOAM 2 keeps 3 x its parameters. Rank 1 holds only 2 blocks' worth at NOAM 1.
+    # One worker: everything fits at NOAM 1 (3 x 6 params: live, one version slot, gradients).
+    # Two workers straight: stage 0 at NOAM 2 keeps 4 x its parameters. Rank 1 holds only 2
+    # blocks' worth at NOAM 1 (3 x 2).
     profile = even_profile(6)
-    topology = Topology.parse(f"2x1e12@memory={100 * UNIT},{4 * UNIT}")
+    topology = Topology.parse(f"2x1e12@memory={100 * UNIT},{6 * UNIT}")
     plan = make_plan(profile, topology, straight=True)
     assert layout(plan) == [(0, 4, (0,)), (4, 6, (1,))]
     limits = topology.memories
@@ -240,10 +241,10 @@ def test_a_worker_with_little_memory_gets_a_stage_that_fits() -> None:
 
 def test_no_plan_fits_the_workers_memory_is_a_clear_error() -> None:
     with pytest.raises(PlanningError, match=r"no plan fits the workers' memory limits "
-                                            r"\[100000, 200000\].*needs 200000 bytes"):
+                                            r"\[100000, 200000\].*needs 300000 bytes"):
         make_plan(even_profile(4), Topology.parse(f"2x1e12@memory={UNIT},{2 * UNIT}"))
     # Equal limits are one limit: the identical-workers planner names the smallest requirement.
-    with pytest.raises(PlanningError, match="raise --memory-per-worker to at least 600000"):
+    with pytest.raises(PlanningError, match="raise --memory-per-worker to at least 800000"):
         make_plan(even_profile(4), Topology.parse(f"2x1e12@memory={UNIT},{UNIT}"))
 
 

@@ -26,7 +26,11 @@ costs 45 ms against 430 ms of compute.
 Memory of one replica of a stage (what a worker must hold), with NOAM = ceil(workers from this
 stage to the end of the pipeline / replicas of this stage):
 
-    versions x parameters + one gradient buffer + one optimizer state + in_flight x activations
+    (1 + versions) x parameters + one gradient buffer + one optimizer state
+        + in_flight x activations (+ on the first stage, the minibatch its microbatches view)
+
+(the live weights, and the weight ring's slots: one per version the schedule keeps, even
+for a flushing schedule that never retains one, as the runtime allocates them)
 
     schedule    weight versions   microbatches in flight
     pipedream   NOAM              NOAM
@@ -36,8 +40,10 @@ stage to the end of the pipeline / replicas of this stage):
 
 Assumptions: only parameters are versioned (the optimizer updates the newest version, so its
 state and the gradients exist once); "activations" of one in-flight microbatch are the bytes
-autograd saved for the stage's backward (`saved_bytes` in the profile; without it, the stage's
-input cut plus every cut its blocks produce). The profile's batch is the microbatch.
+the stage holds until its backward: its blocks' `held_bytes` (saved tensors, inputs and
+outputs, each storage once) less the cuts inside the stage, counted once (`sim_memory` does
+the same; older profiles: the `saved_bytes` sum, or the stage's input cut plus every cut its
+blocks produce). The profile's batch is the microbatch.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ class Costs:
     grad_scale: np.ndarray   # (L+1, L+1) ms of averaging gradients over several microbatches
     snapshot: np.ndarray     # (L+1, L+1) ms of one copy of the weights
     overlap: bool = False    # the all-reduce hides behind compute (GPU) or adds to it (CPU)
+    input_bytes: float = 0.0  # the model's input per microbatch, when held per minibatch
 
     @property
     def num_blocks(self) -> int:
@@ -87,7 +94,16 @@ class Costs:
         params = np.cumsum(zero + [float(b.parameter_bytes) for b in blocks])
         optimizer = np.cumsum(zero + [float(b.optimizer_state_bytes) for b in blocks])
         cut = np.array([0.0] + [float(b.activation_bytes) for b in blocks])  # cut[s]: after s-1
-        if all("saved_bytes" in b.extra for b in blocks):
+        if all("held_bytes" in b.extra for b in blocks):
+            # What a stage holds per microbatch (as `sim_memory` and the runtime count it):
+            # its blocks' held bytes, the cuts inside it once, stage 0's input aside (a
+            # view of the minibatch, held per minibatch: `MemoryModel.minibatch_bytes`).
+            held = ranges(np.cumsum(zero + [float(b.extra["held_bytes"]) for b in blocks]))
+            after = np.cumsum(zero + [float(b.activation_bytes) for b in blocks])
+            before_last = np.concatenate([[0.0], after[:-1]])  # before_last[j] = after[j-1]
+            saved = held - (before_last[None, :] - after[:, None])
+            saved[0, :] -= float(profile.extra.get("input_bytes", 0))
+        elif all("saved_bytes" in b.extra for b in blocks):
             saved = ranges(np.cumsum(zero + [float(b.extra["saved_bytes"]) for b in blocks]))
         else:
             # Fallback: what enters the stage plus everything its blocks produce.
@@ -104,7 +120,9 @@ class Costs:
                    params=ranges(params), optimizer=ranges(optimizer), activations=saved,
                    cut_bytes=cut, update=measured("optimizer_ms", "grad_zero_ms"),
                    grad_scale=measured("grad_scale_ms"), snapshot=measured("snapshot_ms"),
-                   overlap=profile.device.startswith("cuda"))
+                   overlap=profile.device.startswith("cuda"),
+                   input_bytes=float(profile.extra.get("input_bytes", 0))
+                   if all("held_bytes" in b.extra for b in blocks) else 0.0)
 
 
 @overload
@@ -160,14 +178,21 @@ class MemoryModel:
 
     def stage_bytes(self, costs: Costs, noam: int) -> np.ndarray:
         """(L+1, L+1) bytes one replica of stage [i, j) needs at this NOAM."""
-        return ((self.versions(noam) + 1) * costs.params + costs.optimizer
-                + self.in_flight(noam) * costs.activations)
+        out = ((self.versions(noam) + 2) * costs.params + costs.optimizer
+               + self.in_flight(noam) * costs.activations)
+        out[0, :] += self.minibatch_bytes(costs)
+        return out
 
     def replica_bytes(self, costs: Costs, start: int, stop: int, noam: int) -> int:
         """Bytes one replica of stage [start, stop) needs at this NOAM."""
-        return int((self.versions(noam) + 1) * costs.params[start, stop]
+        return int((self.versions(noam) + 2) * costs.params[start, stop]
                    + costs.optimizer[start, stop]
-                   + self.in_flight(noam) * costs.activations[start, stop])
+                   + self.in_flight(noam) * costs.activations[start, stop]
+                   + (self.minibatch_bytes(costs) if start == 0 else 0))
+
+    def minibatch_bytes(self, costs: Costs) -> float:
+        """Stage 0's microbatches are views of their minibatch, which stays whole."""
+        return costs.input_bytes * self.chunks
 
     def fits(self, costs: Costs, noam: int) -> np.ndarray:
         if self.limit is None:
