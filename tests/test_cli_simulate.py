@@ -118,3 +118,28 @@ def test_full_cli_once_every_command_exists(capsys) -> None:
     assert cli.main(["simulate", "--schedule", "gpipe", "--stages", "2", "--microbatches",
                      "3", "--unit-cost"]) == 0
     assert "makespan    8 units" in capsys.readouterr().out
+
+
+def test_a_profile_with_held_bytes_gets_each_ranks_predicted_memory(run, tmp_path) -> None:
+    """With the blocks' held bytes (profiles made by this version) the summary and the JSON
+    carry every rank's predicted peak (`sim_memory`), by kind; older profiles do not."""
+    from pipedream_fast.sim_memory import predict_memory
+    profile, plan = two_stage_plan((1, 1), None)
+    for block in profile.blocks:
+        block.extra["held_bytes"] = 4096
+    profile.save(tmp_path / "p.json")
+    plan.save(tmp_path / "plan.json")
+    files = ("--profile", str(tmp_path / "p.json"), "--plan", str(tmp_path / "plan.json"))
+    code, out, _ = run(*files, "--microbatches", "8", "--chunks", "4", "--schedule", "1f1b")
+    assert code == 0 and "predicted memory per rank" in out
+    code, out, _ = run(*files, "--microbatches", "8", "--chunks", "4", "--schedule", "1f1b",
+                       "--json")
+    memory = json.loads(out)["memory"]
+    schedule = make_schedule("1f1b", 2, 8, chunks=4, stage_ranks=[[0], [1]])
+    want = predict_memory(simulate(schedule, UnitCosts()), profile, plan, profile.batch_size, 4)
+    assert {int(r): m["total_peak"] for r, m in memory.items()} == \
+        {r: m.total_peak for r, m in want.items()}
+    profile.blocks[0].extra.pop("held_bytes")
+    profile.save(tmp_path / "p.json")
+    code, out, _ = run(*files, "--microbatches", "8", "--chunks", "4", "--schedule", "1f1b")
+    assert code == 0 and "predicted memory" not in out

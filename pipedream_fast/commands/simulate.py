@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     schedule = make_schedule(num_microbatches=args.microbatches, chunks=args.chunks,
                              **schedule_values(args), **layout)
     result = simulate(schedule, costs)
+    memory = _memory(args, result, plan)
     if args.save_schedule:
         schedule.save(args.save_schedule)
     if args.trace:
@@ -137,10 +138,40 @@ def run(args: argparse.Namespace) -> int:
         data = result.to_dict()
         if plan is not None:
             data["samples_per_s"] = result.throughput * plan.batch_size * 1e3
+        if memory:
+            data["memory"] = {rank: m.to_dict() for rank, m in memory.items()}
         print(json.dumps(data, indent=2))
     else:
         print(summary(result, plan))
+        if memory:
+            print(memory_summary(memory))
     return 0
+
+
+def _memory(args: argparse.Namespace, result: SimResult, plan: Plan | None) -> dict[int, Any]:
+    """Each rank's predicted memory (`sim_memory`), with a profile that has the blocks'
+    held bytes; empty otherwise (unit costs, or a profile older than them)."""
+    if plan is None or args.profile is None:
+        return {}
+    from pipedream_fast.sim_memory import predict_memory
+    profile = Profile.load(args.profile)
+    if not all("held_bytes" in b.extra for b in profile.blocks):
+        return {}
+    chunks = int(result.schedule.params.get("chunks") or 1)
+    return predict_memory(result, profile, plan, profile.batch_size, chunks)
+
+
+def memory_summary(memory: dict[int, Any]) -> str:
+    """The predicted peak per rank, by kind, in MiB."""
+    mib = 1 << 20
+    lines = ["", "predicted memory per rank (MiB; the profile's batch as the microbatch)",
+             "rank  peak     weights  versions  gradients  optimizer  activations"]
+    for rank, m in sorted(memory.items()):
+        st = m.static
+        lines.append(f"{rank:<5} {m.total_peak / mib:<8.2f} {st['parameters'] / mib:<8.2f} "
+                     f"{st['weight_versions'] / mib:<9.2f} {st['gradients'] / mib:<10.2f} "
+                     f"{st['optimizer'] / mib:<10.2f} {m.activations_peak / mib:.2f}")
+    return "\n".join(lines)
 
 
 def summary(result: SimResult, plan: Plan | None = None) -> str:
