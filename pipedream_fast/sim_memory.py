@@ -26,6 +26,7 @@ from typing import Any
 
 from pipedream_fast.formats import Plan, Profile
 from pipedream_fast.ir import ActionKind as K
+from pipedream_fast.planner.costs import Costs
 from pipedream_fast.sim import SimResult
 
 
@@ -48,33 +49,30 @@ class RankMemoryPrediction:
 
 
 def stage_activation_bytes(profile: Profile, start: int, stop: int,
-                           microbatch_size: int) -> int:
+                           microbatch_size: int, costs: Costs | None = None) -> int:
     """What stage [start, stop) holds for one microbatch in flight (see the module's
-    docstring), without stage 0's minibatch storage."""
-    blocks = profile.blocks
-    missing = [b.name for b in blocks[start:stop] if "held_bytes" not in b.extra]
+    docstring), without stage 0's minibatch storage: the planner's figure
+    (`Costs.activations`, the same rule), at `microbatch_size`."""
+    missing = [b.name for b in profile.blocks[start:stop] if "held_bytes" not in b.extra]
     if missing:
         raise ValueError(f"the profile has no held_bytes for blocks {missing}: profile the "
                          f"model again with this version (pipedream-fast profile)")
-    held = sum(int(b.extra["held_bytes"]) for b in blocks[start:stop])
-    held -= sum(b.activation_bytes for b in blocks[start:stop - 1])  # inner cuts: held once
-    if start == 0:  # its input is a view of the minibatch: counted per minibatch instead
-        held -= int(profile.extra.get("input_bytes", 0))
-    return round(held * microbatch_size / profile.batch_size)
+    held = (costs or Costs.from_profile(profile)).activations[start, stop]
+    return round(float(held) * microbatch_size / profile.batch_size)
 
 
-def stage_static_bytes(profile: Profile, start: int, stop: int, versions: int) -> dict[str, int]:
-    params = sum(b.parameter_bytes for b in profile.blocks[start:stop])
-    return {"parameters": params, "weight_versions": versions * params if params else 0,
-            "gradients": params,
-            "optimizer": sum(b.optimizer_state_bytes for b in profile.blocks[start:stop])}
+def stage_static_bytes(costs: Costs, start: int, stop: int, versions: int) -> dict[str, int]:
+    params = int(costs.params[start, stop])
+    return {"parameters": params, "weight_versions": versions * params, "gradients": params,
+            "optimizer": int(costs.optimizer[start, stop])}
 
 
 def predict_memory(result: SimResult, profile: Profile, plan: Plan, microbatch_size: int,
                    chunks: int) -> dict[int, RankMemoryPrediction]:
     """Every rank's memory over the simulated run of `plan` (its schedule `result`)."""
     schedule = result.schedule
-    per_mb = {i: stage_activation_bytes(profile, s.start, s.stop, microbatch_size)
+    costs = Costs.from_profile(profile)
+    per_mb = {i: stage_activation_bytes(profile, s.start, s.stop, microbatch_size, costs)
               for i, s in enumerate(plan.stages)}
     minibatch = round(int(profile.extra.get("input_bytes", 0)) * microbatch_size
                       / profile.batch_size) * chunks
@@ -83,7 +81,7 @@ def predict_memory(result: SimResult, profile: Profile, plan: Plan, microbatch_s
         static: dict[str, int] = {}
         for index in plan.stages_of_rank(rank):
             stage = plan.stages[index]
-            for kind, value in stage_static_bytes(profile, stage.start, stage.stop,
+            for kind, value in stage_static_bytes(costs, stage.start, stage.stop,
                                                   schedule.max_versions[rank]).items():
                 static[kind] = static.get(kind, 0) + value
         out[rank] = RankMemoryPrediction(static)

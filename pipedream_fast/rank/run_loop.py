@@ -126,7 +126,7 @@ class RunLoop:
             if inputs is not None:  # its time is the feed's, not the first forward's
                 inputs = self.calibration.timed_feed(inputs)
         if self.trace and self._first_run and self.stages.meter is not None:
-            self.stages.meter.samples = []  # the memory held over the traced run
+            self.stages.meter.start_samples()  # the memory held over the traced run
         executor = Executor(schedule, self.ctx.rank, runtimes, transport, inputs,
                             target_spec=spec, trace=self.trace, update_sync=self.stages.sync,
                             calibration=self.calibration)
@@ -240,8 +240,7 @@ class RunLoop:
             meter = self.stages.meter
             if meter is not None and meter.samples is not None:
                 self.last_memory = [MemorySample(self.ctx.rank, t, held)
-                                    for t, held in meter.samples]
-                meter.samples = None
+                                    for t, held in meter.take_samples()]
             self._first_run = False
 
     def _abandon(self, executor: Executor, yielded: int, chunks: int,

@@ -63,6 +63,15 @@ class MemoryMeter:
         # (perf_counter in ms, bytes held) at each change, while a traced run records them
         self.samples: list[tuple[float, int]] | None = None
 
+    def start_samples(self) -> None:
+        """From now on, note (time, bytes held) at every change (a traced run)."""
+        self.samples = []
+
+    def take_samples(self) -> list[tuple[float, int]]:
+        """The samples noted since `start_samples`; sampling stops."""
+        taken, self.samples = self.samples or [], None
+        return taken
+
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Storages that are not activations (the stage's weights and gradients)."""
         self._excluded.update(_storage(t)[0] for t in tensors)

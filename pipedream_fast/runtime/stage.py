@@ -38,6 +38,8 @@ from pipedream_fast.runtime.split_backward import (Call, CallRecorder, input_par
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
+_NOT_MEASURED = contextlib.nullcontext()  # reused: nothing made per forward when unmeasured
+
 # precision -> the autocast dtype of forward passes (None: no autocast)
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {
     "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -341,7 +343,7 @@ class StageRuntime:
         meter = self.meter
         try:
             with self._autocast(), (meter.recording(self.stage, microbatch) if meter
-                                    else contextlib.nullcontext()):
+                                    else _NOT_MEASURED):
                 out = self._call(version, inputs, copy, microbatch, delay)
                 loss = self.loss_fn(out, target) if self.is_last and self.loss_fn else None
         finally:
