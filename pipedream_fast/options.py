@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +39,27 @@ class OptionError(ValueError):
         self.option = option
 
 
+def byte_count(text: str) -> int:
+    """A flag's number of bytes: a whole number, written plainly or as 16e9."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of bytes such as 16e9, got {text!r}") from None
+    if not math.isfinite(value):  # (zero and negatives: the option's own message)
+        raise argparse.ArgumentTypeError(f"expected a finite number of bytes, got {text!r}")
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r}")
+    return int(value)
+
+
 def _option(default: Any, help: str, *, flag: bool = False,
-            choices: Sequence[str] | None = None, metavar: str | None = None) -> Any:
-    """A field; `flag`: `pipedream-fast train` has a flag for it, made from this."""
-    metadata = {"help": help, "flag": flag, "choices": choices, "metavar": metavar}
+            choices: Sequence[str] | None = None, metavar: str | None = None,
+            parse: Callable[[str], Any] | None = None) -> Any:
+    """A field; `flag`: `pipedream-fast train` has a flag for it, made from this (its value
+    read by `parse`, else by the field's type)."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "metavar": metavar,
+                "parse": parse}
     if isinstance(default, dict):
         return field(default_factory=dict, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -100,10 +118,16 @@ class PipelineOptions:
                "the activations of microbatches in flight): pipe.memory, the run summary",
         flag=True)
     recompute: str = _option(
-        "none", "blocks whose activations are not kept by the forward but made again in the "
-                "backward (less memory, one more forward): none, all, stages:0,2 (every block "
-                "of those stages) or blocks:NAME,NAME (the model's block names)", flag=True,
-        metavar="WHICH")
+        "auto", "blocks whose activations are not kept by the forward but made again in the "
+                "backward (less memory, one more forward): auto (the planner's choice, only "
+                "where a stage would not fit memory_per_worker), none, all, stages:0,2 (every "
+                "block of those stages) or blocks:NAME,NAME (the model's block names)",
+        flag=True, metavar="WHICH")
+    memory_per_worker: int | None = _option(
+        None, "bytes each rank may hold: the planner picks stages, replicas, recomputation "
+              "(and with schedule='auto' the schedule) that fit, or refuses the model before "
+              "training, naming the smallest memory that would do", flag=True,
+        metavar="BYTES", parse=byte_count)
 
     def __post_init__(self) -> None:
         checks = [
@@ -131,6 +155,8 @@ class PipelineOptions:
             ("adapt_threshold", 0 <= self.adapt_threshold < 1,
              "adapt_threshold must be a fraction in [0, 1)"),
             ("adapt_payback", self.adapt_payback >= 1, "adapt_payback must be >= 1 steps"),
+            ("memory_per_worker", self.memory_per_worker is None or self.memory_per_worker > 0,
+             "memory_per_worker must be a positive number of bytes"),
         ]
         for name, ok, message in checks:
             if not ok:
@@ -148,6 +174,15 @@ class PipelineOptions:
         if len(given) > 1:
             raise OptionError(given[1], f"give one of stages, balance and split_points, got "
                                         f"{' and '.join(given)}")
+        if self.memory_per_worker is not None and self.adapt:
+            raise OptionError("adapt", "adapt=True re-plans from the ranks' speeds alone and "
+                                       "would move blocks without keeping memory_per_worker; "
+                                       "drop one of them")
+        manual = [n for n in ("balance", "split_points") if getattr(self, n) is not None]
+        if self.memory_per_worker is not None and manual:
+            raise OptionError("memory_per_worker", f"memory_per_worker is a limit the planner "
+                                                   f"plans within, but {manual[0]}= cuts the "
+                                                   f"model by hand; drop one of them")
         if self.ranks == "processes" and self.workers is not None:
             raise OptionError("workers", "workers= is the number of rank threads with "
                                          "ranks='threads'; with processes, the job's world "
@@ -221,10 +256,10 @@ class PipelineOptions:
 
 
 def recompute_spec(value: str) -> tuple[str, tuple[Any, ...]]:
-    """The `recompute` option read: ("none" | "all", ()), ("stages", stage indices) or
-    ("blocks", block names)."""
+    """The `recompute` option read: ("auto" | "none" | "all", ()), ("stages", stage indices)
+    or ("blocks", block names)."""
     text = str(value).strip()
-    if text in ("none", "all"):
+    if text in ("auto", "none", "all"):
         return text, ()
     what, _, listed = text.partition(":")
     items = tuple(i.strip() for i in listed.split(",") if i.strip())
@@ -232,8 +267,15 @@ def recompute_spec(value: str) -> tuple[str, tuple[Any, ...]]:
         return "stages", tuple(sorted({int(i) for i in items}))
     if what == "blocks" and items:
         return "blocks", items
-    raise OptionError("recompute", f"recompute must be none, all, stages:I,J (stage indices) "
-                                   f"or blocks:NAME,NAME (block names), got {value!r}")
+    raise OptionError("recompute", f"recompute must be auto, none, all, stages:I,J (stage "
+                                   f"indices) or blocks:NAME,NAME (block names), got {value!r}")
+
+
+def planned_recompute(value: str) -> str:
+    """What the planner is told of the `recompute` option: auto, none or all; a hand-picked
+    list of stages or blocks is the user's, so the planner does not recompute by itself."""
+    what, _ = recompute_spec(value)
+    return what if what in ("auto", "none", "all") else "none"
 
 
 def listing(names: Sequence[str]) -> str:
@@ -257,7 +299,8 @@ def add_flags(parser: argparse._ActionsContainer) -> None:
             continue
         kind_of = {"float | None": float, "float": float, "int": int, "int | None": int}
         parser.add_argument(flag_name(f.name), dest=f.name, default=f.default,
-                            type=kind_of.get(str(f.type), str), choices=f.metadata["choices"],
+                            type=f.metadata["parse"] or kind_of.get(str(f.type), str),
+                            choices=f.metadata["choices"],
                             metavar=f.metadata["metavar"],
                             help=f"{f.metadata['help']} (default: {f.default})")
     add_schedule_flags(parser)

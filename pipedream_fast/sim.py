@@ -132,8 +132,12 @@ class ProfileCosts:
             raise FormatError(f"the plan's topology has {topology.workers} workers but the plan "
                               f"uses {plan.workers}")
         parts = [profile.blocks[s.start:s.stop] for s in plan.stages]
-        return cls(forward_ms=tuple(sum(b.forward_ms for b in p) for p in parts),
-                   backward_ms=tuple(sum(b.backward_ms for b in p) for p in parts),
+        forward = [sum(b.forward_ms for b in p) for p in parts]
+        # A stage that recomputes runs its forward again inside its backward.
+        rerun = [f if s.extra.get("recompute") else 0.0 for f, s in zip(forward, plan.stages)]
+        return cls(forward_ms=tuple(forward),
+                   backward_ms=tuple(sum(b.backward_ms for b in p) + extra
+                                     for p, extra in zip(parts, rerun)),
                    cut_bytes=tuple(p[-1].activation_bytes for p in parts),
                    parameter_bytes=tuple(sum(b.parameter_bytes for b in p) for p in parts),
                    bandwidth=bandwidth, latency_ms=latency_ms, optimizer_ms=optimizer_ms,

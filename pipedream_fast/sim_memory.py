@@ -9,7 +9,10 @@ which it predicts):
                          slots: as many versions as the schedule keeps on the rank
     activations          from each FORWARD's end to the end of its BACKWARD (of its
                          BACKWARD_WEIGHT, for a split backward: zb-h1 keeps the graph
-                         between the two parts), the stage's bytes per microbatch
+                         between the two parts), the stage's bytes per microbatch; for a
+                         stage that recomputes, only its blocks' inputs and its output, and
+                         during each backward (its input half, under a split) the largest
+                         block's re-run
 
 A stage's bytes per microbatch are additive over its blocks: each block's `held_bytes` (the
 profiler counts every storage a block keeps for its backward, its inputs and its outputs
@@ -49,16 +52,28 @@ class RankMemoryPrediction:
 
 
 def stage_activation_bytes(profile: Profile, start: int, stop: int,
-                           microbatch_size: int, costs: Costs | None = None) -> int:
+                           microbatch_size: int, costs: Costs | None = None,
+                           recomputed: bool = False) -> int:
     """What stage [start, stop) holds for one microbatch in flight (see the module's
     docstring), without stage 0's minibatch storage: the planner's figure
-    (`Costs.activations`, the same rule), at `microbatch_size`."""
+    (`Costs.activations`, the same rule; `Costs.recomputed_activations` for a stage that
+    recomputes), at `microbatch_size`."""
     missing = [b.name for b in profile.blocks[start:stop] if "held_bytes" not in b.extra]
     if missing:
         raise ValueError(f"the profile has no held_bytes for blocks {missing}: profile the "
                          f"model again with this version (pipedream-fast profile)")
-    held = (costs or Costs.from_profile(profile)).activations[start, stop]
-    return round(float(held) * microbatch_size / profile.batch_size)
+    costs = costs or Costs.from_profile(profile)
+    table = costs.recomputed_activations if recomputed else costs.activations
+    assert table is not None
+    return round(float(table[start, stop]) * microbatch_size / profile.batch_size)
+
+
+def stage_rerun_bytes(profile: Profile, start: int, stop: int, microbatch_size: int,
+                      costs: Costs) -> int:
+    """What a recomputing stage holds, besides its kept inputs, while its backward re-runs
+    its largest block (`Costs.rerun_bytes`), at `microbatch_size`."""
+    assert costs.rerun_bytes is not None
+    return round(float(costs.rerun_bytes[start, stop]) * microbatch_size / profile.batch_size)
 
 
 def stage_static_bytes(costs: Costs, start: int, stop: int, versions: int) -> dict[str, int]:
@@ -72,8 +87,12 @@ def predict_memory(result: SimResult, profile: Profile, plan: Plan, microbatch_s
     """Every rank's memory over the simulated run of `plan` (its schedule `result`)."""
     schedule = result.schedule
     costs = Costs.from_profile(profile)
-    per_mb = {i: stage_activation_bytes(profile, s.start, s.stop, microbatch_size, costs)
+    recomputes = {i: bool(s.extra.get("recompute")) for i, s in enumerate(plan.stages)}
+    per_mb = {i: stage_activation_bytes(profile, s.start, s.stop, microbatch_size, costs,
+                                        recomputes[i])
               for i, s in enumerate(plan.stages)}
+    rerun = {i: stage_rerun_bytes(profile, s.start, s.stop, microbatch_size, costs)
+             if recomputes[i] else 0 for i, s in enumerate(plan.stages)}
     minibatch = round(int(profile.extra.get("input_bytes", 0)) * microbatch_size
                       / profile.batch_size) * chunks
     out: dict[int, RankMemoryPrediction] = {}
@@ -85,21 +104,31 @@ def predict_memory(result: SimResult, profile: Profile, plan: Plan, microbatch_s
                                                   schedule.max_versions[rank]).items():
                 static[kind] = static.get(kind, 0) + value
         out[rank] = RankMemoryPrediction(static)
-    changes: dict[int, list[tuple[float, int, int, int]]] = {r: [] for r in out}
-    for record in result.records:  # (time, order: ends before starts, stage, +1 / -1)
+    # (time, adds: ends before starts, stage, microbatch, what: a microbatch's activations
+    # or a recomputing stage's re-run during a backward)
+    changes: dict[int, list[tuple[float, int, int, int, str]]] = {r: [] for r in out}
+    for record in result.records:
         a = record.action
         if a.stage is None or a.microbatch is None:
             continue
         if a.kind is K.FORWARD:
-            changes[record.rank].append((record.end, 1, a.stage, a.microbatch))
+            changes[record.rank].append((record.end, 1, a.stage, a.microbatch, "kept"))
         elif a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
-            changes[record.rank].append((record.end, 0, a.stage, a.microbatch))
+            changes[record.rank].append((record.end, 0, a.stage, a.microbatch, "kept"))
+        if a.kind in (K.BACKWARD, K.BACKWARD_INPUT) and rerun[a.stage]:
+            changes[record.rank].append((record.ready, 1, a.stage, a.microbatch, "rerun"))
+            changes[record.rank].append((record.end, 0, a.stage, a.microbatch, "rerun"))
     for rank, events in changes.items():
         held = 0
         in_flight: dict[int, int] = {}  # minibatch -> its microbatches in flight on stage 0
         prediction = out[rank]
-        for time, adds, index, microbatch in sorted(events):
+        for time, adds, index, microbatch, what in sorted(events):
             sign = 1 if adds else -1
+            if what == "rerun":
+                held += sign * rerun[index]
+                prediction.timeline.append((time, held))
+                prediction.activations_peak = max(prediction.activations_peak, held)
+                continue
             held += sign * per_mb[index]
             if index == 0:
                 batch = microbatch // chunks

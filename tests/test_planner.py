@@ -587,3 +587,113 @@ def test_profile_noise_does_not_flip_the_schedule() -> None:
 
     assert len(chosen(None)) == 1, chosen(None)
     assert len(chosen(0.0)) > 1  # teeth
+
+
+# ---- recomputation: every stage keeps or recomputes, searched exhaustively ------------------
+
+def recompute_footprint(profile: Profile, a: int, b: int, noam: int, schedule: str,
+                        microbatches: int, recomputed: bool) -> float:
+    """One replica of stage [a, b) by costs.py's docstring: kept, its saved bytes per
+    microbatch in flight; recomputed, what enters each block and what leaves the last, plus
+    the largest block's own activations once (its re-run)."""
+    _, par, opt, saved, act = block_arrays(profile)
+    versions = {"pipedream": noam, "2bw": 2}.get(schedule, 1)
+    in_flight = microbatches if schedule == "gpipe" else noam
+    if recomputed:
+        entering = act[a - 1] if a > 0 else 0
+        per_mb = entering + sum(act[a:b])
+        rerun = max(max(0, saved[k] - (act[k - 1] if k > 0 else 0) - act[k]) for k in range(a, b))
+        activations = in_flight * per_mb + rerun
+    else:
+        activations = in_flight * sum(saved[a:b])
+    return (versions + 2) * sum(par[a:b]) + sum(opt[a:b]) + activations
+
+
+def brute_force_recompute(profile: Profile, workers: int, bandwidth: float, straight: bool,
+                          limit: float | None, schedule: str, mode: str) -> float:
+    """The least bottleneck over every split, replica count and (mode auto) every choice of
+    the stages that recompute: a recomputing stage's compute includes its forward again."""
+    comp, par, _, _, act = block_arrays(profile)
+    fwd = [b.forward_ms for b in profile.blocks]
+    best = math.inf
+    for stages in splits(0, len(comp)):
+        for reps in compositions(workers, len(stages), exact=False, straight=straight):
+            options = {"none": [False], "all": [True], "auto": [False, True]}[mode]
+            for chosen in itertools.product(options, repeat=len(stages)):
+                after, ok, times = sum(reps), True, []
+                for (a, b), r, rec in zip(stages, reps, chosen):
+                    noam = math.ceil(after / r)
+                    after -= r
+                    need = recompute_footprint(profile, a, b, noam, schedule, workers, rec)
+                    if limit is not None and need > limit:
+                        ok = False
+                        break
+                    compute = sum(comp[a:b]) + (sum(fwd[a:b]) if rec else 0)
+                    times.append(stage_time(compute, sum(par[a:b]), r, bandwidth,
+                                            on_gpu(profile), schedule, workers))
+                if ok:
+                    comms = [2 * act[b - 1] / bandwidth * 1e3 for _, b in stages[:-1]]
+                    best = min(best, max(times + comms))
+    return best
+
+
+@SETTINGS_MEMORY
+@given(profile=profiles(max_blocks=4), workers=st.integers(1, 3), bandwidth=BANDWIDTHS,
+       straight=st.booleans(), schedule=st.sampled_from(["pipedream", "2bw", "1f1b", "gpipe"]),
+       mode=st.sampled_from(["auto", "all", "none"]), data=st.data())
+def test_dp_choosing_recomputation_equals_exhaustive_search(
+        profile: Profile, workers: int, bandwidth: float, straight: bool, schedule: str,
+        mode: str, data: st.DataObject) -> None:
+    """Under a memory limit the plan is the fastest over stages, replicas and which stages
+    recompute (auto), and every stage it has recompute really needs to, to fit."""
+    n = len(profile.blocks)
+    limits = sorted({recompute_footprint(profile, a, b, noam, schedule, workers, rec)
+                     for a in range(n) for b in range(a + 1, n + 1)
+                     for noam in range(1, workers + 1) for rec in (False, True)})
+    limit = max(1, int(data.draw(st.sampled_from(limits))) - data.draw(st.sampled_from([0, 1])))
+    topology = Topology((Level(workers, bandwidth),), memory_per_worker=limit)
+    expected = brute_force_recompute(profile, workers, bandwidth, straight, limit, schedule, mode)
+    if math.isinf(expected):
+        with pytest.raises(PlanningError, match="smallest requirement|no plan exists"):
+            make_plan(profile, topology, schedule=schedule, straight=straight, recompute=mode)
+        return
+    plan = make_plan(profile, topology, schedule=schedule, straight=straight, margin=0,
+                     recompute=mode)
+    assert plan.bottleneck_ms == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert all(s.extra["memory_bytes"] <= limit for s in plan.stages)
+    after = plan.workers
+    for s in plan.stages:
+        noam = math.ceil(after / s.replicas)
+        after -= s.replicas
+        footprint = recompute_footprint(profile, s.start, s.stop, noam, schedule, workers,
+                                        s.extra["recompute"])
+        assert s.extra["memory_bytes"] == pytest.approx(footprint, abs=1)
+        if mode == "auto" and s.extra["recompute"]:  # only where keeping would not fit
+            assert recompute_footprint(profile, s.start, s.stop, noam, schedule, workers,
+                                       False) > limit
+
+
+@settings(max_examples=25, deadline=None)
+@given(profile=profiles(max_blocks=4), workers=st.integers(1, 3), bandwidth=BANDWIDTHS)
+def test_smallest_memory_with_recomputation_is_exact(profile: Profile, workers: int,
+                                                     bandwidth: float) -> None:
+    """With recompute auto the reported requirement fits and one byte less fits no plan,
+    recomputing or not; it is never above the requirement without recomputation."""
+    tight = Topology((Level(workers, bandwidth),), memory_per_worker=1)
+    try:
+        make_plan(profile, tight, schedule="1f1b", recompute="auto")
+        return  # needs no memory at all
+    except PlanningError as err:
+        message = str(err)
+    need = int(message.split("smallest requirement of any plan is ")[1].split("(")[1].split()[0])
+    assert "the fullest worker holds stage" in message
+    make_plan(profile, Topology((Level(workers, bandwidth),), memory_per_worker=need),
+              schedule="1f1b", recompute="auto")
+    assert math.isinf(brute_force_recompute(profile, workers, bandwidth, False, need - 1, "1f1b",
+                                            "auto"))
+    keep = math.inf
+    try:
+        make_plan(profile, tight, schedule="1f1b", recompute="none")
+    except PlanningError as err:
+        keep = int(str(err).split("smallest requirement of any plan is ")[1].split("(")[1].split()[0])
+    assert need <= keep

@@ -209,7 +209,7 @@ def test_recomputed_blocks_keep_only_their_inputs():
 # --- bad input ------------------------------------------------------------------------------------
 
 def test_bad_recompute_values_are_refused_naming_the_forms():
-    with pytest.raises(OptionError, match=r"recompute must be none, all, stages:I,J"):
+    with pytest.raises(OptionError, match=r"recompute must be auto, none, all, stages:I,J"):
         Pipeline(build(), F.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.1),
                  recompute="some", ranks="threads", workers=2, stages=2)
 

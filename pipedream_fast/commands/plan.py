@@ -11,28 +11,16 @@ the bottleneck, the data-parallel time and the speedup over data parallelism.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from typing import Any
 
 from pipedream_fast.cli import UsageError
 from pipedream_fast.formats import Plan, Profile
+from pipedream_fast.options import byte_count
 from pipedream_fast.planner import SCHEDULES, STRATEGIES, evaluate_plan, make_plan
 from pipedream_fast.planner.choose import choose_schedule
+from pipedream_fast.planner.costs import RECOMPUTE
 from pipedream_fast.topology import Topology
-
-
-def _byte_count(text: str) -> int:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number of bytes such as 16e9, got {text!r}") from None
-    if not math.isfinite(value):  # (zero and negatives: the topology's own message)
-        raise argparse.ArgumentTypeError(f"expected a finite number of bytes, got {text!r}")
-    if value != int(value):
-        raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r}")
-    return int(value)
 
 
 def register(subparsers: Any) -> None:
@@ -46,8 +34,12 @@ def register(subparsers: Any) -> None:
                              "workers at 12.5 GB/s, 4 servers joined at 1.25 GB/s")
     parser.add_argument("--workers", type=int, default=None,
                         help="expected worker count; an error unless the topology multiplies to it")
-    parser.add_argument("--memory-per-worker", type=_byte_count, default=None, metavar="BYTES",
+    parser.add_argument("--memory-per-worker", type=byte_count, default=None, metavar="BYTES",
                         help="per-worker memory; plans that do not fit are excluded")
+    parser.add_argument("--recompute", choices=RECOMPUTE, default="auto",
+                        help="auto (default): a stage recomputes its activations in the backward "
+                             "(one more forward) only where keeping them does not fit "
+                             "--memory-per-worker; none: never; all: every stage")
     parser.add_argument("--straight", action="store_true", help="one worker per stage (no replicas)")
     parser.add_argument("--schedule", choices=SCHEDULES + ("auto",), default="pipedream",
                         help="decides weight versions and in-flight microbatches (default "
@@ -83,11 +75,12 @@ def run(args: argparse.Namespace) -> int:
     if args.evaluate:
         plan = evaluate_plan(Plan.load(args.evaluate), profile, topology, args.chunks)
     elif args.schedule == "auto":
-        plan = choose_schedule(profile, topology, straight=args.straight)
+        plan = choose_schedule(profile, topology, straight=args.straight,
+                               recompute=args.recompute)
     else:
         plan = make_plan(profile, topology, schedule=args.schedule, straight=args.straight,
                          strategy=args.strategy, chunks=args.chunks,
-                         stages_per_rank=args.stages_per_rank)
+                         stages_per_rank=args.stages_per_rank, recompute=args.recompute)
     if args.out:
         plan.save(args.out)
     if not args.quiet:
@@ -135,7 +128,7 @@ def print_plan(plan: Plan, profile: Profile) -> None:
                         f"(batch {plan.batch_size}) on {levels or plan.workers} - "
                         f"schedule {plan.schedule}")
     for column in ("stage", "blocks", "names", "replicas", "ranks", "compute ms", "predicted ms",
-                   "comm out ms", "versions", "memory/worker"):
+                   "comm out ms", "versions", "recompute", "memory/worker"):
         table.add_column(column, justify="left" if column in ("names", "ranks") else "right")
     names = [b.name for b in profile.blocks]
     for index, stage in enumerate(plan.stages):
@@ -148,7 +141,7 @@ def print_plan(plan: Plan, profile: Profile) -> None:
             str(stage.replicas), _rank_ranges(stage.ranks),
             f"{extra['compute_ms']:.2f}" if "compute_ms" in extra else "",
             f"{stage.predicted_ms:.2f}", "" if comm is None else f"{comm:.2f}",
-            str(extra.get("weight_versions", "")),
+            str(extra.get("weight_versions", "")), "yes" if extra.get("recompute") else "",
             _human(extra["memory_bytes"]) if "memory_bytes" in extra else "")
     console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 130)
     console.print(table)

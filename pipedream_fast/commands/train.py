@@ -35,7 +35,7 @@ from pipedream_fast.cli import UsageError
 from pipedream_fast.commands.train_run import load_datasets, train_processes, train_threads
 from pipedream_fast.formats import Plan, Profile
 from pipedream_fast.models import (BUILTIN_MODELS, ModelSpecError, build_model, loss_fn)
-from pipedream_fast.options import ADAPTABLE, PipelineOptions, add_flags
+from pipedream_fast.options import ADAPTABLE, PipelineOptions, add_flags, planned_recompute
 from pipedream_fast.schedules import TRAINABLE, kind
 from pipedream_fast.commands.train_report import (_summary, _summary_json, _write,
                                                   describe_plan)
@@ -174,12 +174,14 @@ def _plan(s: Settings, profile: Profile, args: argparse.Namespace, schedule: str
     from pipedream_fast.planner.choose import choose_schedule, plan_for
     from pipedream_fast.topology import Topology
 
-    topology = Topology.parse(f"{s.workers}x{args.bandwidth}")
+    topology = Topology.parse(f"{s.workers}x{args.bandwidth}", s.options.memory_per_worker)
+    recompute = planned_recompute(s.options.recompute)
     if schedule == "auto":
-        plan = choose_schedule(profile, topology, straight=straight)
+        plan = choose_schedule(profile, topology, straight=straight, recompute=recompute)
     else:
         overrides = {"stages_per_rank": args.stages_per_rank} if args.stages_per_rank else {}
-        plan = plan_for(schedule, profile, topology, straight=straight, **overrides)
+        plan = plan_for(schedule, profile, topology, straight=straight, recompute=recompute,
+                        **overrides)
     if plan.workers != s.workers:
         raise UsageError(f"the best plan for {s.model} uses {plan.workers} of {s.workers} "
                          f"workers; run with --nproc {plan.workers} or give a --plan")

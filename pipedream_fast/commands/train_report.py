@@ -26,7 +26,8 @@ def describe_plan(plan: Plan, names: list[str] | None = None) -> str:
         return f"blocks {start}-{stop - 1}"
 
     parts = [f"{blocks(st.start, st.stop)} on rank{'s' if len(st.ranks) > 1 else ''} "
-             f"{','.join(map(str, st.ranks))}" for st in plan.stages]
+             f"{','.join(map(str, st.ranks))}"
+             + (" (recomputing)" if st.extra.get("recompute") else "") for st in plan.stages]
     return f"{plan.num_stages} stage{'s' if plan.num_stages > 1 else ''}: " + " | ".join(parts)
 
 

@@ -33,8 +33,8 @@ from pipedream_fast.formats import Plan, Profile, StagePlan
 from pipedream_fast.planner.baselines import BASELINES, balanced_partition, baseline_stages
 from pipedream_fast.planner.costs import SCHEDULES, Costs, MemoryModel
 from pipedream_fast.planner.dp import HierarchicalDP, StageNode, data_parallel_tree
-from pipedream_fast.planner.flatten import (FlatStage, flat_times, flatten, nested_times,
-                                            stage_memory)
+from pipedream_fast.planner.flatten import (FlatStage, choose_recompute, flat_times, flatten,
+                                            nested_times, stage_memory)
 from pipedream_fast.planner.hetero import HeteroDP, group_memory, worker_memory_error
 from pipedream_fast.topology import Topology
 
@@ -70,8 +70,9 @@ def smallest_memory(costs: Costs, topology: Topology, memory: MemoryModel,
     """
     valid = np.triu(np.ones_like(costs.params, dtype=bool), k=1)
     noams = range(1, topology.workers + 1) if memory.varies_with_noam else [1]
+    forms = {"none": (False,), "all": (True,), "auto": (False, True)}[memory.recompute]
     candidates = np.unique(np.concatenate(
-        [dataclasses.replace(memory, limit=None).stage_bytes(costs, n)[valid] for n in noams]))
+        [memory.stage_bytes(costs, n, recomputed)[valid] for n in noams for recomputed in forms]))
 
     def feasible(limit: float) -> bool:
         probe = dataclasses.replace(memory, limit=int(limit))
@@ -101,7 +102,7 @@ def _structural_hint(costs: Costs, topology: Topology, straight: bool) -> str:
 def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedream",
               straight: bool = False, strategy: str = "dp",
               chunks: int | None = None, stages_per_rank: int = 1,
-              margin: float = MARGIN) -> Plan:
+              margin: float = MARGIN, recompute: str = "none") -> Plan:
     """Plan `profile` on `topology`; see the module docstring for the strategies.
 
     `chunks` is the number of microbatches per step, all of which GPipe keeps in flight
@@ -110,6 +111,9 @@ def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedrea
     `stages_per_rank` > 1 plans an interleaved pipeline instead (see `interleaved_plan`).
     `margin`: the DP keeps the simplest plan within this fraction of the fastest (0: the
     fastest, with the fewest stages among equally fast ones).
+    `recompute`: none (stages keep their activations), all (every stage makes them again in
+    its backward), auto (a stage recomputes only where keeping them does not fit the memory
+    limit); the plan's stages say which recompute (`extra["recompute"]`).
     """
     if strategy not in STRATEGIES:
         raise PlanningError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -117,15 +121,18 @@ def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedrea
         raise PlanningError(f"margin is a fraction of the fastest plan's time in [0, 1), got "
                             f"{margin}")
     if stages_per_rank != 1:
-        return interleaved_plan(profile, topology, stages_per_rank, schedule)
+        return interleaved_plan(profile, topology, stages_per_rank, schedule, recompute)
     if topology.heterogeneous:
-        return _hetero_plan(profile, topology, schedule, straight, strategy, chunks, margin)
+        return _hetero_plan(profile, topology, schedule, straight, strategy, chunks, margin,
+                            recompute)
     began = time.perf_counter()
     costs = Costs.from_profile(profile)
-    memory = MemoryModel(schedule, topology.uniform_memory, chunks or topology.workers)
+    memory = _memory_model(schedule, topology.uniform_memory, chunks or topology.workers,
+                           recompute)
     num_blocks = costs.num_blocks
 
-    data_parallel = flatten(data_parallel_tree(num_blocks, topology), topology)
+    data_parallel = choose_recompute(flatten(data_parallel_tree(num_blocks, topology), topology),
+                                     costs, memory)
     data_parallel_ms = nested_times(data_parallel, costs, topology, memory)[0][0]
 
     choice: dict[str, Any] | None = None
@@ -140,6 +147,7 @@ def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedrea
         stages = data_parallel
     else:
         stages = baseline_stages(strategy, costs, topology.workers, straight)
+    stages = choose_recompute(stages, costs, memory)
     times, cuts = (nested_times if strategy in ("dp", "data-parallel") else flat_times)(
         stages, costs, topology, memory)
     footprints = stage_memory(stages, costs, memory)
@@ -148,8 +156,8 @@ def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedrea
         if worst > memory.limit:
             raise PlanningError(
                 f"the {strategy} plan needs {_fmt_bytes(worst)} ({worst} bytes) per worker with "
-                f"schedule {schedule}, more than --memory-per-worker {memory.limit}; raise the "
-                f"limit or use --strategy dp")
+                f"schedule {schedule}{_recompute_note(memory)}, more than --memory-per-worker "
+                f"{memory.limit}; raise the limit or use --strategy dp")
 
     plan = _assemble(profile, topology, stages, times, cuts, footprints, costs, memory,
                      data_parallel_ms, strategy, straight, began)
@@ -159,11 +167,13 @@ def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedrea
 
 
 def _hetero_plan(profile: Profile, topology: Topology, schedule: str, straight: bool,
-                 strategy: str, chunks: int | None, margin: float) -> Plan:
-    """`make_plan` on a heterogeneous topology (see the module docstring and `hetero.py`)."""
+                 strategy: str, chunks: int | None, margin: float, recompute: str) -> Plan:
+    """`make_plan` on a heterogeneous topology (see the module docstring and `hetero.py`).
+    Its limits are per rank, so stages recompute only when told to (recompute="all")."""
     began = time.perf_counter()
     costs = Costs.from_profile(profile)
-    memory = MemoryModel(schedule, None, chunks or topology.workers)  # limits are per rank
+    memory = _memory_model(schedule, None, chunks or topology.workers,
+                           "all" if recompute == "all" else "none")  # limits are per rank
     everyone = [FlatStage(0, costs.num_blocks, tuple(range(topology.workers)))]
     data_parallel_ms = flat_times(everyone, costs, topology, memory)[0][0]
     choice: dict[str, Any] | None = None
@@ -184,6 +194,7 @@ def _hetero_plan(profile: Profile, topology: Topology, schedule: str, straight: 
         stages = everyone
     else:
         stages = baseline_stages(strategy, costs, topology.workers, straight)
+    stages = choose_recompute(stages, costs, memory)
     times, cuts = flat_times(stages, costs, topology, memory)
     footprints = stage_memory(stages, costs, memory)
     for stage, footprint in zip(stages, footprints):
@@ -226,7 +237,7 @@ def _plan_choice(solver: HierarchicalDP, chosen: tuple[float, list[StageNode]],
 
 
 def interleaved_plan(profile: Profile, topology: Topology, stages_per_rank: int,
-                     schedule: str = "1f1b") -> Plan:
+                     schedule: str = "1f1b", recompute: str = "none") -> Plan:
     """Workers x v stages balanced by time, stage k on rank k mod workers (the looped placement
     of interleaved schedules), one replica each. The predicted time per minibatch is the
     busiest rank's compute over its v stages."""
@@ -240,8 +251,9 @@ def interleaved_plan(profile: Profile, topology: Topology, stages_per_rank: int,
         raise PlanningError(f"{workers} workers x {v} stages per rank need at least "
                             f"{workers * v} blocks; the model has {costs.num_blocks}")
     bounds = balanced_partition(np.diff(costs.compute[0]).tolist(), workers * v)
-    stages = [FlatStage(a, b, (k % workers,)) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-    memory = MemoryModel(schedule, topology.uniform_memory, topology.workers)
+    memory = _memory_model(schedule, topology.uniform_memory, topology.workers, recompute)
+    stages = choose_recompute([FlatStage(a, b, (k % workers,))
+                               for k, (a, b) in enumerate(zip(bounds, bounds[1:]))], costs, memory)
     times, cuts = flat_times(stages, costs, topology, memory)
     data_parallel = flatten(data_parallel_tree(costs.num_blocks, topology), topology)
     data_parallel_ms = nested_times(data_parallel, costs, topology, memory)[0][0]
@@ -276,10 +288,13 @@ def evaluate_plan(plan: Plan, profile: Profile, topology: Topology,
     nested = len(chains) == len(levels) and not hetero
     if nested:
         stages = [FlatStage(s.start, s.stop, tuple(s.ranks),
-                            tuple((c["start"], c["stop"], c["replicas"]) for c in chain))
+                            tuple((c["start"], c["stop"], c["replicas"]) for c in chain),
+                            recompute=bool(s.extra.get("recompute", False)))
                   for s, chain in zip(plan.stages, chains)]
     else:
-        stages = [FlatStage(s.start, s.stop, tuple(s.ranks)) for s in plan.stages]
+        stages = [FlatStage(s.start, s.stop, tuple(s.ranks),
+                            recompute=bool(s.extra.get("recompute", False)))
+                  for s in plan.stages]
     times, cuts = (nested_times if nested else flat_times)(stages, costs, topology, memory)
     footprints = stage_memory(stages, costs, memory)
     if hetero:
@@ -287,7 +302,8 @@ def evaluate_plan(plan: Plan, profile: Profile, topology: Topology,
                                                  tuple(range(topology.workers)))],
                                       costs, topology, memory)[0][0]
     else:
-        data_parallel = flatten(data_parallel_tree(costs.num_blocks, topology), topology)
+        data_parallel = choose_recompute(
+            flatten(data_parallel_tree(costs.num_blocks, topology), topology), costs, memory)
         data_parallel_ms = nested_times(data_parallel, costs, topology, memory)[0][0]
     return _assemble(profile, topology, stages, times, cuts, footprints, costs, memory,
                      data_parallel_ms, str(plan.extra.get("strategy", "given")),
@@ -314,11 +330,48 @@ def _no_plan_message(costs: Costs, topology: Topology, memory: MemoryModel, stra
     need = smallest_memory(costs, topology, memory, straight)
     if need is None:
         return _structural_hint(costs, topology, straight)
+    advice = ("use more workers, or a schedule that keeps fewer weight versions (2bw, 1f1b, "
+              "gpipe)")
+    if memory.recompute == "none":
+        advice += ", or let stages recompute their activations (--recompute auto)"
     return (f"no {'straight ' if straight else ''}plan fits in {_fmt_bytes(memory.limit)} "
-            f"({memory.limit} bytes) per worker with schedule {schedule}: the smallest requirement "
-            f"of any plan is {_fmt_bytes(need)} ({need} bytes) per worker; raise "
-            f"--memory-per-worker to at least {need}, use more workers, or a schedule that keeps "
-            f"fewer weight versions (2bw, 1f1b, gpipe)")
+            f"({memory.limit} bytes) per worker with schedule {schedule}"
+            f"{_recompute_note(memory)}: the smallest requirement of any plan is "
+            f"{_fmt_bytes(need)} ({need} bytes) per worker"
+            f"{_where_it_goes(costs, topology, memory, straight, need)}; raise "
+            f"--memory-per-worker to at least {need}, {advice}")
+
+
+def _recompute_note(memory: MemoryModel) -> str:
+    return {"none": "", "all": ", every stage recomputing",
+            "auto": ", stages recomputing where that fits"}[memory.recompute]
+
+
+def _where_it_goes(costs: Costs, topology: Topology, memory: MemoryModel, straight: bool,
+                   need: int) -> str:
+    """The fullest worker of the plan that fits in `need`, by kind of bytes."""
+    solver = HierarchicalDP(costs, topology, dataclasses.replace(memory, limit=need), straight)
+    found = solver.best_plan()
+    if found is None:
+        return ""
+    stages = choose_recompute(flatten(found[1], topology), costs,
+                              dataclasses.replace(memory, limit=need))
+    footprints = stage_memory(stages, costs, memory)
+    index = max(range(len(stages)), key=lambda k: footprints[k].bytes)
+    stage, worst = stages[index], footprints[index]
+    kinds = ", ".join(f"{kind.replace('_', ' ')} {_fmt_bytes(value)}"
+                      for kind, value in worst.parts.items() if value)
+    how = ", recomputing" if stage.recompute else ""
+    blocks = (costs.names[stage.start] if stage.stop == stage.start + 1 else
+              f"{costs.names[stage.start]} .. {costs.names[stage.stop - 1]}")
+    return f" (the fullest worker holds stage {index}, blocks {blocks}{how}: {kinds})"
+
+
+def _memory_model(schedule: str, limit: int | None, chunks: int, recompute: str) -> MemoryModel:
+    try:
+        return MemoryModel(schedule, limit, chunks, recompute)
+    except ValueError as err:
+        raise PlanningError(str(err)) from None
 
 
 def _stage_plans(stages: list[FlatStage], times: list[float], cuts: list[float],
@@ -330,7 +383,8 @@ def _stage_plans(stages: list[FlatStage], times: list[float], cuts: list[float],
             "compute_ms": float(costs.compute[stage.start, stage.stop]),
             "parameter_bytes": int(costs.params[stage.start, stage.stop]),
             "weight_versions": mem.versions, "in_flight": mem.in_flight,
-            "memory_bytes": mem.bytes}
+            "memory_bytes": mem.bytes, "recompute": mem.recompute,
+            "memory_parts": {k: int(v) for k, v in mem.parts.items()}}
         if index < len(cuts):
             extra["comm_out_ms"] = cuts[index]
         if hierarchical:
@@ -356,4 +410,6 @@ def _plan_extra(stages: list[FlatStage], times: list[float], cuts: list[float],
         "planner_ms": (time.perf_counter() - began) * 1e3}
     if memory.schedule == "gpipe":
         extra["chunks"] = memory.chunks
+    if memory.recompute != "none":
+        extra["recompute"] = memory.recompute
     return extra

@@ -77,12 +77,14 @@ def _simpler(name: str, plan: Plan) -> tuple[bool, int, int]:
 
 
 def choose_schedule(profile: Profile, topology: Topology, straight: bool = False,
-                    candidates: tuple[str, ...] = AUTOMATIC, margin: float | None = None) -> Plan:
+                    candidates: tuple[str, ...] = AUTOMATIC, margin: float | None = None,
+                    recompute: str = "none") -> Plan:
     """The plan of the candidate schedule with the highest predicted throughput among those
     that fit the memory limit. Candidates within `margin` (default `MARGIN`, 5%) of the best
     count as equally fast; the simplest of them wins (`_simpler`); each candidate's plan is
-    itself the simplest within `margin` (`make_plan`). Raises the last PlanningError if no
-    candidate fits."""
+    itself the simplest within `margin` (`make_plan`), with stages recomputing as `recompute`
+    says (auto: where that is what makes them fit the limit; the simulator charges the
+    re-run). Raises the last PlanningError if no candidate fits."""
     from pipedream_fast.planner import MARGIN, PlanningError
 
     margin = MARGIN if margin is None else margin
@@ -92,7 +94,8 @@ def choose_schedule(profile: Profile, topology: Topology, straight: bool = False
     error: PlanningError | None = None
     for name in candidates:
         try:
-            plan = plan_for(name, profile, topology, straight, margin=margin)
+            plan = plan_for(name, profile, topology, straight, margin=margin,
+                            recompute=recompute)
             rate = predict(profile, plan, name)
         except (PlanningError, ValueError) as err:
             rows.append({"schedule": name, "samples_per_s": None, "why": str(err)})

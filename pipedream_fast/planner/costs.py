@@ -38,6 +38,20 @@ for a flushing schedule that never retains one, as the runtime allocates them)
     1f1b        1                 NOAM
     gpipe       1                 all M microbatches of a minibatch
 
+Recomputation (`MemoryModel.recompute`) trades a stage's activations for one more forward: a
+recomputed stage keeps per microbatch only what enters each of its blocks and what leaves
+the last (`Costs.recomputed_activations`), plus, once, the largest block's activations while
+its backward re-runs it (`Costs.rerun_bytes`), and its backward costs its forward again:
+
+    recompute   a stage keeps its activations          a stage recomputes
+    none        always                                 never
+    all         never                                  always
+    auto        where that fits the limit              only where keeping them does not fit
+
+`auto` is the memory-capped plan's choice, per stage: recomputing only ever makes a stage
+slower and smaller, so a stage keeps its activations whenever they fit, and the dynamic
+program, which costs each stage by itself, stays exact.
+
 Assumptions: only parameters are versioned (the optimizer updates the newest version, so its
 state and the gradients exist once); "activations" of one in-flight microbatch are the bytes
 the stage holds until its backward: its blocks' `held_bytes` (saved tensors, inputs and
@@ -81,6 +95,9 @@ class Costs:
     snapshot: np.ndarray     # (L+1, L+1) ms of one copy of the weights
     overlap: bool = False    # the all-reduce hides behind compute (GPU) or adds to it (CPU)
     input_bytes: float = 0.0  # the model's input per microbatch, when held per minibatch
+    forward: np.ndarray | None = None  # (L+1, L+1) ms of the forward alone: a re-run's cost
+    recomputed_activations: np.ndarray | None = None  # (L+1, L+1) per microbatch, recomputed
+    rerun_bytes: np.ndarray | None = None  # (L+1, L+1) the largest block's re-run, held once
 
     @property
     def num_blocks(self) -> int:
@@ -111,6 +128,22 @@ class Costs:
             entering[0] = float(profile.extra.get("input_bytes", 0))
             saved = ranges(np.cumsum(np.concatenate([[0.0], cut[1:]]))) + entering[:, None]
 
+        forward = ranges(np.cumsum(zero + [b.forward_ms for b in blocks]))
+        # Recomputed: every block keeps only its input (the cut before it; stage 0's is the
+        # minibatch's, counted apart) and the last its output, the cuts' sum; while a block's
+        # backward re-runs it, its own activations, less those two, are held as well.
+        after = np.cumsum(zero + [float(b.activation_bytes) for b in blocks])
+        entering = cut.copy()
+        entering[0] = 0.0
+        recomputed = entering[:, None] + (after[None, :] - after[:, None])
+        model_input = float(profile.extra.get("input_bytes", 0))
+        inner = [max(0.0, float(b.extra.get("held_bytes", b.extra.get("saved_bytes", 0.0)))
+                     - (cut[k] if k else model_input) - cut[k + 1])
+                 for k, b in enumerate(blocks)]
+        rerun = np.zeros((len(blocks) + 1, len(blocks) + 1))
+        for i in range(len(blocks)):
+            rerun[i, i + 1:] = np.maximum.accumulate(inner[i:])
+
         def measured(*keys: str) -> np.ndarray:
             if not all(key in b.extra for b in blocks for key in keys):
                 return ranges(np.zeros(len(blocks) + 1))  # older profiles: updates are free
@@ -122,7 +155,8 @@ class Costs:
                    grad_scale=measured("grad_scale_ms"), snapshot=measured("snapshot_ms"),
                    overlap=profile.device.startswith("cuda"),
                    input_bytes=float(profile.extra.get("input_bytes", 0))
-                   if all("held_bytes" in b.extra for b in blocks) else 0.0)
+                   if all("held_bytes" in b.extra for b in blocks) else 0.0,
+                   forward=forward, recomputed_activations=recomputed, rerun_bytes=rerun)
 
 
 @overload
@@ -146,19 +180,28 @@ def comm_ms(cut_bytes: np.ndarray | float, bandwidth: float) -> np.ndarray | flo
     return 2.0 * cut_bytes / bandwidth * 1e3
 
 
+RECOMPUTE = ("none", "auto", "all")
+
+
 @dataclass(frozen=True)
 class MemoryModel:
-    """Per-worker capacity and what the schedule keeps; `limit=None` means unlimited."""
+    """Per-worker capacity and what the schedule keeps; `limit=None` means unlimited.
+    `recompute`: whether a stage may, must or may not recompute its activations (see the
+    module's docstring)."""
 
     schedule: str
     limit: int | None = None
     chunks: int = 1  # microbatches per step (gpipe keeps them all in flight)
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         if self.schedule not in names():
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(names())}")
         if self.chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {self.chunks}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)} when planning, "
+                             f"got {self.recompute!r}")
 
     @property
     def varies_with_noam(self) -> bool:
@@ -176,28 +219,79 @@ class MemoryModel:
     def in_flight(self, noam: int) -> int:
         return kind(self.schedule).stashed(noam, self.chunks)
 
-    def stage_bytes(self, costs: Costs, noam: int) -> np.ndarray:
-        """(L+1, L+1) bytes one replica of stage [i, j) needs at this NOAM."""
-        out = ((self.versions(noam) + 2) * costs.params + costs.optimizer
-               + self.in_flight(noam) * costs.activations)
+    def parts(self, costs: Costs, start: int, stop: int, noam: int,
+              recomputed: bool) -> dict[str, float]:
+        """Where the bytes of one replica of stage [start, stop) go, by kind."""
+        params = float(costs.params[start, stop])
+        if recomputed:
+            per_mb = float(_required(costs.recomputed_activations)[start, stop])
+            rerun = float(_required(costs.rerun_bytes)[start, stop])
+        else:
+            per_mb, rerun = float(costs.activations[start, stop]), 0.0
+        out = {"parameters": params, "weight_versions": self.versions(noam) * params,
+               "gradients": params, "optimizer": float(costs.optimizer[start, stop]),
+               "activations": self.in_flight(noam) * per_mb + rerun}
+        if start == 0:
+            out["minibatch"] = self.minibatch_bytes(costs)
+        return out
+
+    def stage_bytes(self, costs: Costs, noam: int, recomputed: bool = False) -> np.ndarray:
+        """(L+1, L+1) bytes one replica of stage [i, j) needs at this NOAM, keeping its
+        activations or (`recomputed`) making them again."""
+        if recomputed:
+            activations = (self.in_flight(noam) * _required(costs.recomputed_activations)
+                           + _required(costs.rerun_bytes))
+        else:
+            activations = self.in_flight(noam) * costs.activations
+        out = (self.versions(noam) + 2) * costs.params + costs.optimizer + activations
         out[0, :] += self.minibatch_bytes(costs)
         return out
 
-    def replica_bytes(self, costs: Costs, start: int, stop: int, noam: int) -> int:
+    def recomputes(self, costs: Costs, noam: int) -> np.ndarray:
+        """(L+1, L+1) whether stage [i, j) recomputes at this NOAM (see the module's
+        docstring: `auto` only where keeping its activations does not fit)."""
+        if self.recompute == "none" or costs.forward is None:
+            return np.zeros_like(costs.params, dtype=bool)
+        if self.recompute == "all":
+            return np.ones_like(costs.params, dtype=bool)
+        if self.limit is None:
+            return np.zeros_like(costs.params, dtype=bool)
+        return self.stage_bytes(costs, noam) > self.limit
+
+    def replica_bytes(self, costs: Costs, start: int, stop: int, noam: int,
+                      recomputed: bool = False) -> int:
         """Bytes one replica of stage [start, stop) needs at this NOAM."""
-        return int((self.versions(noam) + 2) * costs.params[start, stop]
-                   + costs.optimizer[start, stop]
-                   + self.in_flight(noam) * costs.activations[start, stop]
-                   + (self.minibatch_bytes(costs) if start == 0 else 0))
+        return int(sum(self.parts(costs, start, stop, noam, recomputed).values()))
 
     def minibatch_bytes(self, costs: Costs) -> float:
         """Stage 0's microbatches are views of their minibatch, which stays whole."""
         return costs.input_bytes * self.chunks
 
+    def needed_bytes(self, costs: Costs, noam: int) -> np.ndarray:
+        """(L+1, L+1) bytes one replica of stage [i, j) needs at this NOAM, recomputing
+        where this model has it recompute."""
+        keep = self.stage_bytes(costs, noam)
+        if self.recompute == "none" or costs.forward is None:
+            return keep
+        return np.where(self.recomputes(costs, noam), self.stage_bytes(costs, noam, True), keep)
+
     def fits(self, costs: Costs, noam: int) -> np.ndarray:
         if self.limit is None:
             return np.ones_like(costs.params, dtype=bool)
-        return self.stage_bytes(costs, noam) <= self.limit
+        return self.needed_bytes(costs, noam) <= self.limit
+
+    def compute_ms(self, costs: Costs, noam: int) -> np.ndarray:
+        """(L+1, L+1) ms of compute of a replica of [i, j) at this NOAM: forward and
+        backward, and the forward once more where the stage recomputes."""
+        recomputed = self.recomputes(costs, noam)
+        if not recomputed.any():
+            return costs.compute
+        return costs.compute + np.where(recomputed, _required(costs.forward), 0.0)
+
+
+def _required(table: np.ndarray | None) -> np.ndarray:
+    assert table is not None, "Costs made by Costs.from_profile carry the recompute tables"
+    return table
 
 
 def noam(workers_from_here: int, replicas: int) -> int:

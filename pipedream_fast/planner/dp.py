@@ -15,7 +15,9 @@ over level k+1's bandwidth while the pipeline inside each stays on its fast link
 outermost level only blocks [0, L) are needed, and any m <= c_top is allowed (whole trailing
 groups may stay idle when adding them cannot help). With one level this is exactly the flat
 model: the planner's optimum over all plans with sum of replicas <= N. `straight` allows
-r = 1 only, on every level.
+r = 1 only, on every level. A worker's compute over [i, j) includes the forward once more
+where the stage recomputes its activations (`MemoryModel.compute_ms`): under `auto`, only
+where keeping them does not fit, a choice local to the stage, so the program stays exact.
 
 Memory: how much a stage keeps depends on NOAM = ceil(workers from it to the pipeline's end /
 its replicas), i.e. on what follows it, even outside its own group. Solving a pipeline inside a
@@ -118,8 +120,11 @@ class HierarchicalDP:
         if level >= 0:
             return self.solve(level, context).best[:, :, self.topology.levels[level].count]
         if context not in self._workers:
+            # A stage recomputes where the memory model says so (auto: where its kept
+            # activations do not fit), paying its forward again.
             fits = self.memory.fits(self.costs, noam=1 + context) & self._valid
-            self._workers[context] = np.where(fits, self.costs.compute, INF)
+            compute = self.memory.compute_ms(self.costs, noam=1 + context)
+            self._workers[context] = np.where(fits, compute, INF)
         return self._workers[context]
 
     def solve(self, level: int, context: int = 0) -> _LevelTable:

@@ -29,8 +29,10 @@ Two cost evaluations are offered:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pipedream_fast.planner.costs import Costs, MemoryModel, comm_ms, noam, stage_ms, sync_ms
 from pipedream_fast.planner.dp import StageNode
@@ -43,6 +45,7 @@ class FlatStage:
     stop: int
     ranks: tuple[int, ...]
     chain: tuple[tuple[int, int, int], ...] = ()  # per level (start, stop, replicas), innermost first
+    recompute: bool = False  # its activations are made again in the backward
 
     @property
     def replicas(self) -> int:
@@ -67,6 +70,30 @@ def flatten(stages: Sequence[StageNode], topology: Topology, base: int = 0) -> l
     return out
 
 
+def choose_recompute(stages: Sequence[FlatStage], costs: Costs,
+                     memory: MemoryModel) -> list[FlatStage]:
+    """`stages` with each one's recomputation as the memory model chooses it at the stage's
+    NOAM (as the dynamic program costed it)."""
+    out, workers_after = [], sum(s.replicas for s in stages)
+    for stage in stages:
+        n = noam(workers_after, stage.replicas)
+        workers_after -= stage.replicas
+        recomputed = bool(memory.recomputes(costs, n)[stage.start, stage.stop])
+        out.append(dataclasses.replace(stage, recompute=recomputed))
+    return out
+
+
+def compute_ms(costs: Costs, stage: FlatStage) -> float:
+    """A replica's forward and backward over the stage, and the re-run if it recomputes."""
+    extra = _required_forward(costs)[stage.start, stage.stop] if stage.recompute else 0.0
+    return float(costs.compute[stage.start, stage.stop] + extra)
+
+
+def _required_forward(costs: Costs) -> Any:
+    assert costs.forward is not None
+    return costs.forward
+
+
 def _stage_ms(costs: Costs, memory: MemoryModel, unit: float, start: int, stop: int,
               replicas: int, bandwidth: float, updates: bool, speed: float = 1.0) -> float:
     """`speed` (the slowest replica's, relative to the profile) scales compute and update."""
@@ -81,7 +108,7 @@ def nested_times(stages: Sequence[FlatStage], costs: Costs, topology: Topology,
     times = []
     for stage in stages:
         start, stop, r = stage.chain[0]
-        value = _stage_ms(costs, memory, costs.compute[start, stop], start, stop, r,
+        value = _stage_ms(costs, memory, compute_ms(costs, stage), start, stop, r,
                           topology.levels[0].bandwidth, updates=True)
         for level, (start, stop, r) in enumerate(stage.chain[1:], start=1):
             value = _stage_ms(costs, memory, value, start, stop, r,
@@ -104,7 +131,7 @@ def flat_times(stages: Sequence[FlatStage], costs: Costs, topology: Topology,
     times = []
     for stage in stages:
         speed = min(topology.speed_of(r) for r in stage.ranks)
-        times.append(_stage_ms(costs, memory, costs.compute[stage.start, stage.stop], stage.start,
+        times.append(_stage_ms(costs, memory, compute_ms(costs, stage), stage.start,
                                stage.stop, stage.replicas,
                                topology.slowest_bandwidth(stage.ranks), updates=True, speed=speed))
     cuts = []
@@ -120,6 +147,8 @@ class StageMemory:
     versions: int
     in_flight: int
     bytes: int
+    recompute: bool = False
+    parts: dict[str, float] = field(default_factory=dict)  # where the bytes go, by kind
 
 
 def stage_memory(stages: Sequence[FlatStage], costs: Costs, memory: MemoryModel) -> list[StageMemory]:
@@ -130,5 +159,8 @@ def stage_memory(stages: Sequence[FlatStage], costs: Costs, memory: MemoryModel)
         n = noam(workers_after, stage.replicas)
         workers_after -= stage.replicas
         out.append(StageMemory(n, memory.versions(n), memory.in_flight(n),
-                               memory.replica_bytes(costs, stage.start, stage.stop, n)))
+                               memory.replica_bytes(costs, stage.start, stage.stop, n,
+                                                    stage.recompute),
+                               stage.recompute,
+                               memory.parts(costs, stage.start, stage.stop, n, stage.recompute)))
     return out

@@ -86,12 +86,15 @@ class HeteroDP:
         self.L, self.N = L, N
         self._stage: dict[tuple[int, int], list[list[float]]] = {}
         self._limit: dict[tuple[int, int], float] = {}
+        # Per-rank limits are the topology's, so the memory model has none: a stage recomputes
+        # only where it is told to (recompute="all"), never by choice.
+        compute = memory.compute_ms(costs, 1)
         for w in range(N):
             for r in range(1, N - w + 1):
                 ranks = range(w, w + r)
                 s = group_speed(topology, ranks)
                 reduce, update = sync_ms(costs, memory, r, topology.slowest_bandwidth(ranks))
-                self._stage[w, r] = stage_ms(costs, costs.compute / s, reduce, update / s,
+                self._stage[w, r] = stage_ms(costs, compute / s, reduce, update / s,
                                              r).tolist()
                 limit = group_memory(topology, ranks)
                 self._limit[w, r] = INF if limit is None else float(limit)
@@ -113,7 +116,7 @@ class HeteroDP:
 
     def stage_bytes(self, noam: int) -> list[list[float]]:
         if noam not in self._bytes:
-            self._bytes[noam] = self.memory.stage_bytes(self.costs, noam).tolist()
+            self._bytes[noam] = self.memory.needed_bytes(self.costs, noam).tolist()
         return self._bytes[noam]
 
     def _terms(self, i: int, j: int, w: int, r: int, e: int) -> float:
@@ -189,7 +192,7 @@ def worker_memory_error(costs: Costs, topology: Topology, memory: MemoryModel,
                         schedule: str) -> str:
     """Why no heterogeneous plan fits: the smallest stage footprint against the largest limit."""
     valid = np.triu(np.ones_like(costs.params, dtype=bool), k=1)
-    smallest = int(memory.stage_bytes(costs, 1)[valid].min())
+    smallest = int(memory.needed_bytes(costs, 1)[valid].min())
     limits = [topology.memory_of(r) for r in range(topology.workers)]
     return (f"no plan fits the workers' memory limits {limits} (bytes, per rank) with schedule "
             f"{schedule}: every plan has a stage that needs more than the ranks it would run "

@@ -35,7 +35,8 @@ from pipedream_fast.training import (GLOBAL_STATE, build_schedule, check_plan_fi
                                      stage_runtime)
 from pipedream_fast.world import ThreadWorld
 from pipedream_fast.formats import Profile
-from pipedream_fast.options import recompute_spec
+from pipedream_fast.options import planned_recompute, recompute_spec
+from pipedream_fast.data_feed import split_microbatches
 from pipedream_fast.rank.state import RankContext
 
 
@@ -251,31 +252,42 @@ class Stages:
         from pipedream_fast.topology import Topology
 
         assert self.model is not None and self.chain is not None
-        args = self.chain.flatten_inputs(example_inputs)
-        profile = profile_model(self.model, args, batch_size=batch_size(example_inputs),
+        # Profiled at the microbatch, what each stage runs (and holds per microbatch in
+        # flight): a copy, so that its storage is the microbatch's, not the minibatch's.
+        chunks = self.ctx.chunks_for(example_inputs)
+        microbatch = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
+                                     split_microbatches(example_inputs, chunks)[0])
+        args = self.chain.flatten_inputs(microbatch)
+        profile = profile_model(self.model, args, batch_size=batch_size(microbatch),
                                 progress=False, chain=self.chain)
         if self.profile is None:  # what `adapt` re-plans from
             self.profile = profile
-        topology = Topology.parse(f"{self.ctx.world_size}x1e9")
-        if self.ctx.options.stages is not None:
-            if self.ctx.options.stages != self.ctx.world_size:
-                raise ValueError(f"stages={self.ctx.options.stages} runs one stage per rank, but this "
+        options = self.ctx.options
+        topology = Topology.parse(f"{self.ctx.world_size}x1e9", options.memory_per_worker)
+        recompute = planned_recompute(options.recompute)
+        if options.stages is not None:
+            if options.stages != self.ctx.world_size:
+                raise ValueError(f"stages={options.stages} runs one stage per rank, but this "
                                  f"job has {self.ctx.world_size} ranks")
             name = "1f1b" if self.ctx.schedule_name == "auto" else self.ctx.schedule_name
             return make_plan(profile, topology, schedule=kind(name).plans_as or name,
-                             strategy="time", straight=True)
+                             strategy="time", straight=True, recompute=recompute,
+                             chunks=chunks)
         if self.ctx.schedule_name == "auto":
-            return self._choose_runnable(profile, topology, self.ctx.chunks_for(example_inputs))
-        return plan_for(self.ctx.schedule_name, profile, topology)
+            return self._choose_runnable(profile, topology, chunks, recompute)
+        return plan_for(self.ctx.schedule_name, profile, topology, recompute=recompute,
+                        chunks=chunks)
 
-    def _choose_runnable(self, profile: Any, topology: Any, chunks: int) -> Plan:
+    def _choose_runnable(self, profile: Any, topology: Any, chunks: int,
+                         recompute: str) -> Plan:
         """schedule='auto': the fastest candidate whose options this Pipeline meets (2bw, for
         one, needs at least as many chunks as ranks); a candidate that cannot run with them
         is dropped and the choice made again."""
         from pipedream_fast.planner.choose import choose_schedule
         candidates = list(self.automatic_candidates())
         while True:
-            plan = choose_schedule(profile, topology, candidates=tuple(candidates))
+            plan = choose_schedule(profile, topology, candidates=tuple(candidates),
+                                   recompute=recompute)
             try:
                 build_schedule(plan, plan.schedule, self.ctx.world_size, chunks,
                                self.ctx.options.schedule_options)
@@ -342,6 +354,9 @@ class Stages:
         what, items = recompute_spec(self.ctx.options.recompute)
         if what == "none":
             return frozenset()
+        if what == "auto":  # where the plan has a stage recompute (to fit a memory limit)
+            return frozenset(b for s in plan.stages if s.extra.get("recompute")
+                             for b in range(s.start, s.stop))
         if what == "all":
             return frozenset(range(len(self.chain)))
         if what == "stages":
