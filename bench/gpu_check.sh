@@ -27,6 +27,10 @@
 #              reference (weights within the test tolerance) and samples/s. Two ranks as
 #              processes need NCCL, which refuses two ranks on one GPU (reported, expected);
 #              the two ranks as threads (LocalPipeline) carry the check.
+#   memory     bench/gpu_memory.py: every rank's peak memory counted at its tensors
+#              (measure_memory) against the simulator's prediction (within 10%) and the CUDA
+#              allocator's peak for the device (max_memory_allocated; at least the tensors),
+#              model A and the char LM, 2 rank threads on cuda:0.
 #   micro      bench/gpu_micro.py: WeightRing offload vs plain copies into pageable and pinned
 #              host memory (256 MB stage, GB/s); ActivationQueue hand-off between CUDA streams
 #              vs wait_stream + copy_.
@@ -42,7 +46,7 @@
 #              (transformers, torchvision) are skipped; nanoGPT runs from tests/zoo/gpt.py.
 #
 # Output: everything printed goes to $OUT/gpu_check.log too; $OUT/gpu_pipeline.md,
-# $OUT/gpu_micro.md and $OUT/gpu_zoo.md are the benchmarks' reports; $OUT/gpu_check.md puts the
+# $OUT/gpu_memory.md, $OUT/gpu_micro.md and $OUT/gpu_zoo.md are the benchmarks' reports; $OUT/gpu_check.md puts the
 # facts, the step table and the reports together, ready to copy into
 # bench/results/gpu_check.md. Without
 # OUT (run by hand), a fresh /tmp/gpu_check.* folder is used and named.
@@ -161,6 +165,10 @@ step_micro() {
   "$PY" bench/gpu_micro.py --out "$OUT/gpu_micro.md"
 }
 
+step_memory() {
+  "$PY" bench/gpu_memory.py --device cuda --out "$OUT/gpu_memory.md"
+}
+
 step_zoo() {
   NCCL_DEBUG="${NCCL_DEBUG:-WARN}" "$PY" bench/gpu_zoo.py --device cuda --out "$OUT/gpu_zoo.md"
 }
@@ -216,7 +224,7 @@ summary() {
     if [ -s "$WORK/facts.txt" ]; then
       echo; echo "## Machine"; echo; echo '```'; cat "$WORK/facts.txt"; echo '```'
     fi
-    for part in gpu_pipeline gpu_micro gpu_zoo; do
+    for part in gpu_pipeline gpu_memory gpu_micro gpu_zoo; do
       if [ -s "$OUT/$part.md" ]; then echo; sed 's/^#/##/' "$OUT/$part.md"; fi
     done
   } > "$md"
@@ -277,10 +285,11 @@ main() {
   if [ "${STEP_RESULTS[-1]}" = passed ]; then
     run_step tests 150 step_tests
     run_step pipeline 200 step_pipeline
+    run_step memory 90 step_memory
     run_step micro 120 step_micro
     run_step zoo 200 step_zoo
   else
-    for name in tests pipeline micro zoo; do
+    for name in tests pipeline memory micro zoo; do
       banner "$name: skipped, there is no CUDA build of the extension"
       record "$name" "skipped (no build)" 0
     done

@@ -75,6 +75,13 @@ def command() -> str:
     return "python " + " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]])
 
 
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """A markdown table's lines: the first column left, the others right."""
+    return (["| " + " | ".join(header) + " |",
+             "| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |"]
+            + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
 def write_results(path: str | os.PathLike[str], title: str, intro: Sequence[str],
                   header: Sequence[str], rows: Sequence[Sequence[Any]],
                   outro: Sequence[str] = (), data: Mapping[str, Any] | None = None) -> None:
@@ -82,9 +89,7 @@ def write_results(path: str | os.PathLike[str], title: str, intro: Sequence[str]
     and beside it (`.json`) `data`, when given."""
     lines = [f"# {title}", "", f"Command: `{command()}`", "", f"Machine: {machine()}.", ""]
     lines += [*intro, ""] if intro else []
-    lines += ["| " + " | ".join(header) + " |",
-              "| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    lines += markdown_table(header, rows)
     lines += ["", *outro] if outro else []
     Path(path).write_text("\n".join(lines) + "\n")
     if data is not None:

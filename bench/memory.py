@@ -1,13 +1,24 @@
-"""Memory, predicted against measured, per rank, for every schedule (issue 28, items 1-2, 5).
+"""Memory, predicted against measured, per rank, for every schedule, and plans under a memory
+cap (issue 28, items 1-2, 4-5).
 
-For each model, schedule and pipeline depth, one run on rank processes (gloo, 1 thread each)
-measures what every rank holds (`measure_memory=True`: weights, stashed versions, gradients,
-optimizer state, and the activations of microbatches in flight, counted at their tensors;
-`runtime/memory.py`), and the simulator predicts it from a profile of the model at the
-microbatch size and the schedule alone (`sim_memory.predict_memory`). The table gives each
-rank's measured peak and the prediction's error, for the whole peak and for the activations.
+The matrix: for each model, schedule and pipeline depth, one run on rank processes (gloo, 1
+thread each) measures what every rank holds (`measure_memory=True`: weights, stashed
+versions, gradients, optimizer state, and the activations of microbatches in flight, counted
+at their tensors; `runtime/memory.py`), and the simulator predicts it from a profile of the
+model at the microbatch size and the schedule alone (`sim_memory.predict_memory`). The table
+gives each rank's measured peak and the prediction's error, for the whole peak and for the
+activations. Models: cnn (model A), charlm, bert (Hugging Face's BertForSequenceClassification
+built from a small config, as the test zoo has it: unedited model code).
 
-    python bench/memory.py [--models cnn,charlm] [--ranks 2,4] [--out bench/results/memory.md]
+The cap: the planner's dynamic program plans the char LM as a straight pipeline for 2 ranks
+(1f1b) three ways, run side by side in interleaved rounds: with no limit, under a memory cap
+that no plan keeping every activation fits (half-way between the smallest requirement with
+recomputation and without; the planner picks what recomputes), and with every stage
+recomputing (what peers give by default). Each run's measured peak per rank against the cap, its samples/s against
+the unlimited plan's, and the simulator's predicted ratio for the same plans.
+
+    python bench/memory.py [--models cnn,charlm,bert] [--ranks 2,4] [--cap-rounds 3]
+                           [--out bench/results/memory.md]
 """
 
 from __future__ import annotations
@@ -15,10 +26,15 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from torch.utils import _pytree as pytree
+
+from pipedream_fast.data_feed import split_microbatches
 from pipedream_fast.formats import Plan, StagePlan
 from pipedream_fast.launch import launch
 from pipedream_fast.models import build_model, loss_fn
@@ -29,24 +45,50 @@ from pipedream_fast.sim_memory import predict_memory
 from pipedream_fast.tracing import trace
 from pipedream_fast.training import build_schedule
 
-from harness import write_results  # noqa: E402 - a sibling
+from harness import Spread, alternate, markdown_table, paired_ratio, write_results  # noqa: E402 - a sibling
 
 BATCH, STEPS = 32, 3
 SCHEDULES = (("gpipe", 4), ("1f1b", 4), ("interleaved-1f1b", 4), ("zb-h1", 4), ("2bw", 4),
              ("pipedream", 1), ("pipedream-vsync", 1))
 
 
+ZOO_SEQ, ZOO_VOCAB = 16, 64
+
+
+def bert() -> torch.nn.Module:
+    """The test zoo's BERT classifier (a small config: no hub is reachable)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from zoo import import_torchvision  # declares torchvision's operators before transformers
+    import_torchvision()
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=ZOO_VOCAB, hidden_size=64, num_hidden_layers=4,
+                                     num_attention_heads=4, intermediate_size=256,
+                                     max_position_embeddings=2 * ZOO_SEQ, num_labels=3,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.BertForSequenceClassification(config)
+
+
 def model(name: str) -> torch.nn.Module:
+    if name == "bert":
+        return bert()
     torch.manual_seed(0)
     return build_model(name, BATCH)[0]
 
 
-def batches(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """STEPS minibatches of the model's own input kind and matching targets."""
-    _, example = build_model(name, BATCH)
+def loss_for(name: str) -> Any:
+    return None if name == "bert" else loss_fn  # BERT computes its loss from its labels
+
+
+def batches(name: str, steps: int = STEPS) -> list[Any]:
+    """`steps` minibatches of the model's own input kind and matching targets."""
     g = torch.Generator().manual_seed(1)
+    if name == "bert":
+        return [{"input_ids": torch.randint(0, ZOO_VOCAB, (BATCH, ZOO_SEQ), generator=g),
+                 "labels": torch.randint(0, 3, (BATCH,), generator=g)} for _ in range(steps)]
+    _, example = build_model(name, BATCH)
     out = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         x = (torch.randn(example.shape, generator=g) if example.is_floating_point()
              else torch.randint(0, int(example.max()) + 1, example.shape, generator=g))
         with torch.no_grad():
@@ -55,9 +97,17 @@ def batches(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def inputs_of(name: str, batch: Any) -> Any:
+    return batch if name == "bert" else batch[0]
+
+
+def blocks_of(name: str) -> int:
+    return len(trace(model(name), inputs_of(name, batches(name, 1)[0])))
+
+
 def plan_for(name: str, schedule: str, ranks: int, chunks: int) -> Plan:
     """Stages cut evenly by blocks; stage i on rank i mod ranks (interleaved: two a rank)."""
-    n = len(trace(model(name)))
+    n = blocks_of(name)
     count = stages_for(schedule, ranks)
     sizes = [n // count + (1 if i < n % count else 0) for i in range(count)]
     starts = [sum(sizes[:i]) for i in range(count)]
@@ -72,7 +122,7 @@ def stages_for(schedule: str, ranks: int) -> int:
 
 def measure_job(rank: int, world: int, name: str, schedule: str, chunks: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    pipe = Pipeline(model(name), loss_fn, lambda ps: torch.optim.Adam(ps, lr=1e-4),
+    pipe = Pipeline(model(name), loss_for(name), lambda ps: torch.optim.Adam(ps, lr=1e-4),
                     plan=plan_for(name, schedule, world, chunks), schedule=schedule,
                     chunks=chunks, measure_memory=True, timeout=120)
     try:
@@ -82,27 +132,137 @@ def measure_job(rank: int, world: int, name: str, schedule: str, chunks: int) ->
         pipe.close()
 
 
+def microbatch_profile(name: str, chunks: int, optimizer: str = "adam",
+                       repeat: int = 1) -> Any:
+    """The model profiled on one microbatch (a copy: its own storage, not the minibatch's)."""
+    micro = BATCH // chunks
+    first = split_microbatches(inputs_of(name, batches(name, 1)[0]), chunks)[0]
+    first = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, first)
+    m = model(name)
+    chain = trace(m, first)
+    return profile_model(m, chain.flatten_inputs(first), micro, optimizer=optimizer,
+                         warmup=0 if repeat == 1 else 1, repeat=repeat, progress=False,
+                         chain=chain)
+
+
 def predicted(name: str, schedule: str, chunks: int, plan: Any) -> dict[int, Any]:
     micro = BATCH // chunks
-    profile = profile_model(model(name), batches(name)[0][0][:micro], micro, optimizer="adam",
-                            warmup=0, repeat=1, progress=False)
+    profile = microbatch_profile(name, chunks)
     plan.model = profile.model
     result = simulate(build_schedule(plan, schedule, STEPS, chunks),
                       ProfileCosts.from_plan(profile, plan))
     return predict_memory(result, profile, plan, micro, chunks)
 
 
+# ---- plans under a memory cap ----------------------------------------------------------------
+
+CAP_MODEL, CAP_SCHEDULE, CAP_CHUNKS, CAP_STEPS, CAP_WARM = "charlm", "1f1b", 4, 12, 2
+
+
+def cap_job(rank: int, world: int, plan: Plan) -> dict[str, Any]:
+    """One run of `plan` (its stages recomputing as it says): every rank's measured memory
+    and samples/s over the steps after the first CAP_WARM (start-up, first allocations)."""
+    torch.set_num_threads(1)
+    pipe = Pipeline(model(CAP_MODEL), loss_fn, lambda ps: torch.optim.Adam(ps, lr=1e-4),
+                    plan=plan, schedule=CAP_SCHEDULE, chunks=CAP_CHUNKS, measure_memory=True,
+                    timeout=300)
+    try:
+        began = 0.0
+        for step, loss in enumerate(pipe.train(batches(CAP_MODEL, CAP_STEPS), steps=CAP_STEPS)):
+            float(loss)
+            if step == CAP_WARM - 1:
+                began = time.perf_counter()
+        rate = (CAP_STEPS - CAP_WARM) * BATCH / (time.perf_counter() - began)
+        return {"memory": pipe.memory, "samples_per_s": rate}
+    finally:
+        pipe.close()
+
+
+def cap_plans(profile: Any) -> tuple[dict[str, Plan], int, int, int]:
+    """The planner's straight 2-stage plans (the dynamic program, as `pipedream-fast train`
+    plans them) with no limit, under the cap, and recomputing every stage; the cap, and the
+    smallest memory per worker any plan needs recomputing where needed and not."""
+    from pipedream_fast.planner import make_plan, smallest_memory
+    from pipedream_fast.planner.costs import Costs, MemoryModel
+    from pipedream_fast.topology import Topology
+
+    costs, topology = Costs.from_profile(profile), Topology.parse("2x1e9")
+    need = {mode: smallest_memory(costs, topology, MemoryModel(CAP_SCHEDULE, None, CAP_CHUNKS,
+                                                               mode), straight=True)
+            for mode in ("auto", "none")}
+    assert need["auto"] is not None and need["none"] is not None
+    cap = (need["auto"] + need["none"]) // 2
+    setups = {"no limit": (None, "none"), "cap": (cap, "auto"), "all recompute": (None, "all")}
+    plans = {name: make_plan(profile, Topology.parse("2x1e9", limit), schedule=CAP_SCHEDULE,
+                             straight=True, chunks=CAP_CHUNKS, recompute=mode)
+             for name, (limit, mode) in setups.items()}
+    return plans, cap, need["auto"], need["none"]
+
+
+def simulated_rate(profile: Any, plan: Plan) -> float:
+    plan = copy.deepcopy(plan)
+    plan.model = profile.model
+    result = simulate(build_schedule(plan, CAP_SCHEDULE, 8 * CAP_CHUNKS, CAP_CHUNKS),
+                      ProfileCosts.from_plan(profile, plan))
+    return 8 * CAP_CHUNKS * profile.batch_size / result.makespan
+
+
+def cap_experiment(rounds: int) -> tuple[list[str], list[tuple[Any, ...]], dict[str, Any]]:
+    profile = microbatch_profile(CAP_MODEL, CAP_CHUNKS, repeat=5)
+    plans, cap, recomputing, keeping = cap_plans(profile)
+    last: dict[str, Any] = {}
+
+    def driver(name: str) -> Any:
+        def run() -> float:
+            results = launch(cap_job, 2, plans[name], timeout=600, threads_per_rank=1)
+            last[name] = results
+            return min(r["samples_per_s"] for r in results)  # the slowest rank's view
+        return run
+
+    rates = alternate({name: driver(name) for name in plans}, rounds)
+    rows, data = [], {"cap_bytes": cap, "smallest_recomputing": recomputing,
+                      "smallest_keeping": keeping, "runs": {}}
+    base = simulated_rate(profile, plans["no limit"])
+    for name, results in last.items():
+        plan = plans[name]
+        peaks = [r["memory"]["rank"]["total_peak"] for r in results]
+        measured = paired_ratio(rates, name, "no limit")
+        predicted = simulated_rate(profile, plan) / base
+        stages = " / ".join(f"{s.start}-{s.stop - 1}{' R' if s.extra.get('recompute') else ''}"
+                            for s in plan.stages)
+        rows.append((name, stages, " / ".join(f"{p / 2**20:.2f}" for p in peaks),
+                     "-" if name != "cap" else ("yes" if max(peaks) <= cap else "NO"),
+                     Spread.of(rates[name]).text(0), measured.text(3), f"{predicted:.3f}"))
+        data["runs"][name] = {"plan": plan.to_dict(), "peaks": peaks,
+                              "samples_per_s": rates[name], "predicted_ratio": predicted}
+        print(f"cap: {name}: {rows[-1]}", flush=True)
+    intro = [f"Plans under a memory cap: {CAP_MODEL}, {CAP_SCHEDULE} with {CAP_CHUNKS} "
+             f"microbatches of {BATCH // CAP_CHUNKS} on 2 rank processes; straight 2-stage "
+             f"plans of the dynamic program (as `pipedream-fast train` plans) from a profile at "
+             f"the microbatch. The cap, "
+             f"{cap / 2**20:.2f} MiB ({cap} bytes) per worker, lies half-way between the "
+             f"smallest requirement of any plan recomputing where needed "
+             f"({recomputing} bytes) and keeping every activation ({keeping} bytes). "
+             f"{rounds} interleaved rounds after a warm-up; samples/s over {CAP_STEPS - CAP_WARM} "
+             f"steps after {CAP_WARM}, the slowest rank's; ratios to the unlimited plan taken "
+             f"round by round; predicted: the simulator on each run's plan (a recomputing "
+             f"stage's backward runs its forward again). Stages: blocks, R = recomputes."]
+    return intro, rows, data
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="cnn,charlm")
+    parser.add_argument("--models", default="cnn,charlm,bert")
     parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--cap-rounds", type=int, default=3,
+                        help="interleaved rounds of the cap experiment (0: skip it)")
     parser.add_argument("--out", help="write the markdown table here")
     args = parser.parse_args()
     rows, data, worst = [], [], 0.0
-    for name in args.models.split(","):
+    for name in [m for m in args.models.split(",") if m]:  # --models "": the cap alone
         for ranks in (int(r) for r in args.ranks.split(",")):
             for schedule, chunks in SCHEDULES:
-                if len(trace(model(name))) < stages_for(schedule, ranks):
+                if blocks_of(name) < stages_for(schedule, ranks):
                     continue
                 results = launch(measure_job, ranks, name, schedule, chunks, timeout=600,
                                  threads_per_rank=1)
@@ -124,6 +284,8 @@ def main() -> int:
                     f"rank {r[3]} {r[6]} (activations {r[7]})" for r in rows[-ranks:]),
                     flush=True)
     print(f"worst error of a rank's predicted peak: {worst:.1%}")
+    cap_intro, cap_rows, cap_data = (cap_experiment(args.cap_rounds) if args.cap_rounds
+                                     else ([], [], {}))
     if args.out:
         write_results(
             args.out, "Memory per rank: predicted against measured",
@@ -135,8 +297,13 @@ def main() -> int:
              f"microbatch size (`sim_memory.py`). Errors are predicted / measured - 1."],
             ["model", "ranks", "schedule", "rank", "measured peak (MiB)",
              "of it activations (MiB)", "predicted peak error", "activations error"],
-            rows, [f"Worst error of a rank's predicted peak: {worst:.1%}."],
-            {"batch": BATCH, "steps": STEPS, "rows": data, "worst_total_error": worst})
+            rows, [f"Worst error of a rank's predicted peak: {worst:.1%}.", ""]
+            + ([*cap_intro, "", *markdown_table(
+                ["run", "stages", "measured peak per rank (MiB)", "under the cap",
+                 "samples/s (median, range)", "x the unlimited plan, measured",
+                 "predicted"], cap_rows)] if cap_rows else []),
+            {"batch": BATCH, "steps": STEPS, "rows": data, "worst_total_error": worst,
+             "cap": cap_data})
     return 0
 
 
