@@ -14,8 +14,9 @@ The cap: the planner's dynamic program plans the char LM as a straight pipeline 
 (1f1b) three ways, run side by side in interleaved rounds: with no limit, under a memory cap
 that no plan keeping every activation fits (half-way between the smallest requirement with
 recomputation and without; the planner picks what recomputes), and with every stage
-recomputing (what peers give by default). Each run's measured peak per rank against the cap, its samples/s against
-the unlimited plan's, and the simulator's predicted ratio for the same plans.
+recomputing (what peers give by default). Each run's measured peak per rank against the cap,
+its samples/s against the unlimited plan's, and the simulator's predicted ratio for the same
+plans.
 
     python bench/memory.py [--models cnn,charlm,bert] [--ranks 2,4] [--cap-rounds 3]
                            [--out bench/results/memory.md]
