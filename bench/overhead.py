@@ -14,6 +14,7 @@ of actions. Both drivers live in the same two rank processes and run in alternat
 by round, so a shared machine's drift touches both sides alike.
 
     python bench/overhead.py [--steps 400] [--repeat 3] [--out bench/results/overhead.md]
+                             [--profile bench/results/overhead_profile.md]
 """
 
 from __future__ import annotations
@@ -130,15 +131,39 @@ def plain_driver(rank: int, world: int, steps: int) -> Any:
     return run
 
 
-def overhead_job(rank: int, world: int, steps: int, repeat: int) -> dict[str, Any]:
-    """Both drivers on this rank, in alternating rounds; rank 0's figures matter."""
+def overhead_job(rank: int, world: int, steps: int, repeat: int,
+                 profile: bool = False) -> dict[str, Any]:
+    """Both drivers on this rank, in alternating rounds; rank 0's figures matter. With
+    `profile`, one more executor run under cProfile: where rank 0's time per action goes."""
     torch.set_num_threads(1)
     pipe, executor_run = executor_driver(steps)
     values = alternate({"plain torch.distributed": plain_driver(rank, world, steps),
                         "pipedream_fast executor": executor_run}, repeat)
     actions = int(pipe.last_stats["actions"])
+    where = None
+    if profile:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
+        executor_run()
+        profiler.disable()
+        where = top_functions(profiler, actions)
     pipe.close()
-    return {"values": values, "actions": actions}
+    return {"values": values, "actions": actions, "profile": where}
+
+
+def top_functions(profiler: Any, actions: int, count: int = 25) -> list[dict[str, Any]]:
+    """The functions with the most time of their own (cProfile's tottime), in us per action,
+    with their cumulative time and calls per action."""
+    import pstats
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    rows = []
+    for (path, line, name), (_, calls, own, total, _) in stats.items():
+        short = "/".join(path.split("/")[-2:]) if "/" in path else path
+        rows.append({"function": f"{name} ({short}:{line})", "own_us": own / actions * 1e6,
+                     "total_us": total / actions * 1e6, "calls": calls / actions})
+    rows.sort(key=lambda r: -r["own_us"])
+    return rows[:count]
 
 
 def main() -> int:
@@ -146,10 +171,28 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", help="write the markdown table here")
+    parser.add_argument("--profile", metavar="MD",
+                        help="also profile one executor run on rank 0 (cProfile) and write "
+                             "where its time per action goes here")
     args = parser.parse_args()
     if args.steps < 1 or args.repeat < 1:
         parser.error("--steps and --repeat must be >= 1")
-    result = launch(overhead_job, 2, args.steps, args.repeat, timeout=1200)[0]
+    results = launch(overhead_job, 2, args.steps, args.repeat, bool(args.profile),
+                     timeout=1200)
+    result = results[0]
+    if args.profile:
+        rows = [{**r, "function": f"rank {rank}: {r['function']}"}
+                for rank, res in enumerate(results) for r in res["profile"]]
+        write_results(
+            args.profile, "Where the executor's time per action goes (each rank, cProfile)",
+            [f"`Pipeline.train` on the overhead workload (1f1b, {args.steps} steps of {CHUNKS} "
+             f"microbatches, Linear({WIDTH}, {WIDTH}) per stage), one run under cProfile "
+             f"after the timed rounds. cProfile slows Python calls, so the sum is above the "
+             f"unprofiled time; the order is what it says. Own: time in the function itself; "
+             f"total: with what it calls."],
+            ["function", "own us/action", "total us/action", "calls/action"],
+            [(r["function"].replace("|", "/"), f"{r['own_us']:.1f}", f"{r['total_us']:.1f}",
+              f"{r['calls']:.2f}") for r in rows])
     values = result["values"]
     spreads = {name: Spread.of(v) for name, v in values.items()}
     ratio = paired_ratio(values, "pipedream_fast executor", "plain torch.distributed")

@@ -137,10 +137,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "per link and direction; `spin_us`: how long the link queues spin before blocking; "
       "`recv_pool`: receive buffer sets pooled per link.")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, double, int64_t, at::Device, double,
-                    int64_t>(),
+                    int64_t, bool>(),
            py::arg("group"), py::arg("timeout") = 300.0,
            py::arg("depth") = CommEngine::kDefaultDepth, py::arg("device") = at::Device(at::kCPU),
-           py::arg("spin_us") = 0.0, py::arg("recv_pool") = CommEngine::kDefaultRecvPool)
+           py::arg("spin_us") = 0.0, py::arg("recv_pool") = CommEngine::kDefaultRecvPool,
+           py::arg("background") = false)
       .def_readonly_static("DEFAULT_DEPTH", &CommEngine::kDefaultDepth)
       .def_readonly_static("DEFAULT_RECV_POOL", &CommEngine::kDefaultRecvPool)
       .def("send", &CommEngine::send, py::arg("peer"), py::arg("channel"), py::arg("stage"),
@@ -162,6 +163,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("depth", &CommEngine::depth)
       .def_property_readonly("spin_us", &CommEngine::spin_us)
       .def_property_readonly("recv_pool", &CommEngine::recv_pool)
+      .def_property_readonly("background", &CommEngine::background)
       .def("stats", [](const CommEngine& e) {
         const CommStats s = e.stats();
         py::dict d;

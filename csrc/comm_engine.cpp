@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <deque>
 #include <exception>
 #include <sstream>
 #include <thread>
@@ -177,7 +178,7 @@ const char* channel_name(Channel channel) {
 struct CommEngine::Link {
   Link(c10::intrusive_ptr<c10d::ProcessGroup> group, int rank, int peer, Channel channel,
        int stage, std::chrono::milliseconds timeout, at::Device device, int64_t depth,
-       double spin_us, int64_t recv_pool)
+       double spin_us, int64_t recv_pool, bool direct)
       : group(std::move(group)),
         rank(rank),
         peer(peer),
@@ -186,6 +187,8 @@ struct CommEngine::Link {
         timeout(timeout),
         device(device),
         recv_pool(recv_pool),
+        depth(depth),
+        direct(direct),
         what(std::string(channel_name(channel)) + " link of rank " + std::to_string(rank) +
              " with rank " + std::to_string(peer) + " for stage " + std::to_string(stage)),
         sends(depth, what + " (sends)", spin_us),
@@ -200,6 +203,8 @@ struct CommEngine::Link {
   const std::chrono::milliseconds timeout;
   const at::Device device;  // where received tensors are allocated
   const int64_t recv_pool;  // most buffer sets kept in `pool`
+  const int64_t depth;      // messages in flight per direction before a send waits
+  const bool direct;        // transfers issued and awaited by the caller, no link threads
   const std::string what;   // "activation link of rank 0 with rank 1 for stage 3", for messages
   ActivationQueue sends;
   ActivationQueue requests;
@@ -350,6 +355,197 @@ struct CommEngine::Link {
     });
   }
 
+
+  // ---- direct mode: the caller's thread issues every transfer and waits for it ----------
+  // A thread hop costs a wake-up (25-50 us on a loaded CPU) and each message took two (to the
+  // send thread, from the receive thread); on gloo a send and a receive are asynchronous
+  // already (the backend's own I/O thread moves the bytes), so on CPU the caller issues them
+  // and waits on their Work where the schedule needs the result.
+  struct Transfer {
+    int64_t microbatch = 0;
+    bool header = false;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;  // empty: posted before the header
+    std::vector<at::Tensor> tensors;  // what is sent, or the buffers received into
+    at::Tensor flat;                  // a packed send's buffer, reused once it is sent
+  };
+  // In flight, oldest first. Changed by the caller's thread only, under `mutex` so that a
+  // shutdown from another thread can abort what they wait for.
+  std::deque<Transfer> sending;
+  std::deque<Transfer> receiving;
+  std::vector<at::Tensor> free_flats;  // packed send buffers whose sends completed
+  c10::intrusive_ptr<c10d::Work> header_work;  // the link's header, while it is awaited
+  at::Tensor header_buffer;
+  std::atomic<bool> closed{false};
+
+  void check_open(const std::exception_ptr Link::*error) {
+    std::lock_guard<std::mutex> guard(mutex);
+    if (this->*error) std::rethrow_exception(this->*error);
+    if (closed) throw QueueClosed(what + ": the engine was shut down");
+  }
+
+  // Waits for one transfer as `transfer` does; a wait the shutdown aborted is QueueClosed.
+  void await(const c10::intrusive_ptr<c10d::Work>& work, const char* doing, int64_t microbatch,
+             bool header) {
+    try {
+      transfer(work, doing, microbatch, header);
+    } catch (...) {
+      if (closed) throw QueueClosed(what + ": the engine was shut down");
+      throw;
+    }
+  }
+
+  void direct_send(std::vector<at::Tensor> tensors, int64_t microbatch) {
+    check_open(&Link::send_error);
+    while (static_cast<int64_t>(sending.size()) > depth) reap_send();
+    const int64_t start = now_ns();
+    const auto metas = metas_of(tensors);
+    if (!sent_header) {
+      Transfer header;
+      header.microbatch = microbatch;
+      header.header = true;
+      header.tensors = {encode_header(metas, what).to(device)};
+      header.works.push_back(group->send(header.tensors, peer, header_tag(channel, stage)));
+      push(sending, std::move(header));
+      sent_header = true;
+    }
+    Transfer t;
+    t.microbatch = microbatch;
+    const int tag = message_tag(channel, stage, microbatch);
+    if (const int64_t packed = packed_bytes(metas)) {
+      if (free_flats.empty()) {
+        t.flat = at::empty({packed},
+                           at::TensorOptions().dtype(at::kByte).device(tensors[0].device()));
+      } else {
+        t.flat = std::move(free_flats.back());
+        free_flats.pop_back();
+      }
+      pack_into(t.flat, tensors, metas);
+      std::vector<at::Tensor> one{t.flat};
+      t.works.push_back(group->send(one, peer, tag));
+    } else {
+      for (const auto& tensor : tensors) {
+        std::vector<at::Tensor> one{tensor};
+        t.works.push_back(group->send(one, peer, tag));
+      }
+    }
+    bytes_sent += nbytes(tensors);
+    t.tensors = std::move(tensors);
+    push(sending, std::move(t));
+    send_ns += now_ns() - start;
+  }
+
+  // Waits for the oldest send in flight; its failure fails the link's later sends too.
+  void reap_send() {
+    Transfer& oldest = sending.front();
+    try {
+      for (const auto& work : oldest.works) await(work, "sending", oldest.microbatch, oldest.header);
+    } catch (...) {
+      std::lock_guard<std::mutex> guard(mutex);
+      if (!send_error && !closed) send_error = std::current_exception();
+      throw;
+    }
+    if (!oldest.header) ++messages_sent;
+    if (oldest.flat.defined()) free_flats.push_back(oldest.flat);
+    std::lock_guard<std::mutex> guard(mutex);
+    sending.pop_front();
+  }
+
+  void direct_flush() {
+    while (!sending.empty()) reap_send();
+  }
+
+  void direct_post(int64_t microbatch) {
+    check_open(&Link::recv_error);
+    Transfer t;
+    t.microbatch = microbatch;
+    if (!got_header && !header_work) {
+      header_buffer = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(device));
+      std::vector<at::Tensor> one{header_buffer};
+      header_work = group->recv(one, peer, header_tag(channel, stage));
+    }
+    if (got_header) start_recv(t);  // else: started when the header has come
+    push(receiving, std::move(t));
+  }
+
+  void start_recv(Transfer& t) {
+    // Handles of their own: the pool tells a buffer free by its storage's use count, which
+    // counts tensors (not copies of one handle), so the transfer must hold its own.
+    for (const auto& buffer : take_buffers()) t.tensors.push_back(buffer.detach());
+    const int tag = message_tag(channel, stage, t.microbatch);
+    for (auto& buffer : t.tensors) {
+      std::vector<at::Tensor> one{buffer};
+      t.works.push_back(group->recv(one, peer, tag));
+    }
+  }
+
+  std::vector<at::Tensor> direct_wait(int64_t microbatch) {
+    check_open(&Link::recv_error);
+    if (receiving.empty()) {
+      throw std::logic_error(what + ": no receive was posted for microbatch " +
+                             std::to_string(microbatch) + "; post_recv must come first");
+    }
+    if (receiving.front().microbatch != microbatch) {
+      throw std::logic_error(what + ": expected microbatch " + std::to_string(microbatch) +
+                             " but the next posted receive was for microbatch " +
+                             std::to_string(receiving.front().microbatch) +
+                             "; wait_recv must follow the order of post_recv on each link");
+    }
+    const int64_t start = now_ns();
+    std::vector<at::Tensor> out;
+    try {
+      if (!got_header) {
+        await(header_work, "receiving", microbatch, /*header=*/true);
+        recv_metas = decode_header(header_buffer.cpu());
+        recv_packed = packed_bytes(recv_metas);
+        got_header = true;
+        std::lock_guard<std::mutex> guard(mutex);
+        header_work.reset();
+        for (auto& t : receiving) start_recv(t);  // the receives posted before it came
+      }
+      Transfer& t = receiving.front();
+      for (const auto& work : t.works) await(work, "receiving", microbatch, false);
+      for (const auto& buffer : t.tensors) out.push_back(buffer.detach());  // fresh handles
+    } catch (...) {
+      std::lock_guard<std::mutex> guard(mutex);
+      if (!recv_error && !closed) recv_error = std::current_exception();
+      throw;
+    }
+    {
+      std::lock_guard<std::mutex> guard(mutex);
+      receiving.pop_front();
+    }
+    recv_ns += now_ns() - start;
+    bytes_received += nbytes(out);
+    ++messages_received;
+    if (recv_packed > 0) out = unpack(out[0], recv_metas);  // views, no copy
+    return out;
+  }
+
+  void push(std::deque<Transfer>& to, Transfer t) {
+    std::lock_guard<std::mutex> guard(mutex);
+    to.push_back(std::move(t));
+  }
+
+  // Shutdown: every transfer in flight is aborted (its waiter, if any, gets QueueClosed).
+  void abort_direct() {
+    closed = true;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    {
+      std::lock_guard<std::mutex> guard(mutex);
+      for (auto* in : {&sending, &receiving}) {
+        for (auto& t : *in) works.insert(works.end(), t.works.begin(), t.works.end());
+      }
+      if (header_work) works.push_back(header_work);
+    }
+    for (auto& work : works) {
+      try {
+        work->abort();
+      } catch (...) {
+        // a backend without abort: its waiter ends at the transfer's timeout
+      }
+    }
+  }
+
   // Buffers for the next receive: a pooled set nobody else holds any more, or a new one.
   std::vector<at::Tensor> take_buffers() {
     for (auto& set : pool) {
@@ -372,14 +568,16 @@ struct CommEngine::Link {
 };
 
 CommEngine::CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout_s,
-                       int64_t depth, at::Device device, double spin_us, int64_t recv_pool)
+                       int64_t depth, at::Device device, double spin_us, int64_t recv_pool,
+                       bool background)
     : group_(std::move(group)),
       rank_(group_->getRank()),
       timeout_s_(timeout_s),
       depth_(depth),
       device_(device),
       spin_us_(spin_us),
-      recv_pool_(recv_pool) {
+      recv_pool_(recv_pool),
+      background_(background || !device.is_cpu()) {
   if (timeout_s <= 0) throw std::invalid_argument("CommEngine: timeout must be > 0 seconds");
   if (depth < 1) throw std::invalid_argument("CommEngine: depth must be >= 1");
   if (!std::isfinite(spin_us) || spin_us < 0) {
@@ -415,8 +613,8 @@ CommEngine::Link& CommEngine::link(int peer, Channel channel, int stage) {
   auto& slot = links_[{peer, static_cast<int>(channel), stage}];
   if (!slot) {
     slot = std::make_shared<Link>(group_, rank_, peer, channel, stage, millis(timeout_s_), device_,
-                                  depth_, spin_us_, recv_pool_);
-    Link::start_threads(slot);
+                                  depth_, spin_us_, recv_pool_, !background_);
+    if (background_) Link::start_threads(slot);
   }
   return *slot;
 }
@@ -438,6 +636,10 @@ void CommEngine::send(int peer, Channel channel, int stage, int64_t microbatch,
   }
   l.sent_metas = metas;
   l.negotiated = true;
+  if (l.direct) {
+    l.direct_send(std::move(tensors), microbatch);
+    return;
+  }
   {
     std::lock_guard<std::mutex> guard(l.mutex);
     if (l.send_error) std::rethrow_exception(l.send_error);  // an earlier send failed
@@ -455,13 +657,23 @@ void CommEngine::send(int peer, Channel channel, int stage, int64_t microbatch,
 }
 
 void CommEngine::post_recv(int peer, Channel channel, int stage, int64_t microbatch) {
-  link(peer, channel, stage).requests.push(Bundle{{}, microbatch, -1}, timeout_s_);
+  Link& l = link(peer, channel, stage);
+  if (l.direct) {
+    l.direct_post(microbatch);
+    return;
+  }
+  l.requests.push(Bundle{{}, microbatch, -1}, timeout_s_);
 }
 
 std::vector<at::Tensor> CommEngine::wait_recv(int peer, Channel channel, int stage,
                                               int64_t microbatch) {
   Link& l = link(peer, channel, stage);
   const int64_t start = now_ns();
+  if (l.direct) {
+    auto out = l.direct_wait(microbatch);
+    wait_recv_ns_ += now_ns() - start;
+    return out;
+  }
   Bundle bundle;
   try {
     bundle = l.done.pop(timeout_s_);
@@ -504,6 +716,10 @@ void CommEngine::flush() {
   }
   const auto deadline = std::chrono::steady_clock::now() + millis(timeout_s_);
   for (auto& l : links) {
+    if (l->direct) {
+      l->direct_flush();  // each transfer waited for at most the timeout
+      continue;
+    }
     std::unique_lock<std::mutex> guard(l->mutex);
     const bool drained = l->idle.wait_until(guard, deadline, [&] {
       return l->sends_in_flight == 0 || l->send_error;
@@ -526,6 +742,7 @@ void CommEngine::shutdown(double grace_s) {
     for (auto& [key, l] : links_) links.push_back(l);
   }
   for (auto& l : links) {
+    if (l->direct) l->abort_direct();
     l->sends.close();
     l->requests.close();
     l->done.close();

@@ -31,6 +31,16 @@
 // loss) travels packed in one byte buffer, one transfer instead of one per tensor; the
 // receiver gets views of it (see kPackMaxBytes in comm_engine.cpp).
 //
+// Two ways to move a message. On a GPU (NCCL) each link has a send and a receive thread, as
+// drawn above: a transfer there is waited for off the compute thread. On CPU (gloo), where a
+// send and a receive are asynchronous already (gloo's own I/O thread moves the bytes), the
+// caller issues them directly: send() starts the transfer and returns (it waits only when
+// more than `depth` sends of the link are unfinished, for the oldest), post_recv() starts the
+// receive into pooled buffers (the first waits for the link's header first, in wait_recv),
+// and wait_recv() waits on the receive's Work. No thread hop per message: each hop is a
+// wake-up, and two per message were most of the runtime's cost per action on CPU. A shutdown
+// aborts what is in flight. `background=true` keeps the threads on CPU too.
+//
 // Receive buffers come from a per-link pool of at most `recv_pool` sets. A buffer is handed
 // out again only when nobody else holds its storage (the compute thread and autograd have
 // dropped it), so steady-state receives allocate nothing as long as the pool covers the
@@ -76,10 +86,12 @@ class CommEngine {
   // peer never hangs this rank forever). `depth`: messages queued per link and direction.
   // `device`: where received tensors are allocated (CPU for gloo, the rank's GPU for NCCL).
   // `spin_us`: how long a link's queues spin before blocking (see ActivationQueue).
-  // `recv_pool`: receive buffer sets pooled per link. Speed only: none changes what arrives.
+  // `recv_pool`: receive buffer sets pooled per link. `background`: transfers on link threads
+  // even on CPU (on a GPU they always are; see "Two ways to move a message" above). Speed only:
+  // none changes what arrives.
   CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout_s,
              int64_t depth = kDefaultDepth, at::Device device = at::kCPU, double spin_us = 0.0,
-             int64_t recv_pool = kDefaultRecvPool);
+             int64_t recv_pool = kDefaultRecvPool, bool background = false);
   CommEngine(const CommEngine&) = delete;
   CommEngine& operator=(const CommEngine&) = delete;
   ~CommEngine();
@@ -118,6 +130,7 @@ class CommEngine {
   int64_t depth() const { return depth_; }
   double spin_us() const { return spin_us_; }
   int64_t recv_pool() const { return recv_pool_; }
+  bool background() const { return background_; }
 
  private:
   struct Link;  // a link's queues, its send and receive loops and their state
@@ -133,6 +146,7 @@ class CommEngine {
   const at::Device device_;
   const double spin_us_;
   const int64_t recv_pool_;
+  const bool background_;
   mutable std::mutex links_mutex_;
   // (peer, channel, stage) -> link; guarded by links_mutex_
   std::map<std::tuple<int, int, int>, std::shared_ptr<Link>> links_;

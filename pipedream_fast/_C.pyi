@@ -110,13 +110,15 @@ class Channel:
     def __hash__(self) -> int: ...
 
 class CommEngine:
-    """Background send/receive threads of one rank over a c10d ProcessGroup.
+    """Point-to-point transfers of one rank over a c10d ProcessGroup.
 
     One link per (peer, channel, stage), where `stage` is the pipeline stage that receives the
-    message (0 <= stage < 512). send() and post_recv() return at once; wait_recv() blocks (GIL
-    released) until the tensors arrive or `timeout` seconds pass. `depth`: messages queued per
-    link and direction; `spin_us`: how long the link queues spin before blocking; `recv_pool`:
-    receive buffer sets pooled per link (>= 1).
+    message (0 <= stage < 512). send() and post_recv() start a transfer and return;
+    wait_recv() blocks (GIL released) until the tensors arrive or `timeout` seconds pass. On
+    CPU the caller's thread issues each transfer (gloo's are asynchronous); on a GPU, or with
+    `background=True`, each link's send and receive threads do. `depth`: messages in flight
+    per link and direction before a send waits; `spin_us`: how long the link threads' queues
+    spin before blocking; `recv_pool`: receive buffer sets pooled per link (>= 1).
     """
 
     DEFAULT_DEPTH: ClassVar[int]  # 8
@@ -125,7 +127,7 @@ class CommEngine:
     # device defaults to torch.device("cpu"); pybind11 takes a torch.device only, not a str.
     def __init__(self, group: ProcessGroup, timeout: float = 300.0, depth: int = 8,
                  device: torch.device = ..., spin_us: float = 0.0,
-                 recv_pool: int = 64) -> None: ...
+                 recv_pool: int = 64, background: bool = False) -> None: ...
     def send(self, peer: int, channel: Channel, stage: int, microbatch: int,
              tensors: Sequence[torch.Tensor]) -> None: ...
     def post_recv(self, peer: int, channel: Channel, stage: int, microbatch: int) -> None: ...
@@ -143,6 +145,8 @@ class CommEngine:
     def spin_us(self) -> float: ...
     @property
     def recv_pool(self) -> int: ...
+    @property
+    def background(self) -> bool: ...
     def stats(self) -> dict[str, float]:
         """A new dict: messages_sent, messages_received, bytes_sent, bytes_received (int);
         send_s, recv_s, wait_recv_s (float)."""

@@ -146,7 +146,8 @@ class ProcessWorld:
         assert group is not None
         transport = ProcessTransport(stage_ranks, self.timeout_s, device=device,
                                      group=group.group, depth=tuning.process_queue_depth,
-                                     spin_us=tuning.spin_us, recv_pool=tuning.recv_pool)
+                                     spin_us=tuning.spin_us, recv_pool=tuning.recv_pool,
+                                     link_threads=tuning.link_threads)
         self._transports.append(transport)
         return transport
 

@@ -1,10 +1,13 @@
-"""Errors of the CommEngine's link threads reach Python with their type.
+"""Errors of the CommEngine's transfers reach Python with their type, in both of its ways of
+moving a message: on link threads (`background=True`, what a GPU uses) and issued by the caller
+(the CPU default).
 
 A link's send and receive threads run the process-group transfers; what stops one is kept as
 it was thrown (a `std::exception_ptr`) and rethrown on the caller's thread by `wait_recv`,
 `send` or `flush`. So a transfer that times out in a link thread raises `_C.QueueTimeout` (a
 `TimeoutError`), the very type a wait that times out on the caller's thread raises, instead
-of a generic RuntimeError: callers and `launch` tell a dead or stuck peer by the type.
+of a generic RuntimeError: callers and `launch` tell a dead or stuck peer by the type. Issued
+by the caller, the same transfers fail with the same types and messages.
 
 Two gloo ranks in this one process (two threads build the pair over a HashStore), no launch.
 """
@@ -58,19 +61,32 @@ def gloo_pair() -> Iterator[list[dist.ProcessGroup]]:
     yield [g for g in groups if g is not None]
 
 
-def test_a_receive_timing_out_in_the_link_thread_raises_queue_timeout(gloo_pair) -> None:
-    engine = _C.CommEngine(gloo_pair[1], timeout=TIMEOUT_S)
+BOTH = pytest.mark.parametrize("background", [True, False], ids=["link-threads", "direct"])
+
+
+@BOTH
+def test_a_receive_timing_out_in_the_link_thread_raises_queue_timeout(gloo_pair,
+                                                                      background: bool) -> None:
+    engine = _C.CommEngine(gloo_pair[1], timeout=TIMEOUT_S, background=background)
     try:
-        # A wait that times out on this thread (nothing posted, so the link thread waits for
-        # requests and never times out itself): the reference type.
-        with pytest.raises(_C.QueueTimeout, match="waited") as on_caller:
-            engine.wait_recv(0, _C.Channel.GRADIENT, 0, 3)
+        if background:
+            # A wait that times out on this thread (nothing posted, so the link thread waits
+            # for requests and never times out itself): the reference type.
+            with pytest.raises(_C.QueueTimeout, match="waited") as on_caller:
+                engine.wait_recv(0, _C.Channel.GRADIENT, 0, 3)
+            reference: type = type(on_caller.value)
+        else:
+            # Issued by the caller, a wait with nothing posted is a mistake, said at once.
+            with pytest.raises(RuntimeError, match="no receive was posted for microbatch 3; "
+                                                   "post_recv must come first"):
+                engine.wait_recv(0, _C.Channel.GRADIENT, 0, 3)
+            reference = _C.QueueTimeout
         # Rank 0 never sends: the receive thread's transfer times out, then wait_recv runs.
         engine.post_recv(0, _C.Channel.ACTIVATION, 1, 7)
         time.sleep(SETTLE_S)
         with pytest.raises(TimeoutError) as in_link:
             engine.wait_recv(0, _C.Channel.ACTIVATION, 1, 7)
-        assert type(in_link.value) is type(on_caller.value) is _C.QueueTimeout
+        assert type(in_link.value) is reference is _C.QueueTimeout
         # The link thread's own message (this thread's says "waited"), naming the transfer.
         message = str(in_link.value)
         assert "timed out after 0.3 s receiving the activation of stage 1, microbatch 7 from " \
@@ -79,8 +95,10 @@ def test_a_receive_timing_out_in_the_link_thread_raises_queue_timeout(gloo_pair)
         engine.shutdown()
 
 
-def test_a_send_timing_out_in_the_link_thread_raises_queue_timeout(gloo_pair) -> None:
-    engine = _C.CommEngine(gloo_pair[0], timeout=TIMEOUT_S)
+@BOTH
+def test_a_send_timing_out_in_the_link_thread_raises_queue_timeout(gloo_pair,
+                                                                   background: bool) -> None:
+    engine = _C.CommEngine(gloo_pair[0], timeout=TIMEOUT_S, background=background)
     try:
         # Rank 1 never receives: gloo's send waits for the receiver and times out.
         engine.send(1, _C.Channel.ACTIVATION, 1, 7, [torch.zeros(4)])
@@ -95,9 +113,11 @@ def test_a_send_timing_out_in_the_link_thread_raises_queue_timeout(gloo_pair) ->
         engine.shutdown()
 
 
-def test_waiting_on_a_shut_down_engine_raises_queue_closed(gloo_pair) -> None:
+@BOTH
+def test_waiting_on_a_shut_down_engine_raises_queue_closed(gloo_pair, background: bool) -> None:
     # A short timeout: the receive thread, stuck in its transfer past the grace, ends soon.
-    engine = _C.CommEngine(gloo_pair[1], timeout=2.0)
+    # Issued by the caller, the shutdown aborts the receive it waits for.
+    engine = _C.CommEngine(gloo_pair[1], timeout=2.0, background=background)
     engine.post_recv(0, _C.Channel.ACTIVATION, 1, 0)
     waiter_error: list[BaseException] = []
 

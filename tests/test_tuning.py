@@ -70,7 +70,7 @@ def slots_needed(plan: Plan, schedule: str) -> int:
 def every_knob(plan: Plan, schedule: str) -> Tuning:
     """Every knob away from its default (offload_stash needs a GPU)."""
     return Tuning(queue_depth=1, spin_us=50.0, bucket_mb=0.01,
-                  weight_slots=slots_needed(plan, schedule) + 2, recv_pool=1)
+                  weight_slots=slots_needed(plan, schedule) + 2, recv_pool=1, link_threads=True)
 
 
 def assert_same_run(got: tuple[list[float], dict], want: tuple[list[float], dict]) -> None:
@@ -94,6 +94,7 @@ def assert_same_run(got: tuple[list[float], dict], want: tuple[list[float], dict
     ("recv_pool", 0, "recv_pool must be an integer >= 1"),
     ("recv_pool", None, "recv_pool must be an integer >= 1"),
     ("offload_stash", "yes", "offload_stash must be True or False"),
+    ("link_threads", 1, "link_threads must be True or False"),
 ])
 def test_a_bad_value_is_refused_naming_the_knob_and_the_value(field, value, words):
     with pytest.raises(TuningError) as info:
@@ -107,6 +108,7 @@ def test_the_defaults_are_what_the_runtime_does_without_tuning():
     assert tuning.process_queue_depth == _C.CommEngine.DEFAULT_DEPTH == 8
     assert tuning.thread_queue_depth == transport.THREAD_QUEUE_DEPTH == 64
     assert (tuning.spin_us, tuning.weight_slots, tuning.offload_stash) == (0.0, None, False)
+    assert tuning.link_threads is False
     assert tuning.bucket_bytes == DEFAULT_BUCKET_BYTES
     assert tuning.recv_pool == _C.CommEngine.DEFAULT_RECV_POOL == 64
     assert Tuning(bucket_mb=0.5).bucket_bytes == 512 * 1024
@@ -197,7 +199,7 @@ def process_job(rank: int, world: int) -> dict:
             engine = pipe._stages.transport._engine
             out[(schedule, label)] = {
                 "run": (losses, pipe.state_dict()),
-                "engine": (engine.depth, engine.spin_us, engine.recv_pool),
+                "engine": (engine.depth, engine.spin_us, engine.recv_pool, engine.background),
                 "rings": {i: rt.ring.capacity for i, rt in pipe._stages.runtimes.items()},
                 "buckets": {i: rt.buckets.num_buckets for i, rt in pipe._stages.runtimes.items()
                             if rt.buckets}}
@@ -233,8 +235,8 @@ def test_every_knob_reaches_the_comm_engine_rings_and_buckets(process_runs, plan
     tuning = every_knob(plan, schedule)
     for rank_out in process_runs:
         default, tuned = rank_out[(schedule, "default")], rank_out[(schedule, "tuned")]
-        assert default["engine"] == (8, 0.0, 64)
-        assert tuned["engine"] == (tuning.queue_depth, tuning.spin_us, tuning.recv_pool)
+        assert default["engine"] == (8, 0.0, 64, False)
+        assert tuned["engine"] == (tuning.queue_depth, tuning.spin_us, tuning.recv_pool, True)
         assert set(tuned["rings"].values()) == {tuning.weight_slots}
         if schedule == "data-parallel":  # the replicated stage's buckets
             assert default["buckets"] == {0: 1} and tuned["buckets"][0] > 1
@@ -249,9 +251,9 @@ def test_a_pipeline_on_the_cpu_refuses_offload_stash(process_runs):
 def test_the_tuning_flags_parse_into_the_tuning():
     args = build_parser().parse_args(["train", "--queue-depth", "2", "--spin-us", "50",
                                       "--bucket-mb", "0.5", "--weight-slots", "3",
-                                      "--recv-pool", "4"])
+                                      "--recv-pool", "4", "--link-threads"])
     assert settings(args).tuning == Tuning(queue_depth=2, spin_us=50.0, bucket_mb=0.5,
-                                           weight_slots=3, recv_pool=4)
+                                           weight_slots=3, recv_pool=4, link_threads=True)
     assert settings(build_parser().parse_args(["train"])).tuning == Tuning()
 
 

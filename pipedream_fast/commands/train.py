@@ -122,6 +122,9 @@ def register(subparsers: Any) -> None:
     knobs.add_argument("--recv-pool", type=int, default=Tuning.recv_pool, metavar="N",
                        help=f"receive buffer sets pooled per link between processes "
                             f"(default {Tuning.recv_pool})")
+    knobs.add_argument("--link-threads", action="store_true",
+                       help="move CPU transfers on a send and a receive thread per link, as "
+                            "on a GPU (default: issued on the rank's own thread)")
     knobs.add_argument("--offload-stash", action="store_true",
                        help="keep stashed weight versions in pinned host memory (GPU runs only)")
     out = parser.add_argument_group("output")

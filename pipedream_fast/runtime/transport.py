@@ -83,11 +83,13 @@ class ProcessTransport:
     def __init__(self, stage_groups: Sequence[Sequence[int]], timeout_s: float,
                  device: torch.device | None = None, group: Any = None, *,
                  depth: int = _C.CommEngine.DEFAULT_DEPTH, spin_us: float = 0.0,
-                 recv_pool: int = _C.CommEngine.DEFAULT_RECV_POOL) -> None:
+                 recv_pool: int = _C.CommEngine.DEFAULT_RECV_POOL,
+                 link_threads: bool = False) -> None:
         """`group`: the process group of every rank that carries the point-to-point traffic
         (default: the default group). A transport negotiates each link's tensor shapes on
         its first message, so traffic of other shapes (evaluation) uses its own group.
-        `depth`, `spin_us`, `recv_pool`: the engine's speed knobs (see `Tuning`)."""
+        `depth`, `spin_us`, `recv_pool`, `link_threads`: the engine's speed knobs (see
+        `Tuning`)."""
         if not dist.is_initialized():
             raise RuntimeError("ProcessTransport needs torch.distributed to be initialised "
                                "(run under torchrun or pipedream_fast.launch)")
@@ -96,7 +98,8 @@ class ProcessTransport:
             group = dist.distributed_c10d._get_default_group()
         self._engine = _C.CommEngine(group, timeout=timeout_s, depth=depth,
                                      device=device or torch.device("cpu"), spin_us=spin_us,
-                                     recv_pool=recv_pool)
+                                     recv_pool=recv_pool,
+                                     background=link_threads)
         self._closed = False
         self._groups: dict[tuple[int, ...], Any] = {}
         for ranks in stage_groups:

@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <map>
+#include <string>
 #include <thread>
 #include <tuple>
 
@@ -73,10 +75,20 @@ class LoopbackGroup : public c10d::ProcessGroup {
   std::shared_ptr<Mailbox> box_;
 };
 
+// CMakeLists.txt runs these tests twice: transfers on the caller's thread (the CPU default)
+// and, with PIPEDREAM_FAST_LINK_THREADS=1, on link threads (the GPU way).
+bool link_threads() {
+  const char* value = std::getenv("PIPEDREAM_FAST_LINK_THREADS");
+  return value != nullptr && std::string(value) == "1";
+}
+
+
 struct Pair {
   std::shared_ptr<Mailbox> box = std::make_shared<Mailbox>();
-  CommEngine a{c10::make_intrusive<LoopbackGroup>(box, 0, 2), 5.0};
-  CommEngine b{c10::make_intrusive<LoopbackGroup>(box, 1, 2), 5.0};
+  CommEngine a{c10::make_intrusive<LoopbackGroup>(box, 0, 2), 5.0, CommEngine::kDefaultDepth,
+               at::kCPU, 0.0, CommEngine::kDefaultRecvPool, link_threads()};
+  CommEngine b{c10::make_intrusive<LoopbackGroup>(box, 1, 2), 5.0, CommEngine::kDefaultDepth,
+               at::kCPU, 0.0, CommEngine::kDefaultRecvPool, link_threads()};
 };
 
 }  // namespace
