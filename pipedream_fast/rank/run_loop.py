@@ -7,6 +7,7 @@ runs (evaluate, predict) use the same executor.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -215,7 +216,9 @@ class RunLoop:
             if loss is not None:
                 assert action.microbatch is not None
                 step = action.microbatch // chunks
-                if self.ctx.options.on_nan == "stop" and not torch.isfinite(loss) and step not in bad:
+                # a float: torch.isfinite makes a tensor per loss (a few us each)
+                if (self.ctx.options.on_nan == "stop" and not math.isfinite(float(loss))
+                        and step not in bad):
                     bad[step] = (f"the loss of microbatch {action.microbatch % chunks} of step "
                                  f"{self.progress.step + step + 1} is {float(loss)} (seen on rank "
                                  f"{self.ctx.rank} at {action.to_text()})")
