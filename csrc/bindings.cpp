@@ -164,6 +164,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("spin_us", &CommEngine::spin_us)
       .def_property_readonly("recv_pool", &CommEngine::recv_pool)
       .def_property_readonly("background", &CommEngine::background)
+      .def("unfinished_sends", &CommEngine::unfinished_sends,
+           "The sends queued on link threads and not yet completed: (peer, channel, receiving "
+           "stage, -1), one per send (only their number is known); none where the caller's "
+           "thread issues transfers (a send's completion is known only once waited for).")
       .def("stats", [](const CommEngine& e) {
         const CommStats s = e.stats();
         py::dict d;

@@ -760,6 +760,23 @@ void CommEngine::shutdown(double grace_s) {
   }
 }
 
+std::vector<std::tuple<int, Channel, int, int64_t>> CommEngine::unfinished_sends() const {
+  std::vector<std::tuple<int, Channel, int, int64_t>> out;
+  std::lock_guard<std::mutex> lock(links_mutex_);
+  for (const auto& [key, l] : links_) {
+    std::lock_guard<std::mutex> guard(l->mutex);
+    // A direct link learns that a send completed only when it waits for it (a c10d Work
+    // says it is completed only once waited for), so it has none to report: a rank blocked
+    // on one is inside send() or flush(), which the caller knows.
+    if (!l->direct) {
+      for (int64_t i = 0; i < l->sends_in_flight; ++i) {
+        out.emplace_back(l->peer, l->channel, l->stage, -1);
+      }
+    }
+  }
+  return out;
+}
+
 CommStats CommEngine::stats() const {
   CommStats s;
   std::lock_guard<std::mutex> lock(links_mutex_);

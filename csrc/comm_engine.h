@@ -125,6 +125,13 @@ class CommEngine {
   void shutdown(double grace_s = 1.0);
 
   CommStats stats() const;
+
+  // The sends queued on link threads and not yet completed, as (peer, channel, receiving
+  // stage, microbatch = -1: only their number per link is known), for a report of where a
+  // stuck rank stands. None from direct links (see "Two ways to move a message"): there a
+  // send's completion is known only when the caller waits for it. Safe from any thread.
+  std::vector<std::tuple<int, Channel, int, int64_t>> unfinished_sends() const;
+
   int rank() const { return rank_; }
   double timeout_s() const { return timeout_s_; }
   int64_t depth() const { return depth_; }

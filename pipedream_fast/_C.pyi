@@ -147,6 +147,9 @@ class CommEngine:
     def recv_pool(self) -> int: ...
     @property
     def background(self) -> bool: ...
+    def unfinished_sends(self) -> list[tuple[int, Channel, int, int]]:
+        """The sends queued on link threads and not yet completed: (peer, channel, receiving
+        stage, -1), one per send; none where the caller's thread issues transfers."""
     def stats(self) -> dict[str, float]:
         """A new dict: messages_sent, messages_received, bytes_sent, bytes_received (int);
         send_s, recv_s, wait_recv_s (float)."""

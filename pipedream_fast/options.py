@@ -93,6 +93,10 @@ class PipelineOptions:
     timeout: float = _option(300.0, "seconds any wait of a rank may take before the run fails, "
                                     "naming the rank that did not answer", flag=True,
                              metavar="S")
+    hang_report: float | None = _option(
+        None, "seconds an action may last before its rank reports where it stands (the action, "
+              "what it waits for, receives posted, sends not completed), once per action, on "
+              "stderr; default: a fifth of the timeout; 0: never", flag=True, metavar="S")
     trace: bool = _option(False, "record the actions of each run (`last_events`; of a train() "
                                  "call, its first run: up to its first checkpoint or adapt "
                                  "check)")
@@ -129,6 +133,11 @@ class PipelineOptions:
               "training, naming the smallest memory that would do", flag=True,
         metavar="BYTES", parse=byte_count)
 
+    @property
+    def hang_report_s(self) -> float:
+        """Seconds before a rank without progress reports where it stands (0: never)."""
+        return self.timeout / 5 if self.hang_report is None else self.hang_report
+
     def __post_init__(self) -> None:
         checks = [
             ("schedule", self.schedule in TRAINABLE or self.schedule == "auto",
@@ -147,6 +156,9 @@ class PipelineOptions:
             ("checkpoint_keep", self.checkpoint_keep >= 1, "checkpoint_keep must be >= 1"),
             ("timeout", 0 < self.timeout < float("inf"), "timeout must be positive, finite "
                                                           "seconds"),
+            ("hang_report", self.hang_report is None or 0 <= self.hang_report < float("inf"),
+             "hang_report must be seconds >= 0 (0: no report), or None for a fifth of the "
+             "timeout"),
             ("ranks", self.ranks in ("processes", "threads"),
              "ranks must be 'processes' (one per process: torchrun, `pipedream-fast run`) or "
              "'threads' (every rank a thread of this process)"),

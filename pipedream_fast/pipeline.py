@@ -650,5 +650,6 @@ class Pipeline:
             for pipe in self._ranks:
                 pipe.close()
             return
+        self._run_loop.close()
         self._world.release()
         self._stages.drop_links()

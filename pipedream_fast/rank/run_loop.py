@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import weakref
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from pipedream_fast.launch import Stopped, signal_name
 from pipedream_fast.ir import Schedule
 from pipedream_fast.runtime.calibration import Calibration
 from pipedream_fast.runtime.executor import Executor
+from pipedream_fast.runtime.hang_watch import HangWatch
 from pipedream_fast.runtime.stage import (StageRuntime)
 from pipedream_fast.stopping import DeferredStop, StopVote
 from pipedream_fast.trace import MemorySample
@@ -38,7 +40,8 @@ class RunLoop:
     """Runs of the schedule on this rank (see the module's docstring).
 
     Owns: `calibration` (the rank's running estimate of its costs, fed by every training
-    run's executor), `trace` (whether runs record their actions), `executor` (the last
+    run's executor), `hang_watch` (reports the rank's action in progress when it makes no
+    progress for `hang_report` seconds), `trace` (whether runs record their actions), `executor` (the last
     run's: what a stuck rank was doing), `last_stats` and `last_events` (the last run's
     statistics and, with `trace`, the first run of the last train() call's events), and
     `stop_request` (the driving thread's signal, under rank threads). Between the runs of a
@@ -62,6 +65,13 @@ class RunLoop:
         self.after_run: Callable[[int, float, int], None] = lambda steps, seconds, chunks: None
         self._first_run = True  # the next run is the first of its train() call
         self._first_step_done = 0.0  # when the run's first step was yielded (perf_counter)
+        self.hang_watch: HangWatch | None = None
+        if ctx.options.hang_report_s > 0:
+            # The watch sees the loop through a weak reference, and stops when it goes.
+            this = weakref.ref(self)
+            self.hang_watch = HangWatch(ctx.rank, ctx.options.hang_report_s,
+                                        lambda: getattr(this(), "executor", None))
+            weakref.finalize(self, self.hang_watch.stop)
 
     def train(self, loader: Iterable[Any] | None, steps: int | None,
               epochs: int | None) -> Iterator[torch.Tensor | None]:
@@ -132,6 +142,8 @@ class RunLoop:
                             target_spec=spec, trace=self.trace, update_sync=self.stages.sync,
                             calibration=self.calibration)
         self.executor = executor
+        if self.hang_watch is not None:
+            self.hang_watch.start()
         tracker = StepTracker(schedule, self.ctx.rank, chunks)
         for runtime in runtimes.values():
             runtime.begin_run()
@@ -279,5 +291,12 @@ class RunLoop:
         executor = Executor(schedule, self.ctx.rank, runtimes, self.stages.inference_transport(key),
                             inputs, target_spec=spec, outputs=sink)
         self.executor = executor
+        if self.hang_watch is not None:
+            self.hang_watch.start()
         for _ in executor.run():
             pass
+
+    def close(self) -> None:
+        """Stops the hang watch (the Pipeline is closing)."""
+        if self.hang_watch is not None:
+            self.hang_watch.stop()

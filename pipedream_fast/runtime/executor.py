@@ -99,6 +99,9 @@ class Executor:
         self.calibration = calibration
         # The action in progress (its index, itself, since when): what a stuck rank was doing.
         self.current: tuple[int, Action, float] | None = None
+        # What the action in progress waits for, if anything: ("receive" or "send", channel,
+        # stage, mb, peer) or ("all-reduce", stage); read by `standing`.
+        self._waiting: tuple[Any, ...] | None = None
         self._carried: dict[tuple[int, int], Any] = {}  # (stage, mb) -> target to pass on
         self._losses: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> loss to pass back
         self.events: list[TraceEvent] | None = [] if trace else None
@@ -145,10 +148,53 @@ class Executor:
         if key not in self._posted:
             raise RuntimeError(f"stage {stage} needs the {channel.name.lower()} of microbatch "
                                f"{mb} but the schedule posted no receive for it")
+        peer = self._posted.pop(key)
         start = time.perf_counter()
-        tensors = self.transport.wait_recv(self._posted.pop(key), channel, stage, mb)
+        self._waiting = ("receive", channel, stage, mb, peer)
+        try:
+            tensors = self.transport.wait_recv(peer, channel, stage, mb)
+        finally:
+            self._waiting = None
         self.stats.wait_s += time.perf_counter() - start
         return tensors
+
+    def standing(self, now: float) -> str | None:
+        """Where this rank stands, in words, for a report on a rank that makes no progress
+        (`HangWatch`; called from another thread): the action in progress and for how long,
+        what it waits for, the receives posted and not taken, the sends queued. None
+        between actions."""
+        current, waiting = self.current, self._waiting
+        if current is None:
+            return None
+        index, action, since = current
+        text = f"in action {index} ({action.to_text()}) for {now - since:.1f} s"
+        if waiting is not None and waiting[0] == "all-reduce":
+            ranks = list(self.schedule.stage_ranks[waiting[1]])
+            text += (f", waiting for the gradient all-reduce of stage {waiting[1]} with ranks "
+                     f"{ranks}")
+        elif waiting is not None:
+            way, channel, stage, mb, peer = waiting
+            text += (f", waiting for the {channel.name.lower()} of stage {stage}, microbatch "
+                     f"{mb} from rank {peer}" if way == "receive" else
+                     f", sending the {channel.name.lower()} of stage {stage}, microbatch {mb} "
+                     f"to rank {peer} (waiting for room: its earlier sends are not taken)")
+        else:
+            text += ", not waiting for a message (computing, or in the user's code)"
+        for _ in range(3):  # the rank's thread may change the table while it is read
+            try:
+                posted = sorted(self._posted.items(), key=lambda kv: (kv[0][2], kv[0][1]))
+                break
+            except RuntimeError:
+                posted = []
+        if posted:
+            text += "; receives posted: " + ", ".join(
+                f"{c.name.lower()} of stage {s} mb {m} from rank {p}" for (c, s, m), p in posted)
+        unfinished = self.transport.unfinished_sends()
+        if unfinished:
+            text += "; sends queued: " + ", ".join(
+                f"{c.name.lower()} of stage {s} " + (f"mb {m} " if m >= 0 else "")
+                + f"to rank {p}" for p, c, s, m in unfinished)
+        return text
 
     # --- one method per action kind ----------------------------------------------------------
     def _split_target(self, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], Any]:
@@ -216,14 +262,22 @@ class Executor:
         mb, peer = a.needs("microbatch"), a.needs("peer")
         outputs = self._outputs.pop((a.stage, mb))
         target = pytree.tree_leaves(self._carried.pop((a.stage, mb)))
-        self.transport.send(peer, ACTIVATION, a.stage + 1, mb,
-                            [t.detach() for t in outputs if isinstance(t, torch.Tensor)] + target)
+        self._sending(peer, ACTIVATION, a.stage + 1, mb,
+                      [t.detach() for t in outputs if isinstance(t, torch.Tensor)] + target)
 
     def _send_grad(self, a: Action) -> None:
         mb, peer = a.needs("microbatch"), a.needs("peer")
         grads = self.stages[a.stage].take_input_grads(mb)
         loss = self._losses.pop((a.stage, mb))
-        self.transport.send(peer, GRADIENT, a.stage - 1, mb, [*grads, loss])
+        self._sending(peer, GRADIENT, a.stage - 1, mb, [*grads, loss])
+
+    def _sending(self, peer: int, channel: Any, stage: int, mb: int,
+                 tensors: list[torch.Tensor]) -> None:
+        self._waiting = ("send", channel, stage, mb, peer)  # a send may wait for room
+        try:
+            self.transport.send(peer, channel, stage, mb, tensors)
+        finally:
+            self._waiting = None
 
     def _post(self, channel: Any, a: Action) -> None:
         mb, peer = a.needs("microbatch"), a.needs("peer")
@@ -240,7 +294,11 @@ class Executor:
         buckets = self.stages[a.stage].buckets
         if buckets is not None:
             start = time.perf_counter()
-            buckets.wait()
+            self._waiting = ("all-reduce", a.stage)
+            try:
+                buckets.wait()
+            finally:
+                self._waiting = None
             self.stats.wait_s += time.perf_counter() - start
         skip = False
         if self.update_sync is not None:

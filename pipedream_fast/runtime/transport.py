@@ -56,6 +56,12 @@ class Transport(Protocol):
 
     def stats(self) -> dict[str, float]: ...
 
+    def unfinished_sends(self) -> list[tuple[int, _C.Channel, int, int]]:
+        """Sends queued and not completed: (peer, channel, stage, microbatch; -1 if unknown).
+        Called from another thread (a stuck rank's report); a send the rank itself is blocked
+        in shows as the executor's wait instead."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -128,6 +134,9 @@ class ProcessTransport:
 
     def stats(self) -> dict[str, float]:
         return dict(self._engine.stats())
+
+    def unfinished_sends(self) -> list[tuple[int, _C.Channel, int, int]]:
+        return self._engine.unfinished_sends()
 
     def close(self) -> None:
         """Stops the engine's threads and removes the replica groups; idempotent."""
@@ -307,6 +316,9 @@ class ThreadTransport:
 
     def stats(self) -> dict[str, float]:
         return {"messages_sent": self._sent}
+
+    def unfinished_sends(self) -> list[tuple[int, _C.Channel, int, int]]:
+        return []  # a send is handed over whole; a blocked one shows in `waiting`
 
     def close(self) -> None:
         return None

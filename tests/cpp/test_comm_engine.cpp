@@ -118,6 +118,7 @@ TEST(CommEngine, ActivationsForwardAndGradientsBackInOrder) {
   }
   stage1.join();
   pair.a.flush();
+  EXPECT_TRUE(pair.a.unfinished_sends().empty());  // flushed: nothing queued
   const CommStats stats = pair.a.stats();
   EXPECT_EQ(stats.messages_sent, kMicrobatches);
   EXPECT_EQ(stats.messages_received, kMicrobatches);

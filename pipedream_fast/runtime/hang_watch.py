@@ -1,0 +1,85 @@
+"""A rank's flight recorder: says where the rank stands when it stops making progress.
+
+A run that hangs (a peer stuck in its own code, a message that never comes, an all-reduce a
+replica never joins) fails at the timeout, which is long on purpose (300 s by default: a
+slow first step or a checkpoint must not fail a run). Until then nothing says why. A
+`HangWatch` is a daemon thread beside the rank that looks at the executor's action in
+progress every second; once one has lasted `after_s` (the `hang_report` option; a fifth of
+the timeout by default), it writes one report, to stderr and to `reports`: the action, how
+long, what it waits for (a message to receive, or room to send one: its channel, stage,
+microbatch and peer; or an all-reduce and its ranks), the receives posted and not taken, and
+the sends still queued on link threads (GPU links).
+Every rank waiting on the same stuck peer reports, so the peer that is not waiting on
+anyone stands out. One report per action: a rank that moves on and stops again reports again.
+
+The watch only reads (`Executor.standing`); it never interrupts the rank.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+POLL_S = 1.0  # how often the watch looks; a report comes at most this late
+
+
+class HangWatch:
+    """Watches the executor `executor_of()` returns (None between runs) on rank `rank`."""
+
+    def __init__(self, rank: int, after_s: float, executor_of: Callable[[], Any],
+                 write: Callable[[str], None] | None = None) -> None:
+        self.rank = rank
+        self.after_s = after_s
+        self._executor_of = executor_of
+        self._write = write or _to_stderr
+        self.reports: list[str] = []
+        self._reported: tuple[int, int] | None = None  # (id of the executor, action index)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, daemon=True,
+                                            name=f"pipedream_fast hang watch of rank {self.rank}")
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(min(POLL_S, self.after_s / 2)):
+            try:
+                self.check(time.perf_counter())
+            except Exception as err:  # noqa: BLE001 - a report must never fail the rank
+                self._write(f"pipedream_fast: rank {self.rank}: the hang watch failed: {err!r}")
+                return
+
+    def check(self, now: float) -> str | None:
+        """Reports the action in progress if it has lasted `after_s` and was not reported."""
+        executor = self._executor_of()
+        current = executor.current if executor is not None else None
+        if current is None or now - current[2] < self.after_s:
+            return None
+        key = (id(executor), current[0])
+        if key == self._reported:
+            return None
+        standing = executor.standing(now)
+        if standing is None:  # the action ended meanwhile
+            return None
+        self._reported = key
+        report = (f"pipedream_fast: rank {self.rank} has made no progress: {standing} (a "
+                  f"report after {self.after_s:g} s without progress; the run fails at its "
+                  f"timeout)")
+        self.reports.append(report)
+        self._write(report)
+        return report
+
+
+def _to_stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
