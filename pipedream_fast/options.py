@@ -90,6 +90,9 @@ class PipelineOptions:
                                                "checkpoint_every steps and on SIGTERM")
     checkpoint_every: int | None = _option(None, "steps between checkpoints")
     checkpoint_keep: int = _option(3, "checkpoints kept in checkpoint_dir")
+    resume: bool = _option(False, "continue the run in checkpoint_dir from its newest complete "
+                                  "checkpoint when it holds one (a restarted job), start afresh "
+                                  "otherwise")
     timeout: float = _option(300.0, "seconds any wait of a rank may take before the run fails, "
                                     "naming the rank that did not answer", flag=True,
                              metavar="S")
@@ -178,6 +181,10 @@ class PipelineOptions:
             raise OptionError("adapt", f"adapt=True moves the blocks of a pipeline of "
                                        f"{listing(ADAPTABLE)}; it cannot re-plan schedule "
                                        f"{self.schedule!r}")
+        if self.resume and self.checkpoint_dir is None:
+            raise OptionError("resume", "resume=True continues the run in checkpoint_dir: give "
+                                        "checkpoint_dir (and checkpoint_every), the folder the "
+                                        "job saves into")
         if (self.checkpoint_dir is None) != (self.checkpoint_every is None):
             raise OptionError("checkpoint_every", "give checkpoint_dir and checkpoint_every "
                                                   "together (save every N steps into "

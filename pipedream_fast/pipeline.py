@@ -75,6 +75,26 @@ def _check_split_matches(plan: Plan, kwargs: dict[str, Any]) -> None:
                          f"as it was cut")
 
 
+def _continuing(path: str | os.PathLike[str], kwargs: dict[str, Any]
+                ) -> tuple[Path, dict[str, Any], list[str], Plan]:
+    """What continuing the run at `path` (a checkpoint, or a checkpoint_dir's newest) takes:
+    its folder, manifest, the notes on what was skipped, and its plan; `kwargs` (the options
+    the job was built with) lose the split the plan replaces and take the run's seed."""
+    folder, notes = ckpt.resolve(Path(path))
+    manifest = ckpt.read_manifest(folder)
+    plan = Plan.from_dict(manifest["plan"])
+    _check_split_matches(plan, kwargs)  # the arguments the run was built with are fine
+    index = manifest.get("epoch_batches", 0)
+    if manifest.get("seed") is not None:  # it draws the order of the epoch in progress
+        seed = kwargs.setdefault("seed", manifest["seed"])
+        if seed != manifest["seed"] and index:
+            raise ValueError(f"seed={seed!r} disagrees with the checkpoint's "
+                             f"({manifest['seed']}), saved after {index} batches of epoch "
+                             f"{manifest['epoch']}, whose order that seed drew; leave seed "
+                             f"out to continue the run")
+    return folder, manifest, notes, plan
+
+
 def _join_microbatches(*parts: Any) -> Any:
     """One output leaf of a whole minibatch from its microbatches' (equal-sized) parts: a
     batch-major tensor concatenated, a 0-d tensor (a microbatch's mean loss) averaged."""
@@ -195,6 +215,18 @@ class Pipeline:
             values = {**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)},
                       **values}
         opts = PipelineOptions.of(**values)
+        if opts.resume and _world is None:  # rank threads are resumed by their driver
+            assert opts.checkpoint_dir is not None
+            if ckpt.holds_checkpoint(Path(opts.checkpoint_dir)):  # a restarted job
+                values.pop("resume")
+                folder, manifest, notes, saved_plan = _continuing(opts.checkpoint_dir, values)
+                with ckpt.resuming(manifest):
+                    self.__init__(model, loss_fn, optimizer, plan=saved_plan,  # type: ignore[misc]
+                                  scheduler=scheduler, example_inputs=example_inputs,
+                                  leaf_modules=leaf_modules, tuning=tuning, profile=profile,
+                                  **values)
+                self._announce_resume(folder, manifest, notes)
+                return
         self._options = opts
         self._threads: RankThreads | None = None
         self._run_id = ckpt.claim_run(opts.checkpoint_dir)  # refuses another run's folder
@@ -351,6 +383,12 @@ class Pipeline:
     @property
     def seed(self) -> int:
         return self._first()._ctx.seed
+
+    @property
+    def steps_done(self) -> int:
+        """Steps trained in this run, those of the checkpoint it continues included: a
+        restarted job (`resume=True`) trains `total - steps_done` more."""
+        return self._first()._progress.step
 
     @property
     def plan(self) -> Plan | None:
@@ -621,25 +659,23 @@ class Pipeline:
         manifest and read without running code. The next `train(loader)`, given the run's
         loader, reads on from the next batch of that epoch, so a synchronous schedule
         continues exactly as an uninterrupted run."""
-        folder, notes = ckpt.resolve(Path(path))
-        manifest = ckpt.read_manifest(folder)
-        plan = Plan.from_dict(manifest["plan"])
-        _check_split_matches(plan, kwargs)  # the arguments the run was built with are fine
-        index = manifest.get("epoch_batches", 0)
-        if manifest.get("seed") is not None:  # it draws the order of the epoch in progress
-            seed = kwargs.setdefault("seed", manifest["seed"])
-            if seed != manifest["seed"] and index:
-                raise ValueError(f"seed={seed!r} disagrees with the checkpoint's "
-                                 f"({manifest['seed']}), saved after {index} batches of epoch "
-                                 f"{manifest['epoch']}, whose order that seed drew; leave seed "
-                                 f"out to continue the run")
+        folder, manifest, notes, plan = _continuing(path, kwargs)
         with ckpt.resuming(manifest):  # the run goes on under its id, in its checkpoint_dir
             pipe = cls(model, loss_fn, optimizer, plan=plan, **kwargs)
-        if pipe.rank == 0:
+        pipe._announce_resume(folder, manifest, notes, quiet=True)
+        return pipe
+
+    def _announce_resume(self, folder: Path, manifest: dict[str, Any], notes: list[str],
+                         quiet: bool = False) -> None:
+        """Restores every rank from the checkpoint `folder` and says so on rank 0 (the
+        notes on what was skipped; with `resume=True` also where the run goes on)."""
+        self._each_rank(lambda p: p._checkpoints.resume(folder, manifest))
+        if self.rank == 0:
             for note in notes:
                 print(f"pipedream_fast: {note}", flush=True)
-        pipe._each_rank(lambda p: p._checkpoints.resume(folder, manifest))
-        return pipe
+            if not quiet:
+                print(f"pipedream_fast: resume: continuing the run from {folder} (after step "
+                      f"{self.steps_done})", flush=True)
 
 
     def close(self) -> None:

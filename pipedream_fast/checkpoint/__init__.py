@@ -23,15 +23,15 @@ from pipedream_fast.checkpoint.files import (FORMAT, LEGACY, MANIFEST, Checkpoin
                                              load_stage, manifest_for, read_manifest, sha256,
                                              stage_file, write_manifest, write_stage)
 from pipedream_fast.checkpoint.files import _commit as _commit
-from pipedream_fast.checkpoint.folders import (claim_run, prepare_save, prune, resolve,
-                                               resuming, staging, step_dirs, swap_in)
+from pipedream_fast.checkpoint.folders import (claim_run, holds_checkpoint, prepare_save, prune,
+                                               resolve, resuming, staging, step_dirs, swap_in)
 from pipedream_fast.checkpoint.folders import _RESUMING as _RESUMING
 from pipedream_fast.checkpoint.restoring import restore, share_aliases
 
 __all__ = [
     "exporting", "files", "folders", "restoring",
     "EXPORT_FORMATS", "FORMAT", "LEGACY", "MANIFEST", "CheckpointError", "check_export_target",
-    "claim_run", "export", "export_format", "load_stage", "manifest_for", "prepare_save",
+    "claim_run", "export", "export_format", "holds_checkpoint", "load_stage", "manifest_for", "prepare_save",
     "prune", "read_manifest", "resolve", "restore", "resuming", "safetensors_state", "sha256",
     "share_aliases", "stage_file", "staging", "step_dirs", "swap_in", "write_export",
     "write_manifest", "write_stage",

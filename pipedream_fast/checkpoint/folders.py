@@ -123,6 +123,12 @@ def _describe(runs: Mapping[str | None, list[Path]]) -> str:
                      for run, steps in runs.items())
 
 
+def holds_checkpoint(path: Path) -> bool:
+    """Whether `path` is, or holds, a complete checkpoint that `resolve` would load."""
+    return ((path / MANIFEST).exists() or (_old(path) / MANIFEST).exists()
+            or (path.is_dir() and bool(_runs(path))))
+
+
 def resolve(path: Path) -> tuple[Path, list[str]]:
     """The checkpoint to load from `path` and notes on what was skipped: `path` itself, its
     `.old` copy if a swap was cut short, or the newest complete `step-N` below it (of its

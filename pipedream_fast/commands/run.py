@@ -5,7 +5,9 @@ RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set, so `pipedream_fas
 joins the job by itself. When a rank fails, the others are stopped and its exit code returned
 (128 + the signal number for a rank killed by a signal, as shells report it). SIGINT, SIGTERM
 and SIGHUP are forwarded to every rank; a rank still running --grace seconds later is killed
-(SIGKILL), and the command exits with 128 + the signal's number (130, 143, 129). Each rank runs
+(SIGKILL), and the command exits with 128 + the signal's number (130, 143, 129).
+--max-restarts N starts a failed job again, up to N times, as torchrun does; a script built
+with Pipeline(checkpoint_dir=..., resume=True) then continues from its last checkpoint. Each rank runs
 in a session of its own, so a signal to this command's process group (kill -- -PGID, timeout)
 reaches it once; a repeat of SIGTERM or SIGHUP within 5 s is the same request, SIGINT cuts the
 grace period short.
@@ -27,6 +29,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--grace", type=float, default=None, metavar="SECONDS",
                         help="after SIGINT/SIGTERM/SIGHUP or a failed rank, how long the ranks "
                              "have to stop before SIGKILL (default 5)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="start the job again when it fails, up to N times (a job stopped "
+                             "by a signal is not restarted); a script with "
+                             "Pipeline(resume=True) goes on from its last checkpoint "
+                             "(default 0)")
     parser.add_argument("script", help="the Python script every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
     parser.set_defaults(func=run)
@@ -42,4 +49,7 @@ def run(args: argparse.Namespace) -> int:
     grace = GRACE_S if args.grace is None else args.grace
     if not 0 <= grace < float("inf"):
         raise UsageError(f"--grace must be a number of seconds >= 0, got {args.grace}")
-    return run_script(args.script, args.script_args, args.nproc, grace=grace)
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be an integer >= 0, got {args.max_restarts}")
+    return run_script(args.script, args.script_args, args.nproc, grace=grace,
+                      max_restarts=args.max_restarts)

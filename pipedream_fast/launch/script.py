@@ -179,8 +179,30 @@ stopped rank exits at once (`rank_ended`), a user's error is one line (`rank_fai
 
 
 def run_script(script: str, script_args: Sequence[str], nprocs: int,
-               grace: float = GRACE_S) -> int:
-    """`pipedream-fast run`: starts `nprocs` copies of a script with torchrun's environment.
+               grace: float = GRACE_S, max_restarts: int = 0) -> int:
+    """`pipedream-fast run`: starts `nprocs` copies of a script with torchrun's environment,
+    and, when the job fails, starts it again up to `max_restarts` times (as torchrun's
+    --max-restarts; a job stopped by a signal is not restarted). Each attempt meets on a new
+    port, so a restart never finds the last attempt's store. A script that continues its run
+    (`Pipeline(..., checkpoint_dir=..., resume=True)`) then goes on from its last checkpoint.
+    Returns the last attempt's status (see `_attempt`)."""
+    def say(text: str) -> None:
+        print(f"pipedream-fast run: {text}", file=sys.stderr, flush=True)
+
+    for attempt in range(max_restarts + 1):
+        code, stopped = _attempt(script, script_args, nprocs, grace)
+        if code == 0 or stopped or attempt == max_restarts:
+            if code and not stopped and max_restarts:
+                say(f"the job failed {attempt + 1} times; no restart left (--max-restarts "
+                    f"{max_restarts})")
+            return code
+        say(f"restarting the job (restart {attempt + 1} of {max_restarts})")
+    raise AssertionError("not reached")
+
+
+def _attempt(script: str, script_args: Sequence[str], nprocs: int,
+             grace: float) -> tuple[int, bool]:
+    """One attempt of `run_script`: its status, and whether a signal stopped it.
 
     Returns 0 when every rank exits with 0. When one fails, the others get SIGTERM (SIGKILL
     after `grace` seconds) and its status is returned, 128 + the signal number for a rank
@@ -219,7 +241,7 @@ def run_script(script: str, script_args: Sequence[str], nprocs: int,
                 if failures and now - min(failures.values()) >= SETTLE_S:
                     break
                 if not failures and all(p.returncode is not None for p in procs.values()):
-                    return 0
+                    return 0, False
                 time.sleep(0.05)
             signum = requests.signum
             by_signal = bool(requests.received)  # else a failed rank started this stop
@@ -255,10 +277,10 @@ def run_script(script: str, script_args: Sequence[str], nprocs: int,
             if signum is None:
                 if killed.ranks:
                     say(str(killed))
-                return code
+                return code, False
             say(f"stopped by {signal_name(signum)}: sent it to the {len(procs)} ranks"
                 + requests.repeats() + (f"; {killed}" if killed.ranks else ""))
-            return 128 + signum
+            return 128 + signum, True
         finally:
             for proc in procs.values():
                 if proc.poll() is None:
