@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipedream_fast.launch.ranks import (SETTLE_S, _die_with_parent, _is_peer_symptom,
-                                         _last_line, _own_session, flush_std_streams, free_port,
-                                         rank_environment)
+                                         _last_line, _own_session, flush_std_streams,
+                                         loopback_store, rank_environment)
 from pipedream_fast.launch.signals import (GRACE_S, STOP_SIGNALS, Stopped, _catch_stop_signals,
                                            _catchable, _ignore_stop_signals, _Killed,
                                            _stop_processes, _StopRequests, describe_exit,
@@ -252,9 +252,8 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     ctx = mp.get_context("spawn")
-    port = free_port()
     ranks: dict[int, _Rank] = {}
-    with _catch_stop_signals(stop) as requests:
+    with _catch_stop_signals(stop) as requests, loopback_store(nprocs, timeout) as port:
         try:
             for rank in range(nprocs):
                 reader, writer = ctx.Pipe(duplex=False)

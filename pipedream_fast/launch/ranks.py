@@ -1,6 +1,7 @@
-"""What both launchers share about a rank process: its torchrun environment and port, its
-ties to the launcher (a session of its own, death with the launcher), and the reading of its
-failure (a peer's symptom or its own; `SETTLE_S`, the window before blame)."""
+"""What both launchers share about a rank process: its torchrun environment and the job's
+rendezvous store (`loopback_store`), its ties to the launcher (a session of its own, death
+with the launcher), and the reading of its failure (a peer's symptom or its own; `SETTLE_S`,
+the window before blame)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import re
 import signal
 import socket
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 
 SETTLE_S = 0.5
 """After the first failure, how long the launcher keeps collecting others before it decides
@@ -29,10 +33,42 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@contextmanager
+def loopback_store(world_size: int, timeout_s: float = 300.0) -> Iterator[int]:
+    """The job's rendezvous store, served by the launcher on 127.0.0.1 only; yields its port.
+
+    A rank 0 that starts the store itself (torch's env:// rendezvous) listens on every
+    interface, and the store is unauthenticated while every rank trusts it. Here the launcher
+    binds the socket to loopback and hands it to the store (`master_listen_fd`), and every
+    rank joins as a client, as under torchrun's agent (`rank_environment`). Binding here also
+    closes the race of picking a free port and binding it later."""
+    import torch.distributed as dist  # only launchers need it; the rank boot stays light
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(max(128, 2 * world_size))
+        port = int(listener.getsockname()[1])
+        store = dist.TCPStore("127.0.0.1", port, world_size, True,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the socket now, and closes it when it goes
+    try:
+        yield port
+    finally:
+        del store
+
+
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """torchrun's variables, with the store served by the launcher (`loopback_store`):
+    torch's env:// rendezvous then joins it as a client on every rank, rank 0 included."""
     return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port)}
+            "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": "0"}
 
 
 def _die_with_parent() -> None:

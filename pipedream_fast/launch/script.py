@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from pipedream_fast.launch.ranks import (SETTLE_S, _die_with_parent, _is_peer_symptom,
-                                         _last_line, flush_std_streams, free_port,
+                                         _last_line, flush_std_streams, loopback_store,
                                          rank_environment)
 from pipedream_fast.launch.signals import (GRACE_S, _catch_stop_signals, _Killed,
                                            _stop_processes, describe_exit, shell_status,
@@ -218,11 +218,10 @@ def _attempt(script: str, script_args: Sequence[str], nprocs: int,
     def say(text: str) -> None:
         print(f"pipedream-fast run: {text}", file=sys.stderr, flush=True)
 
-    port = free_port()
     procs: dict[int, subprocess.Popen[bytes]] = {}
-    # Made by the first rank that fails, for the traceback its one line points to.
-    logs = os.path.join(tempfile.gettempdir(), f"pipedream-fast-run-{os.getpid()}-{port}")
-    with _catch_stop_signals(None) as requests:
+    with _catch_stop_signals(None) as requests, loopback_store(nprocs) as port:
+        # Made by the first rank that fails, for the traceback its one line points to.
+        logs = os.path.join(tempfile.gettempdir(), f"pipedream-fast-run-{os.getpid()}-{port}")
         try:
             for rank in range(nprocs):
                 procs[rank] = subprocess.Popen(
