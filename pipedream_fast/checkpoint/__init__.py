@@ -19,7 +19,7 @@ from pipedream_fast.checkpoint import exporting, files, folders, restoring
 from pipedream_fast.checkpoint.exporting import (EXPORT_FORMATS, check_export_target, export,
                                                  export_format, safetensors_state,
                                                  write_export)
-from pipedream_fast.checkpoint.files import (FORMAT, LEGACY, MANIFEST, CheckpointError,
+from pipedream_fast.checkpoint.files import (FORMAT, LEGACY, MANIFEST, CheckpointError, DiskFull,
                                              load_stage, manifest_for, read_manifest, sha256,
                                              stage_file, write_manifest, write_stage)
 from pipedream_fast.checkpoint.files import _commit as _commit
@@ -30,7 +30,7 @@ from pipedream_fast.checkpoint.restoring import restore, share_aliases
 
 __all__ = [
     "exporting", "files", "folders", "restoring",
-    "EXPORT_FORMATS", "FORMAT", "LEGACY", "MANIFEST", "CheckpointError", "check_export_target",
+    "EXPORT_FORMATS", "FORMAT", "LEGACY", "MANIFEST", "CheckpointError", "DiskFull", "check_export_target",
     "claim_run", "export", "export_format", "holds_checkpoint", "load_stage", "manifest_for", "prepare_save",
     "prune", "read_manifest", "resolve", "restore", "resuming", "safetensors_state", "sha256",
     "share_aliases", "stage_file", "staging", "step_dirs", "swap_in", "write_export",

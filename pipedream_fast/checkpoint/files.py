@@ -27,15 +27,18 @@ which builds tensors and plain containers only: a file cannot run code.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 FORMAT = "pipedream_fast.checkpoint/4"  # /4: run id, tied keys, stage-tagged files
 LEGACY = "pipedream_fast.checkpoint/3"  # still read: no run id, a tied weight under one key
@@ -48,6 +51,36 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt or not a checkpoint; names file and fault."""
+
+
+class DiskFull(CheckpointError):
+    """A checkpoint file did not fit on its disk; the message says where and by how much."""
+
+    def __init__(self, path: Path, needed: int, free: int) -> None:
+        super().__init__(f"no space left for {path}: it needs about {_mib(needed)}, and "
+                         f"{_mib(free)} were free on that disk when it began (other ranks "
+                         f"writing their parts at the same time count too); free some space "
+                         f"or give a checkpoint folder on a larger disk (nothing of this "
+                         f"checkpoint is kept; the checkpoints saved before are intact)")
+        self.path, self.needed, self.free = path, needed, free
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses processes in a rank's report
+        return DiskFull, (self.path, self.needed, self.free)
+
+
+_NEARLY_FULL = 1 << 20  # bytes: a write that failed with less than this free failed for room
+
+
+def _mib(count: int) -> str:
+    return f"{count / 2 ** 20:.1f} MiB"
+
+
+def _is_enospc(err: BaseException) -> bool:
+    while err is not None:
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    return False
 
 
 def stage_file(stage: int) -> str:
@@ -77,13 +110,36 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def payload_bytes(payload: Any) -> int:
+    """The bytes of the tensors in `payload` (a stage file is about this large)."""
+    return sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(payload)
+               if isinstance(t, torch.Tensor))
+
+
 def write_stage(folder: Path, stage: int, payload: dict[str, Any]) -> dict[str, Any]:
-    """Writes one stage's file durably, tagged with its stage; returns its manifest entry."""
+    """Writes one stage's file durably, tagged with its stage; returns its manifest entry.
+    A file that does not fit the disk is refused before it is written, or, if the disk fills
+    while it is, removed: `DiskFull` says how much it needs and how much is free."""
     final = folder / stage_file(stage)
     tmp = final.with_name(final.name + ".tmp")
-    torch.save({**payload, "stage": stage}, tmp)
-    _commit(tmp, final)
+    needed = payload_bytes(payload)
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise DiskFull(final, needed, free)
+    try:
+        torch.save({**payload, "stage": stage}, tmp)
+        _commit(tmp, final)
+    except BaseException as err:
+        # torch.save reports a full disk as a stream error, without errno: what is free at
+        # the failure (before the partial file goes) tells it apart
+        left = shutil.disk_usage(folder).free
+        tmp.unlink(missing_ok=True)  # a partial file would keep the disk full
+        if isinstance(err, Exception) and (_is_enospc(err) or left < _NEARLY_FULL
+                                           or needed > shutil.disk_usage(folder).free):
+            raise DiskFull(final, needed, free) from err
+        raise
     return {"file": final.name, "bytes": final.stat().st_size, "sha256": sha256(final)}
+
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:

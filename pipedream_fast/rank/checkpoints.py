@@ -6,6 +6,7 @@ restored into its stages (`load`). The files themselves are `pipedream_fast.chec
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +76,49 @@ class Checkpoints:
         if isinstance(decided[0], str):
             raise ckpt.CheckpointError(decided[0])
         folder: Path = decided[0]
-        folder.mkdir(parents=True, exist_ok=True)
-        entries = []
+        entries: list[Any] = []
+        failed: BaseException | None = None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self._write_stages(folder, entries)
+        except Exception as err:  # every rank must hear of it (a full disk), not wait
+            failed = err
+        # Where the loader stands, known to the first stage's ranks: during train() (a
+        # periodic save, a stop) after the steps trained so far, whatever was read ahead.
+        position = None
+        if 0 in self.stages.stage_indices:
+            position = self.progress.position()
+        gathered: list[Any] = []
+        self.ctx.agree(lambda: gathered.extend(self.ctx.control.all_gather_object(
+            (entries, position, None if failed is None else str(failed)))),
+            "saving a checkpoint")
+        problem = next(((r, text) for r, (_, _, text) in enumerate(gathered) if text), None)
+        if problem is None and self.ctx.rank == 0:
+            try:
+                epoch, index = next(p for _, p, _ in gathered if p is not None)
+                ckpt.write_manifest(folder, ckpt.manifest_for(
+                    self.progress.step, epoch, self.ctx.schedule_name,
+                    self.stages.plan.to_dict(), [e for part, _, _ in gathered for e in part],
+                    self.ctx.run_id, self.stages.aliases(), epoch_batches=index,
+                    seed=self.ctx.seed))
+                if folder != final:
+                    ckpt.swap_in(final)
+            except Exception as err:
+                failed, problem = err, (0, str(err))
+        outcome: list[Any] = [problem]
+        self.ctx.agree(lambda: outcome.__setitem__(0, self.ctx.control.broadcast_object(
+            outcome[0], src=0)), "saving a checkpoint")
+        if outcome[0] is not None:
+            rank, text = outcome[0]
+            if self.ctx.rank == 0:  # a set without its manifest is no checkpoint: drop it
+                shutil.rmtree(folder, ignore_errors=True)
+            message = (text if rank == self.ctx.rank else
+                       f"rank {rank} could not save its part of {final}: {text}")
+            raise ckpt.CheckpointError(message) from failed
+
+    def _write_stages(self, folder: Path, entries: list[Any]) -> None:
+        """Writes the stage files this rank owns into `folder`, their entries into `entries`."""
+        assert self.stages.plan is not None
         for index, module in self.stages.modules.items():
             if self.stages.plan.stages[index].ranks[0] != self.ctx.rank:
                 continue  # replicas hold the same weights: the first one writes them
@@ -91,23 +133,6 @@ class Checkpoints:
             if correction is not None:
                 payload["staleness"] = correction
             entries.append((index, ckpt.write_stage(folder, index, payload)))
-        # Where the loader stands, known to the first stage's ranks: during train() (a
-        # periodic save, a stop) after the steps trained so far, whatever was read ahead.
-        position = None
-        if 0 in self.stages.stage_indices:
-            position = self.progress.position()
-        gathered: list[Any] = []
-        self.ctx.agree(lambda: gathered.extend(
-            self.ctx.control.all_gather_object((entries, position))), "saving a checkpoint")
-        if self.ctx.rank == 0:
-            epoch, index = next(p for _, p in gathered if p is not None)
-            ckpt.write_manifest(folder, ckpt.manifest_for(
-                self.progress.step, epoch, self.ctx.schedule_name, self.stages.plan.to_dict(),
-                [e for part, _ in gathered for e in part], self.ctx.run_id, self.stages.aliases(),
-                epoch_batches=index, seed=self.ctx.seed))
-            if folder != final:
-                ckpt.swap_in(final)
-        self.ctx.agree(self.ctx.control.barrier, "saving a checkpoint")
 
     def copies_state(self, index: int) -> list[dict[str, Any]] | None:
         """localsgd: the weight copies of stage `index` beyond the module's own (copy 0), by
