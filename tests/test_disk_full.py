@@ -111,3 +111,36 @@ def test_a_real_full_disk_is_named_and_nothing_of_the_failed_save_stays(small_di
     assert sorted(p.name for p in folder.iterdir()) == ["step-2"]
     assert not list(folder.rglob("*.tmp"))
     assert launch(loads, 2, str(folder), timeout=120) == [2, 2]
+
+
+def test_train_keeps_its_metrics_and_summary_when_the_final_save_fails(tmp_path, capsys,
+                                                                       monkeypatch):
+    from pipedream_fast.cli import main
+
+    def full(self: Pipeline, path: Any) -> None:
+        raise ckpt.DiskFull(Path(path) / "stage0.pt", 3 << 20, 1 << 20)
+    monkeypatch.setattr(Pipeline, "save", full)
+    out = tmp_path / "run"
+    assert main(["train", "--threads", "2", "--steps", "4", "--batch-size", "16",
+                 "--trace-steps", "0", "--out", str(out)]) == 1
+    said = capsys.readouterr()
+    assert "the run's checkpoint was not saved (no space left for" in said.out + said.err
+    assert (out / "summary.json").exists() and (out / "metrics.csv").exists()
+    assert not (out / "checkpoint").exists()
+
+
+def test_train_refuses_an_out_folder_without_room_before_training(tmp_path, capsys,
+                                                                  monkeypatch):
+    import re
+
+    from pipedream_fast.cli import main
+    from pipedream_fast.commands import train
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(train.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 16))
+    out = tmp_path / "run"
+    assert main(["train", "--threads", "2", "--steps", "4", "--batch-size", "16", "--out",
+                 str(out)]) == 2
+    assert re.search(r"error: --out .*run: the run's checkpoint needs about [0-9.]+ MiB .* "
+                     r"and 0.1 MiB are free on that disk", capsys.readouterr().err)
+    assert not out.exists()  # nothing made for a run that did not start

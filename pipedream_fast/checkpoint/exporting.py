@@ -10,12 +10,14 @@ from pathlib import Path
 
 import torch
 
-from pipedream_fast.checkpoint.files import (MANIFEST, CheckpointError, _commit, load_stage,
-                                             read_manifest)
+from pipedream_fast.checkpoint.files import (MANIFEST, CheckpointError, DiskFull, _commit,
+                                             check_room, load_stage, payload_bytes,
+                                             ran_out_of_room, read_manifest)
 from pipedream_fast.checkpoint.folders import resolve
 from pipedream_fast.checkpoint.restoring import share_aliases
 
 EXPORT_FORMATS = ("torch", "safetensors")
+EXPORT_REMEDY = "free some space or export to a larger disk (nothing was written)"
 
 
 def _check_aliases_held(state: dict[str, torch.Tensor], groups: list[list[str]],
@@ -101,6 +103,8 @@ def write_export(state: Mapping[str, torch.Tensor], out: Path, fmt: str) -> None
     """Writes `state` to `out` (`torch.save` or safetensors) through a temporary file beside
     it, removed on any failure: `out` is then the old file or the whole new one."""
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
+    needed = payload_bytes(state)
+    free = check_room(out, needed, EXPORT_REMEDY)
     try:
         if fmt == "safetensors":
             from safetensors.torch import save_file
@@ -113,7 +117,11 @@ def write_export(state: Mapping[str, torch.Tensor], out: Path, fmt: str) -> None
         else:
             torch.save(dict(state), tmp)
         _commit(tmp, out)
-    except OSError as err:
-        raise CheckpointError(f"cannot write {out}: {err.strerror or err}") from err
+    except Exception as err:
+        if ran_out_of_room(err, out.parent, needed):
+            raise DiskFull(out, needed, free, EXPORT_REMEDY) from err
+        if isinstance(err, OSError):
+            raise CheckpointError(f"cannot write {out}: {err.strerror or err}") from err
+        raise
     finally:
         tmp.unlink(missing_ok=True)

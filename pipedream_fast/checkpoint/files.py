@@ -53,19 +53,37 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt or not a checkpoint; names file and fault."""
 
 
+STAGE_REMEDY = ("other ranks writing their parts at the same time count too; free some space or "
+                "give a checkpoint folder on a larger disk (nothing of this checkpoint is kept; "
+                "the checkpoints saved before are intact)")
+
+
 class DiskFull(CheckpointError):
     """A checkpoint file did not fit on its disk; the message says where and by how much."""
 
-    def __init__(self, path: Path, needed: int, free: int) -> None:
+    def __init__(self, path: Path, needed: int, free: int, remedy: str = STAGE_REMEDY) -> None:
         super().__init__(f"no space left for {path}: it needs about {_mib(needed)}, and "
-                         f"{_mib(free)} were free on that disk when it began (other ranks "
-                         f"writing their parts at the same time count too); free some space "
-                         f"or give a checkpoint folder on a larger disk (nothing of this "
-                         f"checkpoint is kept; the checkpoints saved before are intact)")
-        self.path, self.needed, self.free = path, needed, free
+                         f"{_mib(free)} were free on that disk when it began; {remedy}")
+        self.path, self.needed, self.free, self.remedy = path, needed, free, remedy
 
     def __reduce__(self) -> tuple[Any, ...]:  # crosses processes in a rank's report
-        return DiskFull, (self.path, self.needed, self.free)
+        return DiskFull, (self.path, self.needed, self.free, self.remedy)
+
+
+def check_room(path: Path, needed: int, remedy: str = STAGE_REMEDY) -> int:
+    """The free bytes of `path`'s disk; `DiskFull` if `needed` bytes do not fit there."""
+    free = shutil.disk_usage(path.parent).free
+    if needed > free:
+        raise DiskFull(path, needed, free, remedy)
+    return free
+
+
+def ran_out_of_room(err: BaseException, folder: Path, needed: int) -> bool:
+    """Whether a write into `folder` of `needed` bytes failed with `err` for lack of room.
+    torch.save reports a full disk as a stream error without errno: call it before the
+    partial file is removed, while the disk is still (nearly) full."""
+    return (_is_enospc(err) or shutil.disk_usage(folder).free < _NEARLY_FULL
+            or needed > shutil.disk_usage(folder).free)
 
 
 _NEARLY_FULL = 1 << 20  # bytes: a write that failed with less than this free failed for room
@@ -123,19 +141,14 @@ def write_stage(folder: Path, stage: int, payload: dict[str, Any]) -> dict[str, 
     final = folder / stage_file(stage)
     tmp = final.with_name(final.name + ".tmp")
     needed = payload_bytes(payload)
-    free = shutil.disk_usage(folder).free
-    if needed > free:
-        raise DiskFull(final, needed, free)
+    free = check_room(final, needed)
     try:
         torch.save({**payload, "stage": stage}, tmp)
         _commit(tmp, final)
     except BaseException as err:
-        # torch.save reports a full disk as a stream error, without errno: what is free at
-        # the failure (before the partial file goes) tells it apart
-        left = shutil.disk_usage(folder).free
+        full = isinstance(err, Exception) and ran_out_of_room(err, folder, needed)
         tmp.unlink(missing_ok=True)  # a partial file would keep the disk full
-        if isinstance(err, Exception) and (_is_enospc(err) or left < _NEARLY_FULL
-                                           or needed > shutil.disk_usage(folder).free):
+        if full:
             raise DiskFull(final, needed, free) from err
         raise
     return {"file": final.name, "bytes": final.stat().st_size, "sha256": sha256(final)}

@@ -22,9 +22,11 @@ that reaches it (the exit code is 1 if it is never reached).
 from __future__ import annotations
 
 import argparse
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -297,6 +299,11 @@ def run(args: argparse.Namespace) -> int:
     run_dir = rr.make_run_dir(args.out)
     if args.out is None:
         created.insert(0, run_dir.absolute())
+    try:
+        _check_room(run_dir, setups[0])
+    except UsageError:
+        rr.remove_untrained_run_dir(run_dir, created)
+        raise
 
     # train
     where = f"{s.workers} {'threads' if s.threads else 'processes'}"
@@ -347,10 +354,32 @@ def run(args: argparse.Namespace) -> int:
     rr.write_json(run_dir / "summary.json",
                   _summary_json(s, setups, histories, outcomes, time.perf_counter() - wall,
                                 run_dir, files + ["summary.txt", "summary.json"]))
+    lost = next((r["checkpoint_error"] for results in outcomes for r in results
+                 if r.get("checkpoint_error")), None)
+    if lost is not None:
+        say(f"the run's checkpoint was not saved ({lost}); the metrics and the summary are in "
+            f"{run_dir}")
+        return 1
     if s.target is not None and not reached[0]:
         say(f"target accuracy {100 * s.target:.1f}% not reached")
         return 1
     return 0
+
+
+def _check_room(run_dir: Path, setup: RunSetup) -> None:
+    """Refuses, before training, a run directory on a disk without room for the run's
+    checkpoint (the weights and optimizer state the profile measured, with a margin for the
+    traces and plots), rather than losing it after training."""
+    if setup.profile is None:
+        return
+    blocks = setup.profile.blocks
+    needed = int(1.1 * sum(b.parameter_bytes + b.optimizer_state_bytes for b in blocks)) + 2 ** 20
+    free = shutil.disk_usage(run_dir).free
+    if needed > free:
+        raise UsageError(f"--out {run_dir}: the run's checkpoint needs about "
+                         f"{needed / 2 ** 20:.1f} MiB (weights and optimizer state, with the "
+                         f"run's files) and {free / 2 ** 20:.1f} MiB are free on that disk; "
+                         f"free some space or give --out on a larger disk")
 
 
 def _base_config(s: Settings, args: argparse.Namespace) -> dict[str, Any]:

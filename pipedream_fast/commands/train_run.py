@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from pipedream_fast.fit import fit
+from pipedream_fast import checkpoint as ckpt
 from pipedream_fast.formats import Plan, Profile
 from pipedream_fast.models import accuracy, build_model, loss_fn
 from pipedream_fast.tuning import Tuning
@@ -175,10 +176,23 @@ def _rank_job(rank: int, world: int, config: dict[str, Any], queue: Any) -> dict
             emit({"event": "note", "text": f"the run's checkpoint (step {stopped.step}) "
                                            f"saved to {config['checkpoint']}"})
         raise
-    if config["checkpoint"]:
-        pipe.save(config["checkpoint"])
+    outcome["checkpoint_error"] = _final_save(pipe, config, emit)
     pipe.close()
     return {"rank": rank, **outcome, "stats": pipe.last_stats}
+
+
+def _final_save(pipe: Any, config: dict[str, Any], emit: Callable[[dict[str, Any]], None]
+                ) -> str | None:
+    """Saves the run's checkpoint; a save that fails (a full disk) loses the checkpoint, not
+    the run: its error is returned, and the metrics and summary are still written."""
+    if not config["checkpoint"]:
+        return None
+    try:
+        pipe.save(config["checkpoint"])
+    except ckpt.CheckpointError as err:
+        emit({"event": "note", "text": f"the run's checkpoint was not saved: {err}"})
+        return str(err)
+    return None
 
 
 def train_processes(config: dict[str, Any], workers: int,
@@ -273,7 +287,6 @@ def train_threads(config: dict[str, Any], handle: Callable[[dict[str, Any]], Non
         print(f"pipedream-fast train: {stopped}" + (f"; {saved}" if saved else ""),
               file=sys.stderr, flush=True)
         raise SystemExit(128 + stopped.signum) from None
-    if config["checkpoint"]:
-        pipe.save(config["checkpoint"])
+    outcome["checkpoint_error"] = _final_save(pipe, config, handle)
     pipe.close()
     return [{"rank": 0, **outcome, "stats": pipe.last_stats}]
