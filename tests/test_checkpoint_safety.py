@@ -372,3 +372,18 @@ def test_a_folder_of_two_runs_is_not_guessed_at(done, tmp_path):
         ckpt.export(runs)
     assert "0" * 32 in str(caught.value) and run_of(runs / "step-6") in str(caught.value)
     assert ckpt.export(other)  # one checkpoint, named: fine
+
+
+def test_a_complete_checkpoint_never_swapped_in_is_noted(tmp_path):
+    """Rank 0 killed between writing the staged save's manifest and the swap: `ck.partial`
+    is complete and newer than `ck`; loading `ck` says so (issue 35, item 8)."""
+    named = tmp_path / "ck"
+    named.mkdir()
+    (named / ckpt.MANIFEST).write_text("{}")
+    partial = ckpt.staging(named)
+    shutil.copytree(named, partial)
+    folder, notes = ckpt.resolve(named)
+    assert folder == named
+    assert notes == [f"{partial} holds a newer complete checkpoint that was never swapped in "
+                     f"(the save was cut just before); loading {named}, the one named: pass "
+                     f"{partial} to load the newer one"]

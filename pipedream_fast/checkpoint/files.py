@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from pipedream_fast.checkpoint.progress import announce, touch
+
 FORMAT = "pipedream_fast.checkpoint/4"  # /4: run id, tied keys, stage-tagged files
 LEGACY = "pipedream_fast.checkpoint/3"  # still read: no run id, a tied weight under one key
 MANIFEST = "manifest.json"
@@ -143,8 +145,10 @@ def write_stage(folder: Path, stage: int, payload: dict[str, Any]) -> dict[str, 
     needed = payload_bytes(payload)
     free = check_room(final, needed)
     try:
-        torch.save({**payload, "stage": stage}, tmp)
-        _commit(tmp, final)
+        with announce(tmp, needed):  # a stop's grace waits while this grows
+            torch.save({**payload, "stage": stage}, tmp)
+            touch()  # written; the fsync next shows no growth
+            _commit(tmp, final)
     except BaseException as err:
         full = isinstance(err, Exception) and ran_out_of_room(err, folder, needed)
         tmp.unlink(missing_ok=True)  # a partial file would keep the disk full

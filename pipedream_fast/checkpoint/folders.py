@@ -135,6 +135,10 @@ def resolve(path: Path) -> tuple[Path, list[str]]:
     only run: a folder of several runs is refused)."""
     notes: list[str] = []
     if (path / MANIFEST).exists():
+        if (staging(path) / MANIFEST).exists():  # cut between the new manifest and the swap
+            notes.append(f"{staging(path)} holds a newer complete checkpoint that was never "
+                         f"swapped in (the save was cut just before); loading {path}, the one "
+                         f"named: pass {staging(path)} to load the newer one")
         return path, notes
     old = _old(path)
     if (old / MANIFEST).exists():

@@ -8,6 +8,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -20,9 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipedream_fast.checkpoint.progress import SaveWatch
 from pipedream_fast.launch.ranks import (SETTLE_S, _die_with_parent, _is_peer_symptom,
                                          _last_line, _own_session, flush_std_streams,
-                                         loopback_store, rank_environment)
+                                         kill_leftovers, loopback_store, rank_environment)
 from pipedream_fast.launch.signals import (GRACE_S, STOP_SIGNALS, Stopped, _catch_stop_signals,
                                            _catchable, _ignore_stop_signals, _Killed,
                                            _stop_processes, _StopRequests, describe_exit,
@@ -73,12 +75,13 @@ class LaunchError(RuntimeError):
 
 
 def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int,
-               args: Sequence[Any], timeout_s: float, report: Any, threads: int | None) -> None:
+               args: Sequence[Any], timeout_s: float, report: Any, threads: int | None,
+               env: dict[str, str]) -> None:
     _own_session()
     _die_with_parent()
     for number in filter(_catchable, STOP_SIGNALS):
         signal.signal(number, on_stop_signal)
-    os.environ.update(rank_environment(rank, world_size, port))
+    os.environ.update({**rank_environment(rank, world_size, port), **env})
     if threads:
         torch.set_num_threads(threads)
     code = 0
@@ -158,6 +161,8 @@ class _Rank:
                 self.report = item
         if self.exited_at is None and self.returncode is not None:
             self.exited_at = now
+            if self.process.pid is not None:
+                kill_leftovers(self.process.pid)  # its DataLoader workers hold its sockets
         if self.failed_at is None and (self.failing or self.died_silently(now)):
             self.failed_at = self.exited_at if self.report is None else now
 
@@ -253,13 +258,14 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     ctx = mp.get_context("spawn")
     ranks: dict[int, _Rank] = {}
+    saves = SaveWatch()  # a stop waits for a checkpoint save that progresses
     with _catch_stop_signals(stop) as requests, loopback_store(nprocs, timeout) as port:
         try:
             for rank in range(nprocs):
                 reader, writer = ctx.Pipe(duplex=False)
                 process = ctx.Process(target=_rank_main, daemon=False, name=f"rank {rank}",
                                       args=(rank, fn, nprocs, port, args, timeout, writer,
-                                            threads_per_rank))
+                                            threads_per_rank, saves.env))
                 try:
                     process.start()  # fails here if fn or args cannot be pickled
                 except BaseException:
@@ -274,13 +280,18 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300
                 ranks[rank] = _Rank(process, reports, thread, reader)
                 if requests.signum is not None:
                     break
-            return _supervise(ranks, nprocs, grace, requests)
+            return _supervise(ranks, nprocs, grace, requests, saves)
         finally:
             _reap(ranks)
+            saves.close()
+
+
+def _say(text: str) -> None:
+    print(f"pipedream_fast.launch: {text}", file=sys.stderr, flush=True)
 
 
 def _supervise(ranks: dict[int, _Rank], nprocs: int, grace: float,
-               requests: _StopRequests) -> list[Any]:
+               requests: _StopRequests, saves: SaveWatch | None = None) -> list[Any]:
     def poll() -> None:
         now = time.monotonic()
         for r in ranks.values():
@@ -319,7 +330,8 @@ def _supervise(ranks: dict[int, _Rank], nprocs: int, grace: float,
 
     if signum is not None or blamed is not None:
         killed = _stop_processes(alive, send, signum or signal.SIGTERM, grace,
-                                 lambda: requests.urgent(by_signal), poll, began_at) \
+                                 lambda: requests.urgent(by_signal), poll, began_at, saves,
+                                 _say) \
             if alive() else _Killed([], grace)
     else:  # every rank reported success and is only left to exit: no signal, a deadline
         killed = _stop_processes(alive, send, None, max(grace, EXIT_S),

@@ -71,6 +71,16 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
             "TORCHELASTIC_RESTART_COUNT": "0"}
 
 
+def kill_leftovers(pid: int) -> None:
+    """SIGKILL what a rank that has exited left in its session (it is the leader: its process
+    group is its pid): DataLoader workers it forked hold its sockets, so its peers would learn
+    of its death only when the workers notice it themselves (5 s later)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left, or the group is no longer the rank's
+
+
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when the launcher dies (even by SIGKILL). Best effort."""
     if not sys.platform.startswith("linux"):

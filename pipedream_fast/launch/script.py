@@ -18,9 +18,10 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from pipedream_fast.checkpoint.progress import SaveWatch
 from pipedream_fast.launch.ranks import (SETTLE_S, _die_with_parent, _is_peer_symptom,
-                                         _last_line, flush_std_streams, loopback_store,
-                                         rank_environment)
+                                         _last_line, flush_std_streams, kill_leftovers,
+                                         loopback_store, rank_environment)
 from pipedream_fast.launch.signals import (GRACE_S, _catch_stop_signals, _Killed,
                                            _stop_processes, describe_exit, shell_status,
                                            signal_name)
@@ -219,6 +220,7 @@ def _attempt(script: str, script_args: Sequence[str], nprocs: int,
         print(f"pipedream-fast run: {text}", file=sys.stderr, flush=True)
 
     procs: dict[int, subprocess.Popen[bytes]] = {}
+    saves = SaveWatch()  # a stop waits for a checkpoint save that progresses
     with _catch_stop_signals(None) as requests, loopback_store(nprocs) as port:
         # Made by the first rank that fails, for the traceback its one line points to.
         logs = os.path.join(tempfile.gettempdir(), f"pipedream-fast-run-{os.getpid()}-{port}")
@@ -226,15 +228,19 @@ def _attempt(script: str, script_args: Sequence[str], nprocs: int,
             for rank in range(nprocs):
                 procs[rank] = subprocess.Popen(
                     [sys.executable, "-c", _RANK_BOOT, script, *script_args],
-                    env={**os.environ, **rank_environment(rank, nprocs, port),
+                    env={**os.environ, **rank_environment(rank, nprocs, port), **saves.env,
                          "PIPEDREAM_FAST_LOG_DIR": logs},
                     start_new_session=True, preexec_fn=_die_with_parent)
                 if requests.signum is not None:
                     break
             failures: dict[int, float] = {}
+            ended: set[int] = set()
             while requests.signum is None:
                 now = time.monotonic()
                 for rank, proc in procs.items():
+                    if rank not in ended and proc.poll() is not None:
+                        ended.add(rank)
+                        kill_leftovers(proc.pid)  # its DataLoader workers hold its sockets
                     if rank not in failures and proc.poll() not in (None, 0):
                         failures[rank] = now
                 if failures and now - min(failures.values()) >= SETTLE_S:
@@ -272,7 +278,7 @@ def _attempt(script: str, script_args: Sequence[str], nprocs: int,
 
             killed = _stop_processes(alive, send, signum or signal.SIGTERM, grace,
                                      lambda: requests.urgent(by_signal), lambda: None,
-                                     began_at) if alive() else _Killed([], grace)
+                                     began_at, saves, say) if alive() else _Killed([], grace)
             if signum is None:
                 if killed.ranks:
                     say(str(killed))
@@ -281,6 +287,7 @@ def _attempt(script: str, script_args: Sequence[str], nprocs: int,
                 + requests.repeats() + (f"; {killed}" if killed.ranks else ""))
             return 128 + signum, True
         finally:
+            saves.close()
             for proc in procs.values():
                 if proc.poll() is None:
                     proc.kill()

@@ -10,14 +10,17 @@ period, SIGKILL for what is left (`_stop_processes`).
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
+
+from pipedream_fast.checkpoint.progress import SaveWatch
 
 GRACE_S = 5.0
 """Default seconds between forwarding SIGINT/SIGTERM to a rank and killing it with SIGKILL."""
@@ -201,43 +204,67 @@ def raising_stop_signals() -> Iterator[None]:
 @dataclass
 class _Killed:
     """The ranks a stop had to kill, and why: the grace period ran out, or a signal that
-    cuts it short (`_StopRequests.urgent`) came `after_s` seconds into the stop."""
+    cuts it short (`_StopRequests.urgent`) came `after_s` seconds into the stop. `saves`:
+    what the killed ranks were writing (a checkpoint cut short), as text."""
     ranks: list[int]
     grace: float
     cut_by: int | None = None
     after_s: float = 0.0
+    saves: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         were = "was" if len(self.ranks) == 1 else "were"
+        cut = "" if not self.saves else (
+            f"; the save was cut: {'; '.join(self.saves)} (give a longer grace: --grace)")
         if self.cut_by is None:
             return (f"{_ranks_text(self.ranks)} did not stop within {self.grace:g} s and {were} "
-                    f"killed (SIGKILL)")
+                    f"killed (SIGKILL){cut}")
         return (f"{_ranks_text(self.ranks)} {were} still running when "
                 f"{signal_name(self.cut_by)} came {self.after_s:.2f} s later, and {were} "
-                f"killed (SIGKILL)")
+                f"killed (SIGKILL){cut}")
 
 
 def _stop_processes(alive: Callable[[], list[int]], send: Callable[[int, int], None],
                     signum: int | None, grace: float,
                     cut_short: Callable[[], tuple[int, float] | None],
-                    poll: Callable[[], None], began_at: float | None = None) -> _Killed:
+                    poll: Callable[[], None], began_at: float | None = None,
+                    saves: SaveWatch | None = None,
+                    say: Callable[[str], None] | None = None) -> _Killed:
     """Sends `signum` (if any) to the ranks `alive()` lists, waits up to `grace` seconds for
     them to exit (less once `cut_short()` names a signal: the launcher was told to hurry),
-    then SIGKILLs the rest. `began_at`: when the stop was asked for (default now)."""
+    then SIGKILLs the rest. `began_at`: when the stop was asked for (default now). `saves`:
+    past the grace, a rank whose checkpoint save still progresses is waited for (until it
+    stalls for `STALL_S`), and `say` is told how long the stop then took."""
     began_at = time.monotonic() if began_at is None else began_at
     if signum is not None:
         for r in alive():
             send(r, signum)
     deadline = time.monotonic() + grace
     cut = None
-    while alive() and time.monotonic() < deadline and (cut := cut_short()) is None:
+    waited_for_saves = False
+    while alive() and (cut := cut_short()) is None:
+        if time.monotonic() >= deadline:
+            if saves is None or not any(saves.progressing(r) for r in alive()):
+                break
+            waited_for_saves = True  # past the grace: a stop in progress is not cut
         poll()
         time.sleep(0.02)
     killed = _Killed(alive(), grace)
     if killed.ranks and cut is not None:
         killed.cut_by, killed.after_s = cut[0], cut[1] - began_at
+    if saves is not None:
+        for r in killed.ranks:
+            s = saves.saving(r)
+            if s is not None:
+                killed.saves.append(f"rank {r} had written {s.written / 2 ** 20:.0f} of about "
+                                    f"{s.needed / 2 ** 20:.0f} MiB of {s.path}")
     for r in killed.ranks:
         send(r, signal.SIGKILL)
+    if waited_for_saves and say is not None:
+        took = time.monotonic() - began_at
+        say(f"the ranks were still stopping (finishing the agreed step, saving their "
+            f"checkpoint) when the {grace:g} s grace ran out; waited while they progressed: "
+            f"the stop took {took:.1f} s (give --grace {math.ceil(took) + 5} to leave room)")
     return killed
 
 

@@ -19,6 +19,7 @@ import torch
 
 from torch.utils import _pytree as pytree
 
+from pipedream_fast.checkpoint import progress as stop_progress
 from pipedream_fast.launch import Stopped, signal_name
 from pipedream_fast.ir import Schedule
 from pipedream_fast.runtime.calibration import Calibration
@@ -41,8 +42,8 @@ class RunLoop:
 
     Owns: `calibration` (the rank's running estimate of its costs, fed by every training
     run's executor), `hang_watch` (reports the rank's action in progress when it makes no
-    progress for `hang_report` seconds), `trace` (whether runs record their actions), `executor` (the last
-    run's: what a stuck rank was doing), `last_stats` and `last_events` (the last run's
+    progress for `hang_report` seconds), `trace` (whether runs record their actions),
+    `executor` (the last run's: what a stuck rank was doing), `last_stats` and `last_events` (the last run's
     statistics and, with `trace`, the first run of the last train() call's events), and
     `stop_request` (the driving thread's signal, under rank threads). Between the runs of a
     train() call it saves periodic checkpoints and calls `after_run` (the Pipeline hands
@@ -220,6 +221,8 @@ class RunLoop:
                                     f"learning rate, or pass on_nan='skip'")
             if vote is not None:
                 vote.cast(step, request.signum if request is not None else None)
+            if request is not None and request.signum is not None:
+                stop_progress.note_stopping(self.progress.step + step + 1)  # launcher waits
             yield mean
             if vote is not None and step + 1 < steps and vote.outcome(step):
                 raise _StopAgreed
