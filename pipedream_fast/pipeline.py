@@ -29,6 +29,7 @@ from typing import Any
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from torch.utils import _pytree as pytree
@@ -57,33 +58,52 @@ from pipedream_fast.rank_threads import RankThreads
 from pipedream_fast.world import ProcessWorld, World
 
 
-def _check_split_matches(plan: Plan, kwargs: dict[str, Any]) -> None:
-    """`Pipeline.load` takes the checkpoint's plan; `stages=`, `balance=` or `split_points=`
-    given as the run was built are accepted (and dropped) when they agree with it."""
-    stages, balance = kwargs.pop("stages", None), kwargs.pop("balance", None)
-    split_points = kwargs.pop("split_points", None)
-    sizes = [s.stop - s.start for s in plan.stages]
-    wrong = [(what, got) for what, got, ok in (
-        ("stages", stages, stages is None or stages == len(sizes)),
-        ("balance", balance, balance is None or list(balance) == sizes),
-        ("split_points", split_points,
-         split_points is None or len(split_points) + 1 == len(sizes))) if not ok]
-    if wrong:
-        what, got = wrong[0]
-        raise ValueError(f"{what}={got!r} disagrees with the checkpoint's plan ({len(sizes)} "
-                         f"stages of {sizes} blocks); leave it out to continue the checkpoint "
-                         f"as it was cut")
+def _same_cut(saved: Plan, kwargs: dict[str, Any]) -> bool:
+    """Whether the job continuing a checkpoint asks for the cut that wrote it: no plan, and
+    `stages=`, `balance=`, `split_points=` (as the run was built) that agree with it, on as
+    many ranks."""
+    sizes = [s.stop - s.start for s in saved.stages]
+    stages, balance = kwargs.get("stages"), kwargs.get("balance")
+    split_points = kwargs.get("split_points")
+    return (kwargs.get("plan") is None and _world_size(kwargs, saved.workers) == saved.workers
+            and (stages is None or stages == len(sizes))
+            and (balance is None or list(balance) == sizes)
+            and (split_points is None or len(split_points) + 1 == len(sizes)))
+
+
+def _world_size(kwargs: dict[str, Any], default: int) -> int:
+    """The ranks the Pipeline about to be built will have (rank threads: `workers`)."""
+    options = kwargs.get("options")
+    ranks = kwargs.get("ranks", options.ranks if options is not None else "processes")
+    if ranks == "threads":
+        workers = kwargs.get("workers", options.workers if options is not None else None)
+        return int(workers) if workers is not None else default
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", default))
 
 
 def _continuing(path: str | os.PathLike[str], kwargs: dict[str, Any]
-                ) -> tuple[Path, dict[str, Any], list[str], Plan]:
+                ) -> tuple[Path, dict[str, Any], list[str], Plan | None]:
     """What continuing the run at `path` (a checkpoint, or a checkpoint_dir's newest) takes:
-    its folder, manifest, the notes on what was skipped, and its plan; `kwargs` (the options
-    the job was built with) lose the split the plan replaces and take the run's seed."""
+    its folder, manifest, the notes on what was skipped, and the plan to build with: the
+    checkpoint's own when the job asks for its cut (`kwargs`, the options the job was built
+    with, then lose the split the plan replaces), else the plan given or None (the planner
+    cuts; the state is read by key). `kwargs` take the run's seed."""
     folder, notes = ckpt.resolve(Path(path))
     manifest = ckpt.read_manifest(folder)
-    plan = Plan.from_dict(manifest["plan"])
-    _check_split_matches(plan, kwargs)  # the arguments the run was built with are fine
+    saved = Plan.from_dict(manifest["plan"])
+    if _same_cut(saved, kwargs):  # the files load as they are
+        for name in ("plan", "stages", "balance", "split_points"):
+            kwargs.pop(name, None)
+        plan: Plan | None = saved
+    else:  # another cut (the plan or split given, or the planner's): read by the model's keys
+        given = kwargs.pop("plan", None)
+        plan = Plan.load(given) if isinstance(given, (str, os.PathLike)) else given
+        notes.append(f"{folder} was saved on {saved.workers} ranks as "
+                     f"{[[s.start, s.stop, list(s.ranks)] for s in saved.stages]}; this job "
+                     f"cuts the model its own way, and every stage takes its weights, "
+                     f"optimizer and scheduler state from the files by the model's keys")
     index = manifest.get("epoch_batches", 0)
     if manifest.get("seed") is not None:  # it draws the order of the epoch in progress
         seed = kwargs.setdefault("seed", manifest["seed"])
@@ -219,6 +239,8 @@ class Pipeline:
             assert opts.checkpoint_dir is not None
             if ckpt.holds_checkpoint(Path(opts.checkpoint_dir)):  # a restarted job
                 values.pop("resume")
+                if plan is not None:  # a cut of its own: the state is read by key
+                    values["plan"] = plan
                 folder, manifest, notes, saved_plan = _continuing(opts.checkpoint_dir, values)
                 with ckpt.resuming(manifest):
                     self.__init__(model, loss_fn, optimizer, plan=saved_plan,  # type: ignore[misc]

@@ -14,6 +14,8 @@ import torch
 
 
 from pipedream_fast import checkpoint as ckpt
+from pipedream_fast.formats import Plan
+from pipedream_fast.rank import keyed_state
 from pipedream_fast.runtime.stage import (StageRuntime)
 from pipedream_fast.training import (named_state)
 from pipedream_fast.rank.cutting import Stages
@@ -125,7 +127,9 @@ class Checkpoints:
             optimizer, scheduler = self.stages.optimizers.get(index), self.stages.schedulers.get(index)
             payload = {"model": named_state([module], self.stages.names),
                        "optimizer": optimizer.state_dict() if optimizer else None,
-                       "scheduler": scheduler.state_dict() if scheduler is not None else None}
+                       "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                       # what lets the file load on another cut (keyed_state)
+                       "keys": keyed_state.file_keys(self.stages, index)}
             copies = self.copies_state(index)
             if copies is not None:
                 payload["copies"] = copies
@@ -173,6 +177,19 @@ class Checkpoints:
             if state.get("scheduler") is not None and weights.scheduler is not None:
                 weights.scheduler.load_state_dict(state["scheduler"])
 
+    def _restore_relayout(self, folder: Path, manifest: dict[str, Any], saved: Plan) -> None:
+        """A checkpoint of another cut (other stages, replicas, world size): every stage file
+        is read by its keys and this rank's stages take what they hold (`keyed_state`)."""
+        assert self.stages.plan is not None
+        states = []
+        for index, stage in enumerate(saved.stages):
+            where = str(folder / manifest["files"][str(index)]["file"])
+            states.append(keyed_state.state_from_file(ckpt.load_stage(folder, manifest, index),
+                                                      stage.start, stage.stop, where))
+        keyed_state.put_state(self.stages, self, states,
+                              f"{folder} (saved as {layout(saved)}, loaded as "
+                              f"{layout(self.stages.plan)})")
+
     def save_periodic(self) -> None:
         assert self.ctx.options.checkpoint_dir is not None
         root = Path(self.ctx.options.checkpoint_dir)
@@ -195,6 +212,11 @@ class Checkpoints:
         if self.pending_restore is None:
             return
         (folder, manifest), self.pending_restore = self.pending_restore, None
+        assert self.stages.plan is not None
+        saved_plan = Plan.from_dict(manifest["plan"])
+        if layout(saved_plan) != layout(self.stages.plan):
+            self._restore_relayout(folder, manifest, saved_plan)
+            return
         for index in self.stages.stage_indices:
             saved = ckpt.load_stage(folder, manifest, index)
             ckpt.restore(self.stages.modules[index], self.stages.names, saved["model"],
@@ -210,3 +232,8 @@ class Checkpoints:
                 self.stages.runtimes[index].restore_correction(saved.get("staleness"))
             else:  # restored into the stage when it is made
                 self.saved_staleness[index] = saved.get("staleness")
+
+
+def layout(plan: Plan) -> list[list[Any]]:
+    """A plan's cut: [start, stop, [ranks]] per stage (what a checkpoint's files follow)."""
+    return [[s.start, s.stop, list(s.ranks)] for s in plan.stages]

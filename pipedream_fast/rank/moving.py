@@ -40,15 +40,14 @@ from typing import Any
 
 import torch
 
-from pipedream_fast import checkpoint as ckpt
 from pipedream_fast.formats import FormatError, Plan, Profile
 from pipedream_fast.options import ADAPTABLE
 from pipedream_fast.rank.checkpoints import Checkpoints
 from pipedream_fast.rank.cutting import Stages, tensors_of
+from pipedream_fast.rank.keyed_state import put_state, stage_state
 from pipedream_fast.rank.data import Progress
 from pipedream_fast.rank.run_loop import RunLoop
 from pipedream_fast.rank.state import RankContext
-from pipedream_fast.training import named_state
 
 # A move's time, before one was measured: what the payback test charges the first move
 # (a model of megabytes moves in well under this on one machine).
@@ -95,7 +94,8 @@ class Moving:
         self._check_movable(plan)
         old = self.stages.plan
         began = time.perf_counter()
-        mine = [self._stage_state(index) for index in self.stages.stage_indices
+        mine = [stage_state(self.stages, self.checkpoints, index)
+                for index in self.stages.stage_indices
                 if old.stages[index].ranks[0] == self.ctx.rank]
         self.broken = (f"a move of the stages from {plan_layout(old)} to {plan_layout(plan)} "
                         f"failed half-way on rank {self.ctx.rank}")  # until the move is done
@@ -106,7 +106,7 @@ class Moving:
         moved_bytes = self._moved_bytes(states, old, plan)
         self.stages.release(plan)
         self.stages.setup(plan)  # collective: new stages, optimizers, links and tied-weight groups
-        self._put_state(states)
+        put_state(self.stages, self.checkpoints, states, "the stages moved here")
         self.run_loop.calibration.reset()
         self.broken = None
         ended = time.perf_counter()
@@ -153,87 +153,6 @@ class Moving:
                              f"{list(plan.stages[0].ranks)}, but ranks "
                              f"{list(self.stages.plan.stages[0].ranks)} read the loader: a move keeps "
                              f"the first stage's ranks")
-
-    def _key(self, tensor: torch.Tensor) -> str:
-        keys = self.stages.names.get(id(tensor), ())
-        if not keys:
-            raise ValueError("a parameter of a stage has no key in the model's state_dict(), "
-                             "so it cannot move between ranks")
-        return keys[0]
-
-    def _stage_state(self, index: int) -> dict[str, Any]:
-        """What stage `index` hands to the new plan, by the whole model's keys (copies)."""
-        assert self.stages.plan is not None
-        module = self.stages.modules[index]
-        weights = named_state([module], self.stages.names)
-        optimizer, scheduler = self.stages.optimizers.get(index), self.stages.schedulers.get(index)
-        per_param: dict[str, dict[str, Any]] = {}
-        groups: list[dict[str, Any]] = []
-        if optimizer is not None:
-            saved = optimizer.state_dict()
-            order = [p for group in optimizer.param_groups for p in group["params"]]
-            for number, param in enumerate(order):
-                if number in saved["state"]:
-                    per_param[self._key(param)] = {
-                        k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                        for k, v in saved["state"][number].items()}
-            groups = [{k: v for k, v in g.items() if k != "params"}
-                      for g in saved["param_groups"]]
-        correction = self.checkpoints.correction_state(index)
-        velocity = None
-        if correction is not None and correction.get("velocity") is not None:
-            runtime = self.stages.runtimes.get(index)
-            names = runtime.param_names if runtime is not None else [
-                n for n, _ in module.named_parameters()]
-            params = dict(module.named_parameters())
-            velocity = {self._key(params[n]): v for n, v in zip(names, correction["velocity"])}
-        stage = self.stages.plan.stages[index]
-        return {"stage": index, "start": stage.start, "stop": stage.stop, "weights": weights,
-                "optimizer": per_param, "groups": groups,
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "correction": None if correction is None else {
-                    **{k: v for k, v in correction.items() if k != "velocity"},
-                    "velocity": velocity}}
-
-    def _put_state(self, states: list[dict[str, Any]]) -> None:
-        """Copies the gathered state into this rank's new stages (see the docstring)."""
-        assert self.stages.plan is not None
-        weights: dict[str, torch.Tensor] = {}
-        per_param: dict[str, dict[str, Any]] = {}
-        velocity: dict[str, torch.Tensor] = {}
-        for state in states:
-            weights.update(state["weights"])
-            per_param.update(state["optimizer"])
-            if state["correction"] is not None and state["correction"]["velocity"]:
-                velocity.update(state["correction"]["velocity"])
-        for index in self.stages.stage_indices:
-            stage = self.stages.plan.stages[index]
-            module = self.stages.modules[index]
-            ckpt.restore(module, self.stages.names, weights, "the stages moved here", exact=False)
-            # the old stage that held the first block (with weights) gives the stage-wide state
-            source = _source_of(states, stage.start, stage.stop)
-            optimizer = self.stages.optimizers.get(index)
-            if optimizer is not None:
-                saved = optimizer.state_dict()
-                order = [p for group in optimizer.param_groups for p in group["params"]]
-                for number, param in enumerate(order):
-                    key = self._key(param)
-                    if key in per_param:  # its own tensors: under threads, replicas
-                        saved["state"][number] = _cloned(per_param[key])  # get the same
-                if source is not None and len(source["groups"]) == len(saved["param_groups"]):
-                    for group, hyper in zip(saved["param_groups"], source["groups"]):
-                        group.update({k: v for k, v in hyper.items() if k != "params"})
-                optimizer.load_state_dict(saved)
-            scheduler = self.stages.schedulers.get(index)
-            if scheduler is not None and source is not None and source["scheduler"]:
-                scheduler.load_state_dict(source["scheduler"])
-            if source is not None and source["correction"] is not None:
-                params = list(module.named_parameters())
-                vector = [_cloned(velocity.get(self._key(p))) for _, p in params]
-                correction = dict(source["correction"])
-                correction["velocity"] = (None if any(v is None for v in vector)
-                                          else vector)
-                self.checkpoints.save_correction_for(index, correction)  # for its runtime
 
     # --- adapt ---------------------------------------------------------------------------------
     def after_run(self, steps: int, seconds: float, chunks: int) -> None:
@@ -343,23 +262,3 @@ class Moving:
             else:
                 self._tried = (self.stages.plan, step_seconds)
         return payload
-
-
-def _cloned(value: Any) -> Any:
-    """Tensors in `value` copied (the gathered state is shared by rank threads)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _cloned(v) for k, v in value.items()}
-    return value
-
-
-def _source_of(states: list[dict[str, Any]], start: int, stop: int) -> dict[str, Any] | None:
-    """The old stage state that held the first block of [start, stop) among those with an
-    optimizer (a stage of parameter-free blocks has none); else the one holding `start`."""
-    holding = [s for s in states if s["start"] < stop and start < s["stop"]]
-    holding.sort(key=lambda s: s["start"])
-    with_groups = [s for s in holding if s["groups"]]
-    if with_groups:
-        return with_groups[0]
-    return holding[0] if holding else None
