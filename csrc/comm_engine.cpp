@@ -628,11 +628,22 @@ void CommEngine::send(int peer, Channel channel, int stage, int64_t microbatch,
   }
   const auto metas = metas_of(tensors);
   if (l.negotiated && metas != l.sent_metas) {
-    throw std::invalid_argument(
-        l.what + ": microbatch " + std::to_string(microbatch) + " sends tensors " +
-        describe(metas) + " but this boundary was negotiated as " + describe(l.sent_metas) +
-        "; shapes crossing a stage boundary must stay fixed (give every microbatch the same "
-        "size, e.g. drop_last=True in the DataLoader)");
+    // Only the dtypes changed (a cast, autocast, a loader yielding another type): the size
+    // advice would mislead.
+    bool same_sizes = metas.size() == l.sent_metas.size();
+    for (size_t i = 0; same_sizes && i < metas.size(); ++i) {
+      same_sizes = metas[i].sizes == l.sent_metas[i].sizes;
+    }
+    const char* advice =
+        same_sizes ? "; the dtypes crossing a stage boundary must stay fixed (give every batch "
+                     "the same dtypes: cast the loader's tensors, or keep autocast on for every "
+                     "microbatch)"
+                   : "; shapes crossing a stage boundary must stay fixed (give every microbatch "
+                     "the same size, e.g. drop_last=True in the DataLoader)";
+    throw std::invalid_argument(l.what + ": microbatch " + std::to_string(microbatch) +
+                                " sends tensors " + describe(metas) +
+                                " but this boundary was negotiated as " +
+                                describe(l.sent_metas) + advice);
   }
   l.sent_metas = metas;
   l.negotiated = true;

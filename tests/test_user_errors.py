@@ -178,6 +178,27 @@ def test_a_batch_whose_shape_changes_is_one_line_under_run(tmp_path):
     assert "in forward" in logged(lines[0])
 
 
+DTYPE_CHANGE = SHAPE_CHANGE.replace(
+    "data += [(torch.randn(8, 7), torch.randint(0, 3, (8,)))] + data[:2]  # batch 3: 7 features",
+    "data += [(torch.randn(8, 6), torch.randint(0, 3, (8,), dtype=torch.int32))] + data[:2]")
+
+
+@pytest.mark.slow
+def test_a_target_whose_dtype_changes_is_told_about_dtypes_not_sizes(tmp_path):
+    """Batch 3's targets are int32 (they travel with the activations to the last stage):
+    the advice is about dtypes; it was "give every microbatch the same size" (issue 35,
+    item 7)."""
+    (tmp_path / "dtype.py").write_text(DTYPE_CHANGE)
+    result = cli("run", "--nproc", "2", "dtype.py", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    lines = error_part(result.stderr, "run")
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("rank 0, batch 3: ValueError: activation link of rank 0 with "
+                               "rank 1 for stage 1: microbatch 6 sends tensors "), lines
+    assert "the dtypes crossing a stage boundary must stay fixed" in lines[0], lines
+    assert "same size" not in lines[0], lines
+
+
 # --- pipedream-fast train --------------------------------------------------------------------
 
 def _env(folder: Path) -> dict[str, str]:

@@ -176,9 +176,17 @@ TEST(CommEngine, RejectsShapesThatDifferFromTheNegotiatedOnes) {
     EXPECT_NE(what.find("for stage 1"), std::string::npos) << what;
     EXPECT_NE(what.find("[3, 2]"), std::string::npos) << what;
     EXPECT_NE(what.find("[2, 2]"), std::string::npos) << what;
+    EXPECT_NE(what.find("give every microbatch the same size"), std::string::npos) << what;
   }
-  EXPECT_THROW(pair.a.send(1, Channel::kActivation, 1, 1, {at::zeros({2, 2}, at::kDouble)}),
-               std::invalid_argument);
+  try {  // the same sizes in another dtype: the advice is about dtypes, not sizes
+    pair.a.send(1, Channel::kActivation, 1, 1, {at::zeros({2, 2}, at::kDouble)});
+    FAIL() << "expected the new dtype to be rejected";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("the dtypes crossing a stage boundary must stay fixed"),
+              std::string::npos) << what;
+    EXPECT_EQ(what.find("same size"), std::string::npos) << what;
+  }
   // Another stage is another link, with shapes of its own.
   pair.a.send(1, Channel::kActivation, 3, 0, {at::zeros({3, 2})});
   pair.a.flush();
