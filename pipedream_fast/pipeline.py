@@ -48,7 +48,7 @@ from pipedream_fast.training import (MicrobatchFeed, data_source,
                                      to_device)
 from pipedream_fast.tuning import Tuning
 from pipedream_fast.options import OptionError, PipelineOptions
-from pipedream_fast.rank.checkpoints import Checkpoints
+from pipedream_fast.rank.checkpoints import Checkpoints, layout
 from pipedream_fast.rank.cutting import Stages
 from pipedream_fast.rank.data import Progress
 from pipedream_fast.rank.moving import Moving
@@ -101,7 +101,7 @@ def _continuing(path: str | os.PathLike[str], kwargs: dict[str, Any]
         given = kwargs.pop("plan", None)
         plan = Plan.load(given) if isinstance(given, (str, os.PathLike)) else given
         notes.append(f"{folder} was saved on {saved.workers} ranks as "
-                     f"{[[s.start, s.stop, list(s.ranks)] for s in saved.stages]}; this job "
+                     f"{layout(saved)}; this job "
                      f"cuts the model its own way, and every stage takes its weights, "
                      f"optimizer and scheduler state from the files by the model's keys")
     index = manifest.get("epoch_batches", 0)

@@ -49,6 +49,11 @@ def full_at_step_4(rank: int, world: int, folder: str) -> str:
             got = real(path)
             return got._replace(free=0) if "step-4" in str(path) else got
         ckpt.files.shutil.disk_usage = usage  # type: ignore[attr-defined]
+    return train_on(rank, world, folder)
+
+
+def train_on(rank: int, world: int, folder: str) -> str:
+    """Trains STEPS steps saving every EVERY; the save's error, if one failed."""
     pipe = pipeline(folder)
     try:
         for _ in pipe.train(batches(), steps=STEPS):
@@ -74,16 +79,6 @@ def test_a_rank_without_room_fails_every_rank_at_once_and_keeps_the_earlier_chec
     assert messages[0] == f"rank 1 could not save its part of {folder / 'step-4'}: " + messages[1]
     assert sorted(p.name for p in folder.iterdir()) == ["step-2"]  # step-4 is gone, whole
     assert launch(loads, 2, str(folder), timeout=120) == [2, 2]
-
-
-def train_on(rank: int, world: int, folder: str) -> str:
-    pipe = pipeline(folder)
-    try:
-        for _ in pipe.train(batches(), steps=STEPS):
-            pass
-    except ckpt.CheckpointError as err:
-        return str(err)
-    return "trained"
 
 
 @pytest.fixture

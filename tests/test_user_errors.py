@@ -166,13 +166,19 @@ def test_a_loader_that_raises_at_batch_3_is_one_line_under_run(tmp_path):
     assert "rank 0 exited with code 1" in result.stderr
 
 
-@pytest.mark.slow
-def test_a_batch_whose_shape_changes_is_one_line_under_run(tmp_path):
-    (tmp_path / "shape.py").write_text(SHAPE_CHANGE)
-    result = cli("run", "--nproc", "2", "shape.py", cwd=tmp_path)
+def one_line_under_run(tmp_path: Path, script: str) -> str:
+    """The one line a failing `script` leaves under `pipedream-fast run --nproc 2`."""
+    (tmp_path / "job.py").write_text(script)
+    result = cli("run", "--nproc", "2", "job.py", cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     lines = error_part(result.stderr, "run")
     assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_a_batch_whose_shape_changes_is_one_line_under_run(tmp_path):
+    lines = [one_line_under_run(tmp_path, SHAPE_CHANGE)]
     assert lines[0].startswith("rank 0, batch 3: RuntimeError: mat1 and mat2 shapes cannot be "
                                "multiplied (4x7 and 6x16); traceback in "), lines
     assert "in forward" in logged(lines[0])
@@ -188,11 +194,7 @@ def test_a_target_whose_dtype_changes_is_told_about_dtypes_not_sizes(tmp_path):
     """Batch 3's targets are int32 (they travel with the activations to the last stage):
     the advice is about dtypes; it was "give every microbatch the same size" (issue 35,
     item 7)."""
-    (tmp_path / "dtype.py").write_text(DTYPE_CHANGE)
-    result = cli("run", "--nproc", "2", "dtype.py", cwd=tmp_path)
-    assert result.returncode == 1, result.stderr
-    lines = error_part(result.stderr, "run")
-    assert len(lines) == 1, result.stderr
+    lines = [one_line_under_run(tmp_path, DTYPE_CHANGE)]
     assert lines[0].startswith("rank 0, batch 3: ValueError: activation link of rank 0 with "
                                "rank 1 for stage 1: microbatch 6 sends tensors "), lines
     assert "the dtypes crossing a stage boundary must stay fixed" in lines[0], lines

@@ -42,7 +42,7 @@ import torch
 
 from pipedream_fast.formats import FormatError, Plan, Profile
 from pipedream_fast.options import ADAPTABLE
-from pipedream_fast.rank.checkpoints import Checkpoints
+from pipedream_fast.rank.checkpoints import Checkpoints, layout
 from pipedream_fast.rank.cutting import Stages, tensors_of
 from pipedream_fast.rank.keyed_state import put_state, stage_state
 from pipedream_fast.rank.data import Progress
@@ -52,11 +52,6 @@ from pipedream_fast.rank.state import RankContext
 # A move's time, before one was measured: what the payback test charges the first move
 # (a model of megabytes moves in well under this on one machine).
 FIRST_MOVE_SECONDS = 1.0
-
-
-def plan_layout(plan: Plan) -> list[list[Any]]:
-    """A plan's stages as [start, stop, [ranks]], for records and messages."""
-    return [[s.start, s.stop, list(s.ranks)] for s in plan.stages]
 
 
 class Moving:
@@ -97,7 +92,7 @@ class Moving:
         mine = [stage_state(self.stages, self.checkpoints, index)
                 for index in self.stages.stage_indices
                 if old.stages[index].ranks[0] == self.ctx.rank]
-        self.broken = (f"a move of the stages from {plan_layout(old)} to {plan_layout(plan)} "
+        self.broken = (f"a move of the stages from {layout(old)} to {layout(plan)} "
                         f"failed half-way on rank {self.ctx.rank}")  # until the move is done
         gathered: list[Any] = []
         self.ctx.agree(lambda: gathered.extend(self.ctx.control.all_gather_object(mine)),
@@ -111,7 +106,7 @@ class Moving:
         self.broken = None
         ended = time.perf_counter()
         record = {"step": self.progress.step, "seconds": ended - began, "started": began,
-                  "ended": ended, "from": plan_layout(old), "to": plan_layout(plan),
+                  "ended": ended, "from": layout(old), "to": layout(plan),
                   "reason": reason, "bytes": moved_bytes}
         self.moves.append(record)
         return record
@@ -225,9 +220,9 @@ class Moving:
         if tried is not None:
             previous, before = tried
             if step_seconds > before * (1 + threshold):
-                self._refused.add(str(plan_layout(self.stages.plan)))
+                self._refused.add(str(layout(self.stages.plan)))
                 return {"plan": previous.to_dict(), "speeds": None,
-                        "reason": f"the move to {plan_layout(self.stages.plan)} made steps "
+                        "reason": f"the move to {layout(self.stages.plan)} made steps "
                                   f"{step_seconds / before - 1:.0%} slower ({before * 1e3:.1f} "
                                   f"-> {step_seconds * 1e3:.1f} ms): moving back, and not "
                                   f"trying that plan again"}
@@ -254,10 +249,10 @@ class Moving:
                     "speeds": None}
         payload = decision.to_dict()
         if decision.plan is not None:
-            if str(plan_layout(decision.plan)) in self._refused:
+            if str(layout(decision.plan)) in self._refused:
                 payload["plan"] = None
                 payload["reason"] = (f"staying: the best plan at the measured speeds, "
-                                     f"{plan_layout(decision.plan)}, made steps slower when "
+                                     f"{layout(decision.plan)}, made steps slower when "
                                      f"tried")
             else:
                 self._tried = (self.stages.plan, step_seconds)

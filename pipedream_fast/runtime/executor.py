@@ -99,8 +99,9 @@ class Executor:
         self.calibration = calibration
         # The action in progress (its index, itself, since when): what a stuck rank was doing.
         self.current: tuple[int, Action, float] | None = None
-        # What the action in progress waits for, if anything: ("receive" or "send", channel,
-        # stage, mb, peer) or ("all-reduce", stage); read by `standing`.
+        # What the action in progress waits for inside a compute or an update, if anything:
+        # ("receive", channel, stage, mb, peer) or ("all-reduce", stage); read by `standing`
+        # (a send in progress is its SEND action itself).
         self._waiting: tuple[Any, ...] | None = None
         self._carried: dict[tuple[int, int], Any] = {}  # (stage, mb) -> target to pass on
         self._losses: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> loss to pass back
@@ -173,11 +174,14 @@ class Executor:
             text += (f", waiting for the gradient all-reduce of stage {waiting[1]} with ranks "
                      f"{ranks}")
         elif waiting is not None:
-            way, channel, stage, mb, peer = waiting
+            _, channel, stage, mb, peer = waiting
             text += (f", waiting for the {channel.name.lower()} of stage {stage}, microbatch "
-                     f"{mb} from rank {peer}" if way == "receive" else
-                     f", sending the {channel.name.lower()} of stage {stage}, microbatch {mb} "
-                     f"to rank {peer} (waiting for room: its earlier sends are not taken)")
+                     f"{mb} from rank {peer}")
+        elif action.kind.spec.sends:
+            stage = action.stage + (1 if action.kind is K.SEND_ACT else -1)
+            what = "activation" if action.kind is K.SEND_ACT else "gradient"
+            text += (f", sending the {what} of stage {stage}, microbatch {action.microbatch} to "
+                     f"rank {action.peer} (waiting for room: its earlier sends are not taken)")
         else:
             text += ", not waiting for a message (computing, or in the user's code)"
         for _ in range(3):  # the rank's thread may change the table while it is read
@@ -262,22 +266,14 @@ class Executor:
         mb, peer = a.needs("microbatch"), a.needs("peer")
         outputs = self._outputs.pop((a.stage, mb))
         target = pytree.tree_leaves(self._carried.pop((a.stage, mb)))
-        self._sending(peer, ACTIVATION, a.stage + 1, mb,
-                      [t.detach() for t in outputs if isinstance(t, torch.Tensor)] + target)
+        self.transport.send(peer, ACTIVATION, a.stage + 1, mb,
+                            [t.detach() for t in outputs if isinstance(t, torch.Tensor)] + target)
 
     def _send_grad(self, a: Action) -> None:
         mb, peer = a.needs("microbatch"), a.needs("peer")
         grads = self.stages[a.stage].take_input_grads(mb)
         loss = self._losses.pop((a.stage, mb))
-        self._sending(peer, GRADIENT, a.stage - 1, mb, [*grads, loss])
-
-    def _sending(self, peer: int, channel: Any, stage: int, mb: int,
-                 tensors: list[torch.Tensor]) -> None:
-        self._waiting = ("send", channel, stage, mb, peer)  # a send may wait for room
-        try:
-            self.transport.send(peer, channel, stage, mb, tensors)
-        finally:
-            self._waiting = None
+        self.transport.send(peer, GRADIENT, a.stage - 1, mb, [*grads, loss])
 
     def _post(self, channel: Any, a: Action) -> None:
         mb, peer = a.needs("microbatch"), a.needs("peer")
