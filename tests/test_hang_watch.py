@@ -118,3 +118,78 @@ def test_the_watch_changes_nothing_and_stops_with_the_pipeline(stalled):
     for rank_out in stalled:
         assert rank_out[True][0] == rank_out[False][0]  # the same losses, stalled or not
         assert rank_out["stopped"]
+
+
+def test_a_stop_request_is_reported_once_when_the_action_in_progress_outlasts_it():
+    executor, written, heard = Standing(), [], [None]
+    watch = HangWatch(1, 60.0, lambda: executor, write=written.append,
+                      stop_heard=lambda: heard[0])
+    executor.current = (4, Action(K.FORWARD, 1, 0, version=0), 100.0)
+    assert watch.check_stop(130.0, 500.0) is None  # no request
+    heard[0] = 499.5
+    assert watch.check_stop(130.0, 500.0) is None  # the request is too recent
+    report = watch.check_stop(131.0, 501.0)
+    assert report == ("pipedream_fast: rank 1, asked to stop 1.5 s ago, is still in action 4 "
+                      "for 31.0 s (where it stands, should the stop not finish)")
+    assert watch.check_stop(140.0, 510.0) is None  # once per request
+    executor.current = (5, Action(K.FORWARD, 1, 1, version=0), 140.0)
+    heard[0] = 520.0
+    assert watch.check_stop(140.5, 522.0) is None  # the action began only just now
+    assert written == [report]
+
+
+HUNG_JOB = """\
+import sys, time, torch
+from pathlib import Path
+from torch import nn
+from pipedream_fast import Pipeline
+
+def loss(out, target):  # rank 1's user code hangs at its third microbatch
+    loss.calls += 1
+    if loss.calls == 3:
+        Path(sys.argv[1]).touch()
+        time.sleep(600)
+    return nn.functional.mse_loss(out, target)
+loss.calls = 0
+
+torch.manual_seed(0)
+pipe = Pipeline(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)), loss,
+                lambda ps: torch.optim.SGD(ps, lr=0.1), schedule="1f1b", chunks=2,
+                balance=[2, 1], timeout=300)
+data = [(torch.randn(8, 6), torch.randn(8, 3)) for _ in range(4)]
+for _ in pipe.train(data, steps=4):
+    pass
+"""
+
+
+def test_sigterm_during_a_hang_says_where_each_rank_stands_before_the_grace_ends(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    job, hung = tmp_path / "job.py", tmp_path / "hung"
+    job.write_text(HUNG_JOB)
+    root = Path(__file__).resolve().parent.parent
+    launcher = subprocess.Popen([sys.executable, "-m", "pipedream_fast.cli", "run", "--nproc",
+                                 "2", str(job), str(hung)], cwd=root, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not hung.exists():
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "rank 1 never reached its hanging loss"
+            time.sleep(0.1)
+        time.sleep(0.5)  # rank 0 is in its receive by now
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    # The default 5 s grace ends in SIGKILL (nothing progresses); before it, each rank said
+    # where it was: rank 0 blocked in C++ waiting for rank 1, rank 1 in its own code.
+    assert "SIGKILL" in stderr, stderr
+    assert any(line.startswith("pipedream_fast: rank 0, asked to stop ") and
+               "waiting for the gradient of stage 0, microbatch" in line and "from rank 1" in line
+               for line in stderr.splitlines()), stderr
+    assert any(line.startswith("pipedream_fast: rank 1, asked to stop ") and
+               "not waiting for a message" in line for line in stderr.splitlines()), stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -58,9 +59,52 @@ class _StopRequest:
 
     def __init__(self) -> None:
         self.at: float | None = None
+        self.heard_at: float | None = None  # the latest SIGTERM/SIGHUP, as `listen` heard it
+        self._listening = False
 
     def start(self) -> None:
         self.at = time.monotonic()
+
+    def listen(self) -> None:
+        """Hears each SIGTERM or SIGHUP when it arrives (`heard_at`), in a thread, even while
+        the main thread waits in C++. Python runs a signal's handler in the main thread only
+        when that thread is back in Python, which for a rank stuck in a receive is never; its
+        C-level handler, though, writes the signal's number to the wakeup fd at once. From
+        the main thread only, and only where nothing else (asyncio) uses the wakeup fd."""
+        if self._listening or threading.current_thread() is not threading.main_thread():
+            return
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        try:
+            previous = signal.set_wakeup_fd(theirs.fileno(), warn_on_full_buffer=False)
+        except ValueError:  # not the main interpreter
+            previous = None
+        if previous != -1:  # not ours to set, or someone else's (leave theirs)
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
+            ours.close()
+            theirs.close()
+            return
+        self._listening = True
+        threading.Thread(target=self._hear, args=(ours, theirs), daemon=True,
+                         name="pipedream_fast stop signals").start()
+
+    def _hear(self, ours: socket.socket, theirs: socket.socket) -> None:
+        while True:
+            try:
+                numbers = ours.recv(64)
+            except OSError:
+                return
+            if not numbers:
+                return
+            if any(n in TERM_SIGNALS for n in numbers):
+                self.heard_at = time.monotonic()
+
+    def last_heard(self) -> float | None:
+        """When this process last got SIGTERM or SIGHUP (its handler's record or `listen`'s,
+        whichever is later); None if never."""
+        times = [t for t in (self.at, self.heard_at) if t is not None]
+        return max(times) if times else None
 
     def age(self) -> float | None:
         """Seconds since the request began; None if there is none."""

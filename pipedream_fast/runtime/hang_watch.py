@@ -12,6 +12,12 @@ the sends still queued on link threads (GPU links).
 Every rank waiting on the same stuck peer reports, so the peer that is not waiting on
 anyone stands out. One report per action: a rank that moves on and stops again reports again.
 
+A stop request (SIGTERM, SIGHUP) that the rank cannot act on, because an action it is in does
+not end, is reported too, `STOP_REPORT_S` after the signal and well inside the launcher's
+grace: a hung job stopped by its operator says where each rank was before it is killed. The
+signal is heard through `stop_request`, which hears it even while the rank's main thread
+waits in C++.
+
 The watch only reads (`Executor.standing`); it never interrupts the rank.
 """
 
@@ -23,24 +29,31 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pipedream_fast.launch.signals import stop_request
+
 POLL_S = 1.0  # how often the watch looks; a report comes at most this late
+STOP_REPORT_S = 1.0  # a stop request and the action in progress this old: say where it stands
 
 
 class HangWatch:
     """Watches the executor `executor_of()` returns (None between runs) on rank `rank`."""
 
     def __init__(self, rank: int, after_s: float, executor_of: Callable[[], Any],
-                 write: Callable[[str], None] | None = None) -> None:
+                 write: Callable[[str], None] | None = None,
+                 stop_heard: Callable[[], float | None] = stop_request.last_heard) -> None:
         self.rank = rank
         self.after_s = after_s
         self._executor_of = executor_of
         self._write = write or _to_stderr
         self.reports: list[str] = []
         self._reported: tuple[int, int] | None = None  # (id of the executor, action index)
+        self._stop_heard = stop_heard  # when the latest stop request came (time.monotonic)
+        self._stop_reported: float | None = None  # the request already reported
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        stop_request.listen()  # in the main thread; elsewhere its handler's record serves
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, daemon=True,
                                             name=f"pipedream_fast hang watch of rank {self.rank}")
@@ -56,6 +69,7 @@ class HangWatch:
         while not self._stop.wait(min(POLL_S, self.after_s / 2)):
             try:
                 self.check(time.perf_counter())
+                self.check_stop(time.perf_counter(), time.monotonic())
             except Exception as err:  # noqa: BLE001 - a report must never fail the rank
                 self._write(f"pipedream_fast: rank {self.rank}: the hang watch failed: {err!r}")
                 return
@@ -76,6 +90,28 @@ class HangWatch:
         report = (f"pipedream_fast: rank {self.rank} has made no progress: {standing} (a "
                   f"report after {self.after_s:g} s without progress; the run fails at its "
                   f"timeout)")
+        self.reports.append(report)
+        self._write(report)
+        return report
+
+
+    def check_stop(self, now: float, now_monotonic: float) -> str | None:
+        """Reports where the rank stands if a stop request came `STOP_REPORT_S` ago or more
+        and the action in progress has lasted as long; once per request."""
+        heard = self._stop_heard()
+        if heard is None or heard == self._stop_reported or now_monotonic - heard < STOP_REPORT_S:
+            return None
+        executor = self._executor_of()
+        current = executor.current if executor is not None else None
+        if current is None or now - current[2] < STOP_REPORT_S:
+            return None
+        standing = executor.standing(now)
+        if standing is None:
+            return None
+        self._stop_reported = heard
+        report = (f"pipedream_fast: rank {self.rank}, asked to stop "
+                  f"{now_monotonic - heard:.1f} s ago, is still {standing} (where it stands, "
+                  f"should the stop not finish)")
         self.reports.append(report)
         self._write(report)
         return report
