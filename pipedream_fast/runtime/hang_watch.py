@@ -76,24 +76,15 @@ class HangWatch:
 
     def check(self, now: float) -> str | None:
         """Reports the action in progress if it has lasted `after_s` and was not reported."""
-        executor = self._executor_of()
-        current = executor.current if executor is not None else None
-        if current is None or now - current[2] < self.after_s:
+        key, standing = self._standing(now, self.after_s)
+        if standing is None:
             return None
-        key = (id(executor), current[0])
         if key == self._reported:
             return None
-        standing = executor.standing(now)
-        if standing is None:  # the action ended meanwhile
-            return None
         self._reported = key
-        report = (f"pipedream_fast: rank {self.rank} has made no progress: {standing} (a "
-                  f"report after {self.after_s:g} s without progress; the run fails at its "
-                  f"timeout)")
-        self.reports.append(report)
-        self._write(report)
-        return report
-
+        return self._report(f"pipedream_fast: rank {self.rank} has made no progress: {standing} "
+                            f"(a report after {self.after_s:g} s without progress; the run fails "
+                            f"at its timeout)")
 
     def check_stop(self, now: float, now_monotonic: float) -> str | None:
         """Reports where the rank stands if a stop request came `STOP_REPORT_S` ago or more
@@ -101,17 +92,25 @@ class HangWatch:
         heard = self._stop_heard()
         if heard is None or heard == self._stop_reported or now_monotonic - heard < STOP_REPORT_S:
             return None
-        executor = self._executor_of()
-        current = executor.current if executor is not None else None
-        if current is None or now - current[2] < STOP_REPORT_S:
-            return None
-        standing = executor.standing(now)
+        _, standing = self._standing(now, STOP_REPORT_S)
         if standing is None:
             return None
         self._stop_reported = heard
-        report = (f"pipedream_fast: rank {self.rank}, asked to stop "
-                  f"{now_monotonic - heard:.1f} s ago, is still {standing} (where it stands, "
-                  f"should the stop not finish)")
+        return self._report(f"pipedream_fast: rank {self.rank}, asked to stop "
+                            f"{now_monotonic - heard:.1f} s ago, is still {standing} (where it "
+                            f"stands, should the stop not finish)")
+
+    def _standing(self, now: float, lasted_s: float) -> tuple[tuple[int, int], str | None]:
+        """The action in progress (the executor's id, the action's index) and where the rank
+        stands, if that action has lasted `lasted_s` (else None; None too if it ended
+        meanwhile)."""
+        executor = self._executor_of()
+        current = executor.current if executor is not None else None
+        if current is None or now - current[2] < lasted_s:
+            return (0, -1), None
+        return (id(executor), current[0]), executor.standing(now)
+
+    def _report(self, report: str) -> str:
         self.reports.append(report)
         self._write(report)
         return report
