@@ -134,6 +134,42 @@ class MicrobatchFeed:
             return value
 
 
+class KeptInputs:
+    """The microbatches a rank fed its first stage, kept (by reference: no copy) until their
+    step ends, so that a step whose loss is not finite can be checked for non-finite data:
+    a NaN in a batch is the data's fault, not the learning rate's. They are held by the
+    stage's autograd graph until then anyway."""
+
+    def __init__(self, chunks: int) -> None:
+        self._chunks = chunks
+        self._kept: dict[int, tuple[Any, Any]] = {}  # microbatch -> (inputs, target)
+
+    def wrap(self, inputs: Callable[[int], tuple[tuple[Any, ...], Any]]
+             ) -> Callable[[int], tuple[tuple[Any, ...], Any]]:
+        def keeping(mb: int) -> tuple[tuple[Any, ...], Any]:
+            value = inputs(mb)
+            self._kept[mb] = value
+            return value
+        return keeping
+
+    def nonfinite(self, step: int) -> list[int]:
+        """[non-finite values, all values] of the floating inputs, then the same of the
+        targets, of the microbatches of `step` (of the run, from 0) this rank fed."""
+        counts = [0, 0, 0, 0]
+        for mb in range(step * self._chunks, (step + 1) * self._chunks):
+            for part, value in enumerate(self._kept.get(mb, ((), None))):
+                for leaf in pytree.tree_leaves(value):
+                    if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                        counts[2 * part] += int((~torch.isfinite(leaf)).sum())
+                        counts[2 * part + 1] += leaf.numel()
+        return counts
+
+    def forget_through(self, step: int) -> None:
+        """Drops the microbatches of `step` and before (they are done)."""
+        for mb in [mb for mb in self._kept if mb < (step + 1) * self._chunks]:
+            del self._kept[mb]
+
+
 def reads_data(schedule: Schedule, rank: int, mb: int) -> bool:
     """Whether rank reads microbatch mb from the loader: only the rank that feeds it to the
     first stage does (its target travels with the activations to the last stage)."""

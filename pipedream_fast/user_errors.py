@@ -8,8 +8,12 @@ What the user needs is the rank, the batch, the exception and where in their cod
 raised: `describe` makes that line, `write_log` keeps the traceback.
 
 The user's code is the innermost traceback frame outside this package, torch and Python's own
-library (`user_frame`). Whatever knows the batch attaches it to the exception (`note_batch`,
-read by `batch_of`): the data feed, for the batch it was reading or running.
+library (`user_frame`). Whatever knows the batch attaches it to the exception: the data feed
+the loader's batch it was reading (`note_batch`), a rank's run the step it was running
+(`note_step`); `batch_of` reads either. Batches, epochs and steps are counted from 1 in what
+the user reads, as progress lines and checkpoints (`step-4` holds four steps) count them.
+An error every rank raises alike from what one rank found (an empty loader, a step whose
+data held a NaN) is said once, by that rank (`note_said_by`); the others only log it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from collections.abc import Callable
 from types import TracebackType
 
 _BATCH = "pipedream_batch"  # the attribute `note_batch` sets: (epoch or None, index)
+_STEP = "pipedream_step"  # the attribute `note_step` sets: the step, counted from 1
+_SAID_BY = "pipedream_said_by"  # the attribute `note_said_by` sets: a rank
 
 LOG_DIR_ENV = "PIPEDREAM_FAST_LOG_DIR"
 """Where a rank of `pipedream-fast run` writes the traceback of its failure (`rank<R>.log`);
@@ -91,30 +97,61 @@ def _chain(err: BaseException) -> list[BaseException]:
     return seen
 
 
-def note_batch(err: BaseException, index: int, epoch: int | None = None) -> None:
-    """Records on `err` that it was raised reading or running batch `index` (of `epoch`),
-    unless something nearer the cause recorded it first. For the data feed."""
-    if getattr(err, _BATCH, None) is None:
+def _note(err: BaseException, attribute: str, value: object) -> None:
+    """Sets `attribute` on `err` unless something nearer the cause set it first."""
+    if getattr(err, attribute, None) is None:
         try:
-            setattr(err, _BATCH, (epoch, index))
+            setattr(err, attribute, value)
         except (AttributeError, TypeError):  # an exception type that takes no attributes
             pass
 
 
-def batch_of(err: BaseException) -> tuple[int | None, int] | None:
-    """(epoch, index) of the batch `err` or an exception it came from was noted with; else
-    read from the traceback: the data feed reading a batch (`EpochBatches`, index in its
-    epoch), or the executor running a microbatch of a Pipeline's run (the run's batch)."""
+def note_batch(err: BaseException, index: int, epoch: int | None = None) -> None:
+    """Records on `err` that it was raised reading the loader's batch `index` of `epoch`
+    (both counted from 0, as the loader is read). For the data feed."""
+    _note(err, _BATCH, (epoch, index))
+
+
+def note_step(err: BaseException, step: int) -> None:
+    """Records on `err` that it was raised running step `step` (counted from 1)."""
+    _note(err, _STEP, step)
+
+
+def note_said_by(err: BaseException, rank: int) -> None:
+    """Records that every rank raises `err` alike from what `rank` found: `rank` says it in
+    one line, the others only log it."""
+    _note(err, _SAID_BY, rank)
+
+
+def said_by(err: BaseException) -> int | None:
+    """The rank that says `err` for every rank (`note_said_by`), or None."""
+    return next((getattr(e, _SAID_BY) for e in _chain(err)
+                 if getattr(e, _SAID_BY, None) is not None), None)
+
+
+def batch_of(err: BaseException) -> str | None:
+    """Which batch `err` was raised on, in words counted from 1: 'batch 4' or 'batch 4 of
+    epoch 2' (the loader's, as the data feed noted it, nearest the cause), else 'step 4' (a
+    run's, as the rank noted it), else read from the traceback: the data feed reading a batch
+    (`EpochBatches`) or the executor running a microbatch of a run (forward-only runs)."""
     chain = _chain(err)
     for e in chain:
         batch = getattr(e, _BATCH, None)
         if batch is not None:
-            return batch
+            return _batch_words(*batch)
+    for e in chain:
+        step = getattr(e, _STEP, None)
+        if step is not None:
+            return f"step {step}"
     for e in reversed(chain):
         batch = _batch_from_frames(e.__traceback__)
         if batch is not None:
-            return batch
+            return _batch_words(*batch)
     return None
+
+
+def _batch_words(epoch: int | None, index: int) -> str:
+    return f"batch {index + 1}" + (f" of epoch {epoch + 1}" if epoch else "")
 
 
 def _batch_from_frames(tb: TracebackType | None) -> tuple[int | None, int] | None:
@@ -152,13 +189,15 @@ def cause(err: BaseException) -> tuple[BaseException, tuple[str, int] | None]:
 
 def describe(err: BaseException, rank: int | None = None, where_from: str | None = None,
              peer_symptom: Callable[[BaseException], bool] | None = None) -> str | None:
-    """'rank 0, batch 3: ValueError: corrupt sample (at data.py:12)' for an error of the
-    user's code, or of the library on a batch (a shape that changed), but not one that
+    """'rank 0, batch 4: ValueError: corrupt sample (at data.py:12)' for an error of the
+    user's code, of the library on a batch (a shape that changed: 'rank 0, step 4: ...'),
+    or of the data as every rank learnt it (`note_said_by`), but not one that
     `peer_symptom` says follows a peer's failure; None for any other. `where_from` names
     what raised it ('model factory mymodels:build')."""
     root, where = cause(err)
     batch = batch_of(err)
-    if where is None and (batch is None or peer_symptom is not None and peer_symptom(err)):
+    if where is None and said_by(err) is None and (
+            batch is None or peer_symptom is not None and peer_symptom(err)):
         return None  # the library's own error, or a consequence of a peer's failure
     parts = []
     if rank is not None:
@@ -166,8 +205,7 @@ def describe(err: BaseException, rank: int | None = None, where_from: str | None
     if where_from:
         parts.append(where_from)
     if batch is not None:
-        epoch, index = batch
-        parts.append(f"batch {index}" + (f" of epoch {epoch}" if epoch else ""))
+        parts.append(batch)
     # An error of the library's that names the cause and its remedy (a model that cannot be
     # captured) is the line to show, not the bare error it was raised from.
     explained = next((e for e in _chain(err) if getattr(e, "remedy_in_message", False)), root)

@@ -1,7 +1,7 @@
 """An error of the user's code is one line; its traceback goes to a log (issue: one line for a
 user's data error).
 
-Was: a loader raising at batch 3 under `pipedream-fast run` printed 78 lines with two
+Was: a loader raising at its fourth batch under `pipedream-fast run` printed 78 lines with two
 tracebacks (the failing rank's, and its peer's on the closed connection), a batch whose shape
 changed 88, a failing `--model` factory under `train` a 30-line traceback. Now: one line naming
 the rank, the batch, the exception and where the user's code raised it (file:line), and the
@@ -35,7 +35,7 @@ class Data(Dataset):
         return 64
 
     def __getitem__(self, i):
-        if i >= 24:  # the first sample of batch 3 (batches of 8, in order)
+        if i >= 24:  # the first sample of batch 4 (batches of 8, in order)
             raise ValueError(f"corrupt sample {i}")
         return torch.full((6,), float(i)), torch.tensor(i % 3)
 
@@ -57,7 +57,7 @@ model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 pipe = Pipeline(model, nn.functional.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.1),
                 schedule="1f1b", chunks=2, balance=[2, 1], timeout=30)
 data = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)]
-data += [(torch.randn(8, 7), torch.randint(0, 3, (8,)))] + data[:2]  # batch 3: 7 features
+data += [(torch.randn(8, 7), torch.randint(0, 3, (8,)))] + data[:2]  # batch 4: 7 features
 for loss in pipe.train(data, epochs=1):
     pass
 """
@@ -85,7 +85,7 @@ class Data(Dataset):
 
 
 def load():
-    return Data(256, bad=24), Data(32)  # the 25th read: batch 3 of 8-sample batches
+    return Data(256, bad=24), Data(32)  # the 25th read: batch 4 of 8-sample batches
 
 
 def model(batch_size):
@@ -144,7 +144,7 @@ def test_describe_names_the_rank_the_batch_and_the_users_line():
         wrapped.__cause__ = err
         line = user_errors.describe(wrapped, 0)
     number = line_of(Path(__file__).read_text(), "# the user's line")
-    assert line == f"rank 0, batch 3: KeyError: 'no sample 0' (at {Path(__file__).name}:{number})"
+    assert line == f"rank 0, batch 4: KeyError: 'no sample 0' (at {Path(__file__).name}:{number})"
     # the library's own error (no batch, no frame of the user's code) is not the user's
     assert user_errors.describe(RuntimeError("internal")) is None
 
@@ -152,14 +152,14 @@ def test_describe_names_the_rank_the_batch_and_the_users_line():
 # --- pipedream-fast run ----------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_a_loader_that_raises_at_batch_3_is_one_line_under_run(tmp_path):
+def test_a_loader_that_raises_at_batch_4_is_one_line_under_run(tmp_path):
     (tmp_path / "data.py").write_text(DATA_ERROR)
     result = cli("run", "--nproc", "2", "data.py", cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     lines = error_part(result.stderr, "run")
     assert len(lines) == 1, result.stderr
     number = line_of(DATA_ERROR, "raise ValueError")
-    assert lines[0].startswith(f"rank 0, batch 3: ValueError: corrupt sample 24 (at "
+    assert lines[0].startswith(f"rank 0, batch 4: ValueError: corrupt sample 24 (at "
                                f"data.py:{number}); traceback in "), lines
     log = logged(lines[0])
     assert "Traceback (most recent call last)" in log and 'raise ValueError(f"corrupt' in log
@@ -179,26 +179,73 @@ def one_line_under_run(tmp_path: Path, script: str) -> str:
 @pytest.mark.slow
 def test_a_batch_whose_shape_changes_is_one_line_under_run(tmp_path):
     lines = [one_line_under_run(tmp_path, SHAPE_CHANGE)]
-    assert lines[0].startswith("rank 0, batch 3: RuntimeError: mat1 and mat2 shapes cannot be "
+    assert lines[0].startswith("rank 0, step 4: RuntimeError: mat1 and mat2 shapes cannot be "
                                "multiplied (4x7 and 6x16); traceback in "), lines
     assert "in forward" in logged(lines[0])
 
 
 DTYPE_CHANGE = SHAPE_CHANGE.replace(
-    "data += [(torch.randn(8, 7), torch.randint(0, 3, (8,)))] + data[:2]  # batch 3: 7 features",
+    "data += [(torch.randn(8, 7), torch.randint(0, 3, (8,)))] + data[:2]  # batch 4: 7 features",
     "data += [(torch.randn(8, 6), torch.randint(0, 3, (8,), dtype=torch.int32))] + data[:2]")
 
 
 @pytest.mark.slow
 def test_a_target_whose_dtype_changes_is_told_about_dtypes_not_sizes(tmp_path):
-    """Batch 3's targets are int32 (they travel with the activations to the last stage):
+    """Batch 4's targets are int32 (they travel with the activations to the last stage):
     the advice is about dtypes; it was "give every microbatch the same size" (issue 35,
     item 7)."""
     lines = [one_line_under_run(tmp_path, DTYPE_CHANGE)]
-    assert lines[0].startswith("rank 0, batch 3: ValueError: activation link of rank 0 with "
+    assert lines[0].startswith("rank 0, step 4: ValueError: activation link of rank 0 with "
                                "rank 1 for stage 1: microbatch 6 sends tensors "), lines
     assert "the dtypes crossing a stage boundary must stay fixed" in lines[0], lines
     assert "same size" not in lines[0], lines
+
+
+NAN_INPUT = SHAPE_CHANGE.replace(
+    "data += [(torch.randn(8, 7), torch.randint(0, 3, (8,)))] + data[:2]  # batch 4: 7 features",
+    "data += [(torch.randn(8, 6), torch.randint(0, 3, (8,)))] + data[:2]\n"
+    "data[3][0][5, 2] = float('nan')  # batch 4")
+
+
+@pytest.mark.slow
+def test_a_nan_in_the_inputs_is_blamed_on_the_data_in_one_line_under_run(tmp_path):
+    """Was: a traceback from each rank (34 lines) ending "Lower the learning rate"; and the
+    step counted from 1 there, the batch from 0 in the other one-line errors (issue 35,
+    item 7). Every rank counts what its first stage fed; rank 0 says it."""
+    line = one_line_under_run(tmp_path, NAN_INPUT)
+    assert line.startswith("rank 0, step 4: NonFiniteLoss: the loss of step 4 is nan "
+                           "(microbatch "), line
+    assert "the batch of step 4 holds NaN or infinite values (1 of the inputs' 48 values), so " \
+           "the data made it, not the learning rate; training stopped after step 3" in line, line
+    assert "Lower the learning rate" not in line, line
+
+
+def test_a_loss_that_diverges_on_finite_data_still_points_at_the_learning_rate():
+    from torch import nn
+
+    from pipedream_fast.pipeline import NonFiniteLoss, Pipeline
+    torch.manual_seed(0)
+    pipe = Pipeline(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)),
+                    nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=1e30),
+                    schedule="1f1b", chunks=2, balance=[2, 1], ranks="threads", workers=2,
+                    timeout=30)
+    data = [(torch.randn(8, 6), torch.randn(8, 3) * 1e3) for _ in range(6)]
+    try:
+        with pytest.raises(NonFiniteLoss) as caught:
+            for _ in pipe.train(data, steps=6):
+                pass
+    finally:
+        pipe.close()
+    assert "Lower the learning rate" in str(caught.value), caught.value
+    assert "holds NaN" not in str(caught.value), caught.value
+
+
+@pytest.mark.slow
+def test_an_empty_loader_is_one_line_from_the_rank_that_read_it(tmp_path):
+    """Was: the same error and a traceback from each rank (25 lines)."""
+    line = one_line_under_run(tmp_path, SHAPE_CHANGE.replace("pipe.train(data,", "pipe.train([],"))
+    assert re.fullmatch(r"rank 0: ValueError: the data loader is empty; traceback in \S+",
+                        line), line
 
 
 # --- pipedream-fast train --------------------------------------------------------------------
@@ -212,7 +259,7 @@ TRAIN = ["--nproc", "2", "--batch-size", "8", "--schedule", "1f1b", "--trace-ste
 
 
 @pytest.mark.slow
-def test_a_dataset_that_raises_at_batch_3_is_one_line_under_train(tmp_path):
+def test_a_dataset_that_raises_at_batch_4_is_one_line_under_train(tmp_path):
     (tmp_path / "userdata.py").write_text(USER_PACKAGE)
     out = tmp_path / "run"
     result = cli("train", "--model", "userdata:model", "--data", "userdata:load", *TRAIN,
@@ -221,7 +268,7 @@ def test_a_dataset_that_raises_at_batch_3_is_one_line_under_train(tmp_path):
     lines = error_part(result.stderr, "train")
     assert len(lines) == 1, result.stderr
     number = line_of(USER_PACKAGE, "raise ValueError")
-    assert re.fullmatch(rf"pipedream-fast train: rank 0, batch 3: ValueError: corrupt sample "
+    assert re.fullmatch(rf"pipedream-fast train: rank 0, batch 4: ValueError: corrupt sample "
                         rf"\d+ \(at userdata.py:{number}\); traceback in "
                         rf"{re.escape(str(out / 'error.log'))}", lines[0]), lines
     log = (out / "error.log").read_text()

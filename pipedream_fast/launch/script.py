@@ -115,8 +115,9 @@ def rank_failed(err: BaseException) -> NoReturn:
     """Called by a rank of `pipedream-fast run` (`_RANK_BOOT`) whose script raised `err`.
 
     An error of the user's code (a dataset, a loader, a factory, a batch) is one line,
-    'rank 0, batch 3: ValueError: ... (at data.py:12); traceback in <log>'; a failure that
-    follows another rank's (a closed connection: that rank says what went wrong) is only
+    'rank 0, batch 4: ValueError: ... (at data.py:12); traceback in <log>'; a failure that
+    follows another rank's (a closed connection: that rank says what went wrong), or that
+    every rank raises alike and another rank says (`user_errors.note_said_by`), is only
     logged; anything else prints its traceback, as the interpreter would. Exits with 1, as
     `exit_now` does."""
     ue = _user_errors()
@@ -124,10 +125,12 @@ def rank_failed(err: BaseException) -> NoReturn:
     tb = _strip_boot(err.__traceback__)
     text = "".join(traceback.format_exception(type(err), err, tb))
     line = ue.describe(err, rank, peer_symptom=_is_peer_symptom)
+    said_elsewhere = ue.said_by(err) not in (None, rank)  # every rank has it; another says it
     if line is not None or _is_peer_symptom(err):
         path = ue.write_log(text, ue.log_path(rank))
         if line is not None:
-            print(f"{line}; traceback in {path}", file=sys.stderr, flush=True)
+            if not said_elsewhere:
+                print(f"{line}; traceback in {path}", file=sys.stderr, flush=True)
         # the first to fail says so, in one line; waiting less than the launcher's SETTLE_S,
         # after which it stops the ranks still running
         elif not _others_failed(rank, 0.8 * SETTLE_S):

@@ -14,6 +14,7 @@ import torch
 
 from torch.utils import _pytree as pytree
 
+from pipedream_fast import user_errors
 from pipedream_fast.training import (EpochBatches, check_loader, InputsOnly, batch_size,
                                      fingerprint, pad_batch, steps_for, target_spec)
 from pipedream_fast.rank.cutting import Stages
@@ -102,6 +103,7 @@ class Progress:
         assert self.stages.plan is not None
         lead = self.stages.plan.stages[0].ranks[0]
         payload: list[Any] = [None]
+        failure: Exception | None = None
         batches: Iterator[Any] | None = None
         source: EpochBatches | None = None
         if self.ctx.rank == lead:
@@ -121,13 +123,16 @@ class Progress:
                               "epoch": epoch, "index": index, "batch_size": size}
                 batches = itertools.chain([first], source)
             except Exception as err:  # every rank must hear of it
+                failure = err
                 payload[0] = {"error": f"{type(err).__name__}: {err}"}
         self.ctx.agree(lambda: payload.__setitem__(0, self.ctx.control.broadcast_object(payload[0],
                                                                                   src=lead)),
                     f"the start of the run (rank {lead} reads the data)")
-        if "error" in payload[0]:
-            raise ValueError(f"the data loader on rank {lead} (first stage): "
-                             f"{payload[0]['error']}")
+        if "error" in payload[0]:  # the reader raises its own error, the others name it
+            told = failure if self.ctx.rank == lead and failure is not None else ValueError(
+                f"the data loader on rank {lead} (first stage): {payload[0]['error']}")
+            user_errors.note_said_by(told, lead)  # which says it, in one line under run
+            raise told
         agreed = payload[0]
         self.agreed_batch = agreed["batch_size"]
         if 0 in self.stages.stage_indices and batches is None:  # a replica of the first stage

@@ -19,7 +19,9 @@ import torch
 
 from torch.utils import _pytree as pytree
 
+from pipedream_fast import user_errors
 from pipedream_fast.checkpoint import progress as stop_progress
+from pipedream_fast.data_feed import KeptInputs
 from pipedream_fast.launch import Stopped, signal_name
 from pipedream_fast.ir import Schedule
 from pipedream_fast.runtime.calibration import Calibration
@@ -131,10 +133,13 @@ class RunLoop:
                                   self.ctx.options.schedule_options)
         check_backend(schedule, self.ctx.world.backend)
         runtimes = self.stages.runtimes_for(schedule)
-        inputs = None
+        inputs, kept = None, None
         if batches is not None:
             feed = MicrobatchFeed(batches, chunks, feed_uses(schedule, [self.ctx.rank]))
             inputs = data_source(feed, schedule, self.ctx.rank, self.stages.flatten, self.ctx.device)
+            if inputs is not None and self.ctx.options.on_nan == "stop":
+                kept = KeptInputs(chunks)  # to tell a NaN in the data from a diverging run
+                inputs = kept.wrap(inputs)
             if inputs is not None:  # its time is the feed's, not the first forward's
                 inputs = self.calibration.timed_feed(inputs)
         if self.trace and self._first_run and self.stages.meter is not None:
@@ -152,7 +157,7 @@ class RunLoop:
                 runtime.loss_scale = self.stages.scaler.scale / chunks
         yielded = 0
         try:
-            for item in self._losses(executor, tracker, steps, chunks, request, vote):
+            for item in self._losses(executor, tracker, steps, chunks, request, vote, kept):
                 yielded += 1  # before the yield: a caller leaving there has had this step
                 if yielded == 1:
                     self._first_step_done = time.perf_counter()
@@ -161,13 +166,19 @@ class RunLoop:
             self._abandon(executor, yielded, chunks, GeneratorExit, vote)
             return yielded
         except BaseException as err:  # left early (GeneratorExit) or failed: clean up
+            if isinstance(err, Exception) and executor.current is not None:
+                mb = executor.current[1].microbatch  # the step the failed action was in
+                if mb is not None and mb >= 0:
+                    user_errors.note_step(err, self.progress.step + mb // chunks + 1)
             self._abandon(executor, yielded, chunks, type(err), vote)
+            if isinstance(err, NonFiniteLoss):
+                self._blame_data(err, kept)
             raise
         return steps
 
     def _losses(self, executor: Executor, tracker: StepTracker, steps: int, chunks: int,
-                request: DeferredStop | None = None, vote: StopVote | None = None
-                ) -> Iterator[torch.Tensor | None]:
+                request: DeferredStop | None = None, vote: StopVote | None = None,
+                kept: KeptInputs | None = None) -> Iterator[torch.Tensor | None]:
         """Each step's mean loss as the rank finishes the step. A non-finite loss (on_nan
         'stop') ends the run at the end of its step, where every rank learns of it (the loss
         travels back with the gradients), so all stop at the same step; its update is not
@@ -218,12 +229,14 @@ class RunLoop:
                         runtime.buckets.wait()  # before the run's gradients are cleared
                 raise NonFiniteLoss(f"{bad[step]}; training stopped after step "
                                     f"{self.progress.step + step} (on_nan='stop'). Lower the "
-                                    f"learning rate, or pass on_nan='skip'")
+                                    f"learning rate, or pass on_nan='skip'", step)
             if vote is not None:
                 vote.cast(step, request.signum if request is not None else None)
             if request is not None and request.signum is not None:
                 stop_progress.note_stopping(self.progress.step + step + 1)  # launcher waits
             yield mean
+            if kept is not None:
+                kept.forget_through(step)
             if vote is not None and step + 1 < steps and vote.outcome(step):
                 raise _StopAgreed
 
@@ -234,8 +247,8 @@ class RunLoop:
                 # a float: torch.isfinite makes a tensor per loss (a few us each)
                 if (self.ctx.options.on_nan == "stop" and not math.isfinite(float(loss))
                         and step not in bad):
-                    bad[step] = (f"the loss of microbatch {action.microbatch % chunks} of step "
-                                 f"{self.progress.step + step + 1} is {float(loss)} (seen on rank "
+                    bad[step] = (f"the loss of step {self.progress.step + step + 1} is "
+                                 f"{float(loss)} (microbatch {action.microbatch}, seen on rank "
                                  f"{self.ctx.rank} at {action.to_text()})")
                 if not shared or action.stage == last:  # shared: each loss counted once
                     losses[step][action.microbatch] = loss
@@ -260,6 +273,31 @@ class RunLoop:
                 self.last_memory = [MemorySample(self.ctx.rank, t, held)
                                     for t, held in meter.take_samples()]
             self._first_run = False
+
+    def _blame_data(self, err: NonFiniteLoss, kept: KeptInputs | None) -> None:
+        """Says in `err` whether the data of its step held NaN or infinite values: then the
+        data made the loss, not the learning rate. Every rank stopped at that step and
+        drained its run (so no peer waits for a message); the counts the first stage's
+        readers fed are summed over the ranks (collective), so that every rank says the same,
+        and rank 0 says it under the launchers."""
+        number = self.progress.step  # the run advanced to the step before the bad one
+        counts = torch.tensor(kept.nonfinite(err.run_step) if kept is not None else [0] * 4,
+                              dtype=torch.float64)
+        with contextlib.suppress(Exception):  # a peer is gone: its error says more
+            self.ctx.agree(lambda: self.ctx.control.all_reduce(counts),
+                           f"checking the data of step {number + 1}")
+        bad_inputs, all_inputs, bad_targets, all_targets = (int(c) for c in counts)
+        if bad_inputs or bad_targets:
+            held = " and ".join(f"{bad} of the {part}' {every} values" for bad, part, every in (
+                (bad_inputs, "inputs", all_inputs), (bad_targets, "targets", all_targets)) if bad)
+            what = str(err).split("; training stopped")[0]
+            err.args = (f"{what}: the batch of step {number + 1} holds NaN or infinite values "
+                        f"({held}), so the data made it, not the learning rate; training "
+                        f"stopped after step {number} (on_nan='stop'). Clean the data "
+                        f"(torch.nan_to_num, or drop such samples), or pass on_nan='skip' to "
+                        f"skip such steps",)
+        user_errors.note_step(err, number + 1)
+        user_errors.note_said_by(err, 0)
 
     def _abandon(self, executor: Executor, yielded: int, chunks: int,
                  error: type[BaseException], vote: StopVote | None = None) -> None:

@@ -31,7 +31,13 @@ class _StopAgreed(Exception):
 
 
 class NonFiniteLoss(RuntimeError):
-    """A microbatch's loss was NaN or infinite (on_nan='stop'); names step, microbatch, stage."""
+    """A microbatch's loss was NaN or infinite (on_nan='stop'); names step, microbatch, stage,
+    and whether the step's data held NaN or infinite values. `run_step`: the step of the
+    run, from 0 (-1 when unknown)."""
+
+    def __init__(self, message: str, run_step: int = -1) -> None:
+        super().__init__(message)
+        self.run_step = run_step
 
 
 class RankContext:
