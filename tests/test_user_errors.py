@@ -248,6 +248,33 @@ def test_an_empty_loader_is_one_line_from_the_rank_that_read_it(tmp_path):
                         line), line
 
 
+MISSING_KEY = """\
+import torch
+from torch import nn
+from pipedream_fast import Pipeline
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 16), nn.Linear(16, 3)
+    def forward(self, x, mask):
+        return self.b(torch.relu(self.a(x * mask)))
+torch.manual_seed(0)
+pipe = Pipeline(Masked(), nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                schedule="1f1b", chunks=2, balance=[1, 1], timeout=30)
+data = [({"x": torch.randn(8, 6)}, torch.randn(8, 3)) for _ in range(4)]
+for loss in pipe.train(data, steps=4):
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_a_dict_batch_missing_a_key_is_one_line_under_run(tmp_path):
+    """Was: two full tracebacks (31 lines)."""
+    line = one_line_under_run(tmp_path, MISSING_KEY)
+    assert line.startswith("rank 0, step 1: TracingError: the model's inputs are ['x', 'mask']; "
+                           "the dict given has ['x'] (missing: ['mask']); traceback in "), line
+
+
 # --- pipedream-fast train --------------------------------------------------------------------
 
 def _env(folder: Path) -> dict[str, str]:
