@@ -15,6 +15,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 from collections.abc import Mapping
 
@@ -220,6 +221,19 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def describe(self, names: Sequence[str] | None = None) -> str:
+        """The plan in one line: '2 stages: conv1..pool on rank 0 | fc1..fc2 on rank 1', with
+        the blocks' `names` where given (else 'blocks 0-2')."""
+        def blocks(start: int, stop: int) -> str:
+            if names and len(names) >= stop:
+                return names[start] if stop - start == 1 else f"{names[start]}..{names[stop - 1]}"
+            return f"blocks {start}-{stop - 1}"
+
+        parts = [f"{blocks(st.start, st.stop)} on rank{'s' if len(st.ranks) > 1 else ''} "
+                 f"{','.join(map(str, st.ranks))}"
+                 + (" (recomputing)" if st.extra.get("recompute") else "") for st in self.stages]
+        return f"{self.num_stages} stage{'s' if self.num_stages > 1 else ''}: " + " | ".join(parts)
 
     def stages_of_rank(self, rank: int) -> tuple[int, ...]:
         """The stages a rank holds (several in interleaved placements)."""

@@ -100,6 +100,8 @@ class PipelineOptions:
         None, "seconds an action may last before its rank reports where it stands (the action, "
               "what it waits for, receives posted, sends not completed), once per action, on "
               "stderr; default: a fifth of the timeout; 0: never", flag=True, metavar="S")
+    announce_plan: bool = _option(True, "rank 0 prints the plan in one line each time the "
+                                        "stages are set up (the first cut, a move)")
     trace: bool = _option(False, "record the actions of each run (`last_events`; of a train() "
                                  "call, its first run: up to its first checkpoint or adapt "
                                  "check)")

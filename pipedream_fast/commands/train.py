@@ -211,6 +211,7 @@ def _run_options(s: Settings, setup: RunSetup) -> PipelineOptions:
     """What the ranks of one run build their Pipeline with."""
     return s.options.replace(schedule=setup.schedule, chunks=setup.chunks, microbatch_size=None,
                              schedule_options=_schedule_options(s, setup.schedule),
+                             announce_plan=False,  # this command says the plan itself
                              adapt=s.options.adapt and setup.schedule in ADAPTABLE)
 
 

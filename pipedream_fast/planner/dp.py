@@ -231,7 +231,9 @@ class HierarchicalDP:
            versions and pipeline fill and drain, and estimates of them that can be off;
         2. the most units used (as `best_time` does on ties): a worker left idle is wasted,
            and a Pipeline must run a plan on every rank it has;
-        3. the fastest.
+        3. stage by stage, the fewest replicas for the first stage, then its earliest cut:
+           a fixed order, where "the fastest" would let near-equal cuts (two 2-stage plans
+           0.31 and 0.315 ms apart) swap places with noise from one run to the next.
 
         Inner levels (pipelines inside a group of a hierarchical topology) keep their optimum.
         With margin 0 this is an optimal plan with the fewest stages among the optimal ones."""
@@ -281,8 +283,10 @@ class HierarchicalDP:
                     n = np.where(head <= bound, 1 + count[ss, m - rs], INF)
                     t_all = np.maximum(head, time[ss, m - rs])
                     if np.isfinite(n).any():
-                        fewest = n == n.min()
-                        k = int(np.argmin(np.where(fewest, t_all, INF)))
+                        # Among the fewest stages within the bound, the first in a fixed
+                        # order (fewest first-stage replicas, then the earliest cut), not the
+                        # fastest: near-equal cuts swap places with profile noise.
+                        k = int(np.argmax(n == n.min()))
                         r, s = divmod(k, ss.shape[1])
                         options.append((float(n.flat[k]), float(t_all.flat[k]),
                                         int(ss[0, s]), int(rs[r, 0])))

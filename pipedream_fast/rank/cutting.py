@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import gc
 import itertools
+import math
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable
@@ -308,6 +310,8 @@ class Stages:
         assert self.chain is not None  # captured before any plan is set up
         check_plan_fits(plan, self.chain)
         self._check_same_model_everywhere(self.chain)
+        if self.model is not None and not self.factory_built:  # weights as the ranks built them
+            self._start_from_rank_0(self.chain)
         self.plan = plan
         self.stage_indices = plan.stages_of_rank(self.ctx.rank)
         if self.factory_built:  # the real model rank 0 profiled: freed, cut as on every rank
@@ -345,6 +349,10 @@ class Stages:
                 self.ctx.control, {i: len(plan.stages[i].ranks) for i in self.stage_indices},
                 self.ctx.options.clip_grad_norm, self.scaler, tied, skip_nonfinite=skip_nan)
         self.model = None  # only this rank's stages are kept
+        if self.ctx.rank == 0 and self.ctx.options.announce_plan:
+            names = [block.name for block in self.chain.blocks]
+            print(f"pipedream_fast: plan: {plan.describe(names)}; schedule "
+                  f"{self.ctx.schedule_name}", flush=True)
         self.on_cut()
 
     def recomputed_blocks(self, plan: Plan) -> frozenset[int]:
@@ -446,6 +454,37 @@ class Stages:
                 raise FormatError(f"rank {rank} built a different model than rank 0 ({where}); "
                                   f"every rank must construct the same model")
 
+    def _start_from_rank_0(self, chain: Any) -> None:
+        """Every rank starts from rank 0's initial weights and buffers, as
+        DistributedDataParallel's replicas do: ranks that built the model with another seed
+        would otherwise train a model no single process ever held. Each rank fingerprints its
+        tensors (two float64 sums each: cheap, and no copy of the model travels when they
+        agree); only the tensors where some rank differs from rank 0 are broadcast, and rank
+        0 says so once, naming the first. Collective; before the cut, while every rank holds
+        the whole model (tensors on the meta device are initialised alike later, by seed)."""
+        tensors = list({id(t): t for block in chain.blocks
+                        for t in tensors_of(block.module)}.values())
+        prints = self.ctx.control.all_gather_object([_fingerprint(t) for t in tensors])
+        differ = [i for i, mine in enumerate(prints[0]) if mine is not None and any(
+            other[i] is not None and not _alike(mine, other[i]) for other in prints[1:])]
+        if not differ:
+            return
+        with torch.no_grad():
+            for i in differ:
+                values = tensors[i].detach().to("cpu", copy=True)
+                self.ctx.control.broadcast(values, src=0)
+                tensors[i].copy_(values)
+        if self.ctx.rank == 0:
+            ranks = sorted({r for r, other in enumerate(prints) for i in differ
+                            if other[i] is not None and not _alike(prints[0][i], other[i])})
+            first = self.names.get(id(tensors[differ[0]]), ("a tensor",))[0]
+            warnings.warn(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                          f"built the model with other initial values than rank 0 in "
+                          f"{len(differ)} of its {len(tensors)} tensors (the first: {first!r}); "
+                          f"every rank starts from rank 0's. Seed alike before building the "
+                          f"model (torch.manual_seed) to start from the same weights anyway",
+                          stacklevel=4)
+
     def materialize(self, module: nn.Module, device: torch.device, stage: int = 0) -> None:
         """`materialize` with this rank's seed and names."""
         materialize(module, device, stage, seed=self.ctx.seed, names=self.names,
@@ -544,6 +583,22 @@ class Stages:
 
 def tensors_of(module: nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(), *module.buffers()]
+
+
+def _fingerprint(t: torch.Tensor) -> tuple[float, float] | None:
+    """The sum and the norm of a tensor's values (None on the meta device)."""
+    if t.is_meta:
+        return None
+    values = t.detach() if t.is_floating_point() else t.detach().double()
+    return (float(torch.sum(values, dtype=torch.float64)),
+            float(torch.linalg.vector_norm(values, dtype=torch.float64)))
+
+
+def _alike(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Two fingerprints of the same values (sums may differ in the last bits between ranks
+    with other thread counts or devices; NaN equals NaN)."""
+    return all(x == y or (math.isnan(x) and math.isnan(y))
+               or math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) for x, y in zip(a, b))
 
 
 def materialize(module: nn.Module, device: torch.device, stage: int = 0, *, seed: int,
