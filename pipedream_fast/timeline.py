@@ -1,9 +1,10 @@
-"""The familiar pipeline diagram of a simulated run, as a PNG (matplotlib, Agg backend).
+"""The familiar pipeline diagram of a simulated run, as a PNG (matplotlib, Agg backend),
+titled as a simulation (a prediction from the profile, not a measurement).
 
 Ranks are rows (rank 0 on top); each forward and backward is a box at its simulated time,
 colored by kind, with the microbatch number inside (and the weight version, when the box is
-wide enough and the schedule uses more than one). Optimizer steps and all-reduces are thin
-marks, so flushes and their bubbles stand out.
+wide enough and the schedule uses more than one), which a key under the plot explains.
+Optimizer steps and all-reduces are thin marks, so flushes and their bubbles stand out.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ _COLORS = {ActionKind.FORWARD: "#7fb3e0", ActionKind.BACKWARD: "#f0a35e",
 
 
 def draw_timeline(result: SimResult, path: str | os.PathLike[str],
-                  title: str | None = None) -> None:
+                  title: str | None = None) -> tuple[str, str]:
+    """Draws `result` to `path`; returns the title and the key under the plot."""
     s = result.schedule
     span = result.makespan or 1.0
     width = min(40.0, max(8.0, 0.25 * len([r for r in result.records
@@ -66,8 +68,15 @@ def draw_timeline(result: SimResult, path: str | os.PathLike[str],
               [k.value.replace("_", " ") for k in present], loc="upper center",
               bbox_to_anchor=(0.5, -0.35 if s.num_ranks < 4 else -0.12),
               ncol=len(present), fontsize=7, frameon=False)
-    ax.set_title(title or f"{s.name}: {s.num_stages} stages, {s.num_microbatches} microbatches, "
-                          f"makespan {result.makespan:g} {result.time_unit}", fontsize=9)
+    title = title or (f"simulated {s.name} (predicted from the profile, not measured): "
+                      f"{s.num_stages} stages, {s.num_microbatches} microbatches, makespan "
+                      f"{result.makespan:.4g} {result.time_unit}")
+    ax.set_title(title, fontsize=9)
+    key = "number in a box: its microbatch"
+    if len(versions) > 1:
+        key += "; vN: the weight version it computes with"
+    fig.text(0.01, 0.01, key, fontsize=7, ha="left", va="bottom")
     fig.tight_layout()
     fig.savefig(os.fspath(path), dpi=110)
     plt.close(fig)
+    return title, key

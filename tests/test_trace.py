@@ -68,5 +68,10 @@ def test_every_schedule_draws(name: str, tmp_path) -> None:
         stages, kw = 4, {"stages_per_rank": 2}
     result = simulate(make_schedule(name, stages, 8, **kw), UnitCosts(comm=0.2))
     path = tmp_path / f"{name}.png"
-    draw_timeline(result, path)
+    title, key = draw_timeline(result, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # what it is (a simulation, not a measurement) and what its labels mean
+    assert title.startswith(f"simulated {name} (predicted from the profile, not measured)")
+    assert key.startswith("number in a box: its microbatch")
+    several = len({r.action.version for r in result.records if r.action.kind.is_compute}) > 1
+    assert ("vN: the weight version" in key) == several
