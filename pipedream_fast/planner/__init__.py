@@ -102,13 +102,14 @@ def _structural_hint(costs: Costs, topology: Topology, straight: bool) -> str:
 def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedream",
               straight: bool = False, strategy: str = "dp",
               chunks: int | None = None, stages_per_rank: int = 1,
-              margin: float = MARGIN, recompute: str = "none") -> Plan:
+              margin: float = MARGIN, recompute: str = "none", placement: str = "looped") -> Plan:
     """Plan `profile` on `topology`; see the module docstring for the strategies.
 
     `chunks` is the number of microbatches per step, all of which GPipe keeps in flight
     (default: the worker count); the memory limit is `topology.memory_per_worker` (or per
     rank, `Topology.memory_of`).
-    `stages_per_rank` > 1 plans an interleaved pipeline instead (see `interleaved_plan`).
+    `stages_per_rank` > 1 plans an interleaved pipeline instead (see `interleaved_plan`), its
+    stages looped over the ranks or, with `placement="v"` (zb-v), in a V.
     `margin`: the DP keeps the simplest plan within this fraction of the fastest (0: the
     fastest, with the fewest stages among equally fast ones).
     `recompute`: none (stages keep their activations), all (every stage makes them again in
@@ -121,7 +122,8 @@ def make_plan(profile: Profile, topology: Topology, *, schedule: str = "pipedrea
         raise PlanningError(f"margin is a fraction of the fastest plan's time in [0, 1), got "
                             f"{margin}")
     if stages_per_rank != 1:
-        return interleaved_plan(profile, topology, stages_per_rank, schedule, recompute)
+        return interleaved_plan(profile, topology, stages_per_rank, schedule, recompute,
+                                placement)
     if topology.heterogeneous:
         return _hetero_plan(profile, topology, schedule, straight, strategy, chunks, margin,
                             recompute)
@@ -237,10 +239,12 @@ def _plan_choice(solver: HierarchicalDP, chosen: tuple[float, list[StageNode]],
 
 
 def interleaved_plan(profile: Profile, topology: Topology, stages_per_rank: int,
-                     schedule: str = "1f1b", recompute: str = "none") -> Plan:
+                     schedule: str = "1f1b", recompute: str = "none",
+                     placement: str = "looped") -> Plan:
     """Workers x v stages balanced by time, stage k on rank k mod workers (the looped placement
-    of interleaved schedules), one replica each. The predicted time per minibatch is the
-    busiest rank's compute over its v stages."""
+    of interleaved schedules), one replica each; with `placement="v"` (v = 2, zb-v) stage k
+    on rank k for k < workers, else on rank 2 x workers - 1 - k. The predicted time per
+    minibatch is the busiest rank's compute over its v stages."""
     began = time.perf_counter()
     if topology.heterogeneous:
         raise PlanningError(f"interleaved plans (stages per rank > 1) are not planned for "
@@ -250,17 +254,25 @@ def interleaved_plan(profile: Profile, topology: Topology, stages_per_rank: int,
     if v < 1 or workers * v > costs.num_blocks:
         raise PlanningError(f"{workers} workers x {v} stages per rank need at least "
                             f"{workers * v} blocks; the model has {costs.num_blocks}")
+    if placement not in ("looped", "v") or (placement == "v" and v != 2):
+        raise PlanningError(f"placement is looped (any stages per rank) or v (2 stages per "
+                            f"rank), got {placement!r} with {v} stages per rank")
+    rank_of = ((lambda k: k if k < workers else 2 * workers - 1 - k) if placement == "v"
+               else (lambda k: k % workers))
     bounds = balanced_partition(np.diff(costs.compute[0]).tolist(), workers * v)
     memory = _memory_model(schedule, topology.uniform_memory, topology.workers, recompute)
-    stages = choose_recompute([FlatStage(a, b, (k % workers,))
+    stages = choose_recompute([FlatStage(a, b, (rank_of(k),))
                                for k, (a, b) in enumerate(zip(bounds, bounds[1:]))], costs, memory)
     times, cuts = flat_times(stages, costs, topology, memory)
     data_parallel = flatten(data_parallel_tree(costs.num_blocks, topology), topology)
     data_parallel_ms = nested_times(data_parallel, costs, topology, memory)[0][0]
     plan = _assemble(profile, topology, stages, times, cuts, stage_memory(stages, costs, memory),
                      costs, memory, data_parallel_ms, "time", True, began, nested=False)
-    plan.bottleneck_ms = max(max(sum(times[k::workers]) for k in range(workers)), max(cuts or [0]))
+    per_rank = [sum(t for k, t in enumerate(times) if rank_of(k) == r) for r in range(workers)]
+    plan.bottleneck_ms = max(max(per_rank), max(cuts or [0]))
     plan.extra["stages_per_rank"] = v
+    if placement != "looped":
+        plan.extra["placement"] = placement
     return plan
 
 

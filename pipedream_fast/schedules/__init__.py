@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import math
 import pkgutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipedream_fast.ir import Schedule
@@ -43,7 +43,8 @@ def looped_ranks(num_stages: int, stages_per_rank: int) -> list[list[int]]:
 
 
 def _layout(num_stages: int, num_microbatches: int, replicas: Sequence[int] | None,
-            stage_ranks: Sequence[Sequence[int]] | None, stages_per_rank: int | None) -> Layout:
+            stage_ranks: Sequence[Sequence[int]] | None, stages_per_rank: int | None,
+            placement: Callable[[int, int], list[list[int]]] = looped_ranks) -> Layout:
     if num_stages < 1 or num_microbatches < 1:
         raise ValueError(f"need at least 1 stage and 1 microbatch, got {num_stages} stages and "
                          f"{num_microbatches} microbatches")
@@ -51,7 +52,7 @@ def _layout(num_stages: int, num_microbatches: int, replicas: Sequence[int] | No
         if stage_ranks is not None or replicas is not None:
             raise ValueError("give stages_per_rank or a placement (stage_ranks, replicas), "
                              "not both")
-        stage_ranks = looped_ranks(num_stages, stages_per_rank)
+        stage_ranks = placement(num_stages, stages_per_rank)
     if stage_ranks is not None:
         ranks = tuple(tuple(int(r) for r in rs) for rs in stage_ranks)
         if replicas is not None and list(replicas) != [len(r) for r in ranks]:
@@ -88,7 +89,8 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
     """Generate schedule `name` (one of SCHEDULE_NAMES) as a stream.
 
     replicas: ranks per stage (default 1 each); stage_ranks: explicit stage -> ranks mapping;
-      stages_per_rank: v stages per rank in the looped placement (interleaved schedules).
+      stages_per_rank: v stages per rank in the looped placement (interleaved schedules), or
+      in the schedule's own (`ScheduleKind.placement`: zb-v's V).
     chunks: microbatches per optimizer step for gpipe, 1f1b and data-parallel
       (default: all of them, one minibatch) and for 2bw (default: the number of workers,
       rounded up to a multiple of every replica count).
@@ -97,7 +99,8 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
     Raises ValueError for an unknown name or parameters that do not apply or do not fit.
     """
     spec = kind(name)
-    layout = _layout(num_stages, num_microbatches, replicas, stage_ranks, stages_per_rank)
+    layout = _layout(num_stages, num_microbatches, replicas, stage_ranks, stages_per_rank,
+                     spec.placement or looped_ranks)
     given = {k: v for k, v in schedule_options.items() if v is not None}
     spec.check_options(given)
     options = Options(chunks, given)

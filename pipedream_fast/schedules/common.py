@@ -108,11 +108,13 @@ class Program:
 
 def build(name: str, config: Config, compute: ComputeProgram,
           max_versions: Mapping[int, int], max_inflight: Mapping[int, int],
-          gradients: bool = True) -> Schedule:
+          gradients: bool = True, early_inputs: bool = False) -> Schedule:
     """A streaming Schedule: every rank's compute program, lowered lazily (`gradients`
-    False: a forward-only program, no gradient messages)."""
+    False: a forward-only program, no gradient messages; `early_inputs`: see
+    `lowering.add_communication`)."""
     layout = config.layout
     ranks = range(layout.num_ranks)
     return Schedule(name, layout.num_stages, layout.num_microbatches, layout.stage_ranks, None,
                     [max_versions[r] for r in ranks], [max_inflight[r] for r in ranks],
-                    stream=lambda rank: lower(rank, compute(rank), layout, gradients))
+                    stream=lambda rank: lower(rank, compute(rank), layout, gradients,
+                                              early_inputs))

@@ -171,7 +171,7 @@ def add_retention(actions: Iterable[Action]) -> Iterator[Action]:
 
 
 def add_communication(rank: int, actions: Iterable[Action], layout: Layout,
-                      gradients: bool = True) -> Iterator[Action]:
+                      gradients: bool = True, early_inputs: bool = False) -> Iterator[Action]:
     """Adds sends and receives to one rank's program, lazily; tensors between stages on the
     same rank move locally.
 
@@ -182,20 +182,28 @@ def add_communication(rank: int, actions: Iterable[Action], layout: Layout,
     ALLREDUCE, OPTIMIZER_STEP, RELEASE, AVERAGE). Early posting is what keeps neighbours that
     send to each other in the same gap (1F1B), or a rank blocked in an all-reduce, from
     deadlocking under the blocking rule of `pipedream_fast.ir.validator`. Without `gradients`
-    (forward-only programs) no gradient receive is posted.
+    (forward-only programs) no gradient receive is posted. With `early_inputs` (breadth-first
+    schedules, where a rank forwards a whole step on one stage before its next one) the input
+    of a microbatch on the rank's next stage is posted right after its forward on this one,
+    as a gradient receive is: the stage before may then send ahead while this rank still
+    works on its earlier stage.
     """
     last = layout.num_stages - 1
+    mine = layout.stages_of(rank)
     recvs: list[Action] = []
     sends: list[Action] = []
     held: list[Action] = []
+    early: set[tuple[int, int]] = set()  # (stage, mb) inputs already posted
     for a in actions:
         if not a.kind.is_compute:
             held.append(a)
             continue
         s, mb = a.stage, a.microbatch
         assert mb is not None
-        if a.kind is K.FORWARD and s > 0 and (src := layout.rank_of(s - 1, mb)) != rank:
+        if a.kind is K.FORWARD and s > 0 and (src := layout.rank_of(s - 1, mb)) != rank \
+                and (s, mb) not in early:
             recvs.append(Action(K.RECV_ACT, s, mb, peer=src))
+        early.discard((s, mb))
         yield from recvs + sends + held
         yield a
         recvs, sends, held = [], [], []
@@ -203,12 +211,17 @@ def add_communication(rank: int, actions: Iterable[Action], layout: Layout,
             if gradients:
                 recvs.append(Action(K.RECV_GRAD, s, mb, peer=peer))
             sends.append(Action(K.SEND_ACT, s, mb, peer=peer))
+        if a.kind is K.FORWARD and early_inputs:
+            t = next((t for t in mine if t > s and layout.rank_of(t, mb) == rank), None)
+            if t is not None and (src := layout.rank_of(t - 1, mb)) != rank:
+                recvs.append(Action(K.RECV_ACT, t, mb, peer=src))
+                early.add((t, mb))
         if a.kind.spec.makes_input_grad and s > 0 and (dst := layout.rank_of(s - 1, mb)) != rank:
             sends.append(Action(K.SEND_GRAD, s, mb, peer=dst))
     yield from recvs + sends + held
 
 
 def lower(rank: int, compute: Iterable[Action], layout: Layout,
-          gradients: bool = True) -> Iterator[Action]:
-    """A rank's full program from its compute program."""
-    return add_communication(rank, add_retention(compute), layout, gradients)
+          gradients: bool = True, early_inputs: bool = False) -> Iterator[Action]:
+    """A rank's full program from its compute program (`add_communication` for the options)."""
+    return add_communication(rank, add_retention(compute), layout, gradients, early_inputs)

@@ -84,6 +84,8 @@ class ScheduleKind:
     split_backward: it splits backwards into input and weight parts (stages record the calls
       of their modules for that).
     planning: `make_plan` options this schedule needs (a strategy, stages per rank).
+    placement(num_stages, stages_per_rank): stage -> ranks when `make_schedule` is given
+      stages_per_rank (default: the looped placement, stage g on rank g mod p; zb-v: a V).
     """
 
     name: str
@@ -102,6 +104,7 @@ class ScheduleKind:
     plans_as: str | None = None
     split_backward: bool = False
     planning: Mapping[str, Any] = field(default_factory=dict)
+    placement: Callable[[int, int], list[list[int]]] | None = None
     period: Callable[[Config], int] = field(
         default=lambda c: math.lcm(c.chunks,
                                    *(len(r) for r in c.layout.stage_ranks)))

@@ -37,11 +37,11 @@ def zb_order(mbs: Sequence[int], warmup: int, delay: int) -> Iterator[tuple[str,
         yield "W", m
 
 
-def generate(config: Config) -> Schedule:
+def generate(config: Config, name: str = "zb-h1") -> Schedule:
     layout = config.layout
 
     def compute(rank: int) -> Iterator[Action]:
-        s, i = layout.only_stage(rank, "zb-h1")
+        s, i = layout.only_stage(rank, name)
         r, noam, p = layout.replicas(s), layout.noam(s), Program(s)
         delay = max(0, layout.noam(0) - noam)
         for g in range(config.num_groups()):
@@ -56,9 +56,9 @@ def generate(config: Config) -> Schedule:
     ranks = range(layout.num_ranks)
     inflight = {}
     for rank in ranks:
-        s, i = layout.only_stage(rank, "zb-h1")
+        s, i = layout.only_stage(rank, name)
         inflight[rank] = min(max(layout.noam(0), layout.noam(s)), config.most_local(s, i))
-    return build("zb-h1", config, compute, dict.fromkeys(ranks, 1), inflight)
+    return build(name, config, compute, dict.fromkeys(ranks, 1), inflight)
 
 
 register(ScheduleKind(
