@@ -1,4 +1,4 @@
-"""Plots and the README's results table, from the JSON the benchmarks wrote.
+"""Plots and the results table of docs/results.md, from the JSON the benchmarks wrote.
 
     python bench/report.py [--results bench/results] [--no-readme]
 
@@ -10,7 +10,7 @@ yet is left out, never invented) and writes:
 * `predicted_vs_measured.png`: the simulator's samples/s against the runtime's, with the 10%
   band (sim_accuracy.json);
 * `time_to_accuracy.png` is drawn by bench/time_to_accuracy.py itself;
-* the table between the `results:begin` and `results:end` markers of README.md, each row with
+* the table between the `results:begin` and `results:end` markers of docs/results.md, each row with
   the goal it is held to and the file it comes from.
 """
 
@@ -94,7 +94,7 @@ def plot_prediction(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-# ---- the README table ------------------------------------------------------------------------
+# ---- the results table -----------------------------------------------------------------------
 
 def goal(ok: bool) -> str:
     return "met" if ok else "**missed**"
@@ -305,7 +305,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=BENCH / "results")
     parser.add_argument("--no-readme", action="store_true",
-                        help="print the table instead of writing it into README.md")
+                        help="print the table instead of writing it into docs/results.md")
     args = parser.parse_args()
     ddp = load(args.results, "vs_ddp")
     if ddp is not None:
@@ -317,8 +317,8 @@ def main() -> int:
     if args.no_readme:
         print(text)
     else:
-        update_readme(ROOT / "README.md", text)
-        print(f"README.md: results table rewritten from {args.results}")
+        update_readme(ROOT / "docs" / "results.md", text)
+        print(f"docs/results.md: results table rewritten from {args.results}")
     return 0
 
 

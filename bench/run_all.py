@@ -1,5 +1,5 @@
 """The benchmark suite in one command: every comparison of the project's claims, one after the
-other on the same machine, then the plots and the README's results table from what they wrote.
+other on the same machine, then the plots and docs/results.md's results table from what they wrote.
 
     python bench/run_all.py                  # about 30 minutes on 2 cores
     python bench/run_all.py --only vs_ddp,sim_accuracy
@@ -9,7 +9,7 @@ Each benchmark runs as its own process with the settings below and writes its ma
 JSON into the results folder (bench/results by default); one that fails or cannot run here
 (the emulated cluster needs root and network namespaces) is reported and the suite goes on.
 Then `bench/report.py` draws the plots and rewrites the table between the markers in
-README.md (only for the default results folder). Run it on a quiet machine: these are
+docs/results.md (only for the default results folder). Run it on a quiet machine: these are
 throughput measurements on shared cores, and another process on them shows in every figure.
 """
 
@@ -121,7 +121,7 @@ def main() -> int:
                         help="the smallest settings of each: checks the suite runs, measures "
                              "nothing worth keeping (use with --results elsewhere)")
     parser.add_argument("--no-report", action="store_true",
-                        help="skip the plots and the README table")
+                        help="skip the plots and the results table")
     args = parser.parse_args()
     chosen = list(SUITE)
     if args.only:
