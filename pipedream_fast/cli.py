@@ -21,11 +21,28 @@ class UsageError(Exception):
     """Bad command-line input that argparse cannot catch; printed without a traceback."""
 
 
+def version() -> str:
+    """The installed package's version (its metadata), else the source's `__version__` (a
+    checkout on sys.path, not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("pipedream_fast")
+    except PackageNotFoundError:
+        from pipedream_fast import __version__
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipedream-fast",
-        description="Profile, plan, simulate and train pipeline-parallel PyTorch models.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+        description="Profile, plan, simulate and train pipeline-parallel PyTorch models.",
+        epilog="`pipedream-fast COMMAND --help` describes a command.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    # Not required: with no command, `main` prints this help (which lists the commands),
+    # where argparse would print only its usage line and "required: COMMAND".
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"pipedream_fast.commands.{name}").register(sub)
     return parser
@@ -34,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # a usage error (exit 2, on stderr), with the commands listed
+        parser.print_help(sys.stderr)
+        print(f"\n{parser.prog}: error: no command given; choose one of "
+              f"{', '.join(COMMAND_MODULES)}", file=sys.stderr)
+        return 2
     from pipedream_fast.launch import LaunchError
 
     try:

@@ -308,9 +308,11 @@ def flag_name(option: str) -> str:
     return "--" + option.replace("_", "-")
 
 
-def add_flags(parser: argparse._ActionsContainer) -> None:
+def add_flags(parser: argparse._ActionsContainer,
+              schedule_group: argparse._ActionsContainer | None = None) -> None:
     """A flag for every option marked for the command line, and for every option a schedule
-    declares (its help says which schedules take it)."""
+    declares (its help says which schedules take it), those in `schedule_group` if given (an
+    argument group of their own in `--help`)."""
     for f in dataclasses.fields(PipelineOptions):
         if not f.metadata.get("flag"):
             continue
@@ -324,7 +326,7 @@ def add_flags(parser: argparse._ActionsContainer) -> None:
                             choices=f.metadata["choices"],
                             metavar=f.metadata["metavar"],
                             help=f"{f.metadata['help']} (default: {f.default})")
-    add_schedule_flags(parser)
+    add_schedule_flags(parser if schedule_group is None else schedule_group)
 
 
 def add_schedule_flags(parser: argparse._ActionsContainer) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from pipedream_fast import cli
 from pipedream_fast.formats import Plan, Profile
-from pipedream_fast.schedules import AUTOMATIC, TRAINABLE
+from pipedream_fast.schedules import AUTOMATIC, SCHEDULE_NAMES, TRAINABLE, kind
 
 
 @pytest.fixture(autouse=True)
@@ -75,6 +75,36 @@ def test_plan_options(mlp_profile: Path, tmp_path: Path, extra: list[str]) -> No
         assert all(s.replicas == 1 for s in plan.stages)
     if "data-parallel" in extra:
         assert len(plan.stages) == 1 and plan.stages[0].replicas == 4
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_plan_plans_every_schedule_as_train_does(mlp_profile: Path, tmp_path: Path,
+                                                 schedule: str) -> None:
+    """Each schedule is planned with its own needs (`plan_for`: interleaved ones 2 stages per
+    rank, data-parallel its strategy), as `train` plans it, and the plan names it."""
+    from pipedream_fast.planner.choose import plan_for
+    from pipedream_fast.topology import Topology
+
+    out = tmp_path / "plan.json"
+    assert run("plan", "--profile", mlp_profile, "--topology", "2x1e9", "--schedule", schedule,
+               "--quiet", "--out", out) == 0
+    plan = Plan.load(out)
+    assert plan.schedule == schedule
+    same = plan_for(schedule, Profile.load(mlp_profile), Topology.parse("2x1e9"),
+                    recompute="auto")
+    assert [(s.start, s.stop, s.ranks) for s in plan.stages] == \
+        [(s.start, s.stop, s.ranks) for s in same.stages]
+    if kind(schedule).planning.get("stages_per_rank") == 2:
+        assert len(plan.stages) == 4
+
+
+def test_plan_refuses_a_strategy_its_schedule_contradicts(mlp_profile: Path,
+                                                          capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    err = error_of(capsys, "plan", "--profile", mlp_profile, "--topology", "2x1e9",
+                   "--schedule", "data-parallel", "--strategy", "uniform")
+    assert len(err.strip().splitlines()) == 1
+    assert "--schedule data-parallel is planned with --strategy data-parallel" in err
 
 
 def test_plan_chooses_the_schedule(mlp_profile: Path, tmp_path: Path,

@@ -436,3 +436,28 @@ def test_every_pipeline_option_flag_reaches_the_ranks_options_unchanged():
     assert (options.clip_grad_norm, options.precision, options.seed, options.on_nan,
             options.timeout) == (0.25, "bf16", 7, "skip", 12.5)
     assert (options.schedule, options.chunks) == ("1f1b", 2)
+
+
+def test_the_summarys_calibrated_prediction_is_one_line_a_row():
+    """The calibrated rate's cell (it wrapped over three lines, issue 32): the prediction and
+    the measured rate on one line, what it was calibrated on and the prediction from the same
+    epochs' own speed in rows of their own, in summary.txt's width."""
+    from pipedream_fast import run_report as rr
+    from pipedream_fast.commands.train_report import calibrated_text, calibration_rows
+
+    c = {"warmup_epochs": 1, "calibrated_epochs": 2, "predicted_epochs": 7,
+         "predicted_samples_per_s": 18512.3, "measured_samples_per_s": 16634.2,
+         "error_pct": 11.3, "same_window_samples_per_s": 16700.1,
+         "same_window_error_pct": 0.4}
+    rows = [("samples/s simulated, calibrated", [calibrated_text(c)]),
+            *calibration_rows([c])]
+    assert [label for label, _ in rows] == ["samples/s simulated, calibrated", "calibrated on",
+                                            "samples/s simulated, own speed"]
+    text = rr.render_text(rr.summary_table("t", ["pipedream"], rows))
+    body = [line for line in text.splitlines() if line.startswith("│")]
+    assert len(body) == 3, text  # a line each
+    assert "18,512.3 for epochs 4-10; measured 16,634.2 (+11.3%)" in body[0]
+    assert "epochs 2-3 (epoch 1 warms up)" in body[1]
+    assert "16,700.1 (+0.4%)" in body[2]
+    assert calibration_rows([None]) == []
+    assert "needs 2 epochs" in calibrated_text(None)

@@ -18,7 +18,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,9 +32,8 @@ from pipedream_fast.launch import launch
 from pipedream_fast.models import build_model, loss_fn
 from pipedream_fast.pipeline import NonFiniteLoss, Pipeline
 from runtime_reference import train_reference
-from test_signals import START, gone, wait_for_pids
+from test_signals import START, cli_process, finish, gone, wait_for_pids
 
-ROOT = Path(__file__).resolve().parent.parent
 GRACE = 60.0  # the launcher's grace: long enough that the ranks stop on their own
 
 JOB = """\
@@ -106,16 +104,18 @@ def test_sigterm_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path
                                                                         target, signum):
     job = tmp_path / "job.py"
     job.write_text(JOB)
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "pipedream_fast.cli", "run", "--nproc", "2", "--grace",
-         str(GRACE), str(job), str(tmp_path), schedule], cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # SIGHUP at its default whatever this run inherited (nohup): see `cli_process`
+    launcher = cli_process("run", "--nproc", "2", "--grace", str(GRACE), str(job),
+                           str(tmp_path), schedule)
     try:
         pids = wait_for_pids(tmp_path, [0, 1], timeout=START,
                              alive=lambda: launcher.poll() is None)
         sent = time.monotonic()
         send(signum, target, launcher, pids)
-        stdout, stderr = launcher.communicate(timeout=30)
+        stdout, stderr = finish(launcher, 30, f"`pipedream-fast run` to exit after "
+                                              f"{signal.Signals(signum).name} to the {target}, "
+                                              f"its ranks stopping at an agreed step with a "
+                                              f"checkpoint")
         took = time.monotonic() - sent
     finally:
         launcher.kill()
@@ -171,19 +171,19 @@ def test_sigterm_to_train_with_threads_saves_the_runs_checkpoint_at_an_agreed_st
     saves its run's checkpoint there, says so, and exits with 143; the checkpoint equals
     single-process training on those steps (1f1b is synchronous)."""
     out = tmp_path / "run"
-    command = subprocess.Popen(
-        [sys.executable, "-m", "pipedream_fast.cli", "train", "--threads", "2", *TRAIN,
-         "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True)
+    command = cli_process("train", "--threads", "2", *TRAIN, "--out", str(out))
     try:
         deadline = time.monotonic() + START
         while not (out / "metrics.csv").exists() or \
                 len((out / "metrics.csv").read_text().splitlines()) < 3:  # steps 5 and 10
             assert command.poll() is None, command.communicate()
-            assert time.monotonic() < deadline, "training did not start"
+            assert time.monotonic() < deadline, (f"training did not start: no steps 5 and "
+                                                 f"10 in {out / 'metrics.csv'} after "
+                                                 f"{START:g} s")
             time.sleep(0.05)
         os.killpg(command.pid, signal.SIGTERM)
-        stdout, stderr = command.communicate(timeout=30)
+        stdout, stderr = finish(command, 30, "`pipedream-fast train --threads 2` to save its "
+                                             "run's checkpoint and exit after SIGTERM")
     finally:
         command.kill()
     assert command.returncode == 143, stderr

@@ -58,8 +58,10 @@ def wait_for_pids(folder: Path, ranks: Sequence[int], timeout: float = START,
     deadline = time.monotonic() + timeout
     paths = [folder / f"rank{r}.pid" for r in ranks]
     while not all(p.exists() for p in paths):
-        assert alive(), "the launcher ended before its ranks started"
-        assert time.monotonic() < deadline, "the ranks did not start"
+        missing = ", ".join(p.name for p in paths if not p.exists())
+        assert alive(), f"the launcher ended before its ranks started (no {missing})"
+        assert time.monotonic() < deadline, (f"the ranks did not start: no {missing} in "
+                                             f"{folder} after {timeout:g} s")
         time.sleep(0.05)
     return [int(p.read_text()) for p in paths]
 
@@ -219,12 +221,62 @@ def test_blame_prefers_a_killed_rank_then_an_own_error_then_a_peer_symptom():
 
 # --- pipedream-fast run: signals to the launcher --------------------------------------------
 
-def cli_process(*args: str) -> subprocess.Popen[str]:
+# `python -m pipedream_fast.cli ARGS` with SIGHUP set as argv[1] says (SIG_DFL, SIG_IGN) and
+# SIGINT as Python sets it at start-up, whatever this test run inherited. Under `nohup` SIGHUP
+# is ignored, under `cmd &` in a script SIGINT too, and an ignored signal stays ignored in
+# every child; the launcher (rightly) keeps an ignored SIGHUP ignored, so a test that sends
+# the command a SIGHUP must start it as a terminal would, with SIGHUP at its default.
+AS_STARTED = """\
+import runpy, signal, sys
+signal.signal(signal.SIGHUP, getattr(signal, sys.argv.pop(1)))
+signal.signal(signal.SIGINT, signal.default_int_handler)
+runpy.run_module("pipedream_fast.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def cli_process(*args: str, sighup: str = "SIG_DFL") -> subprocess.Popen[str]:
     """The command in a session of its own, so that a Ctrl-C (to its process group) reaches
-    it and its ranks, not pytest."""
-    return subprocess.Popen([sys.executable, "-m", "pipedream_fast.cli", *args], cwd=ROOT,
+    it and its ranks, not pytest; its SIGHUP `sighup` (default: as from a terminal), not what
+    this test run inherited (see `AS_STARTED`)."""
+    return subprocess.Popen([sys.executable, "-c", AS_STARTED, sighup, *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
+
+
+def ignored_stop_signals(pid: int) -> str:
+    """Which of SIGHUP, SIGINT and SIGTERM process `pid` ignores (its /proc status), for
+    messages."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "?"
+    mask = int(next(line.split()[1] for line in status.splitlines()
+                    if line.startswith("SigIgn:")), 16)
+    names = [s.name for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)
+             if mask >> (s - 1) & 1]
+    return ", ".join(names) or "none of SIGHUP, SIGINT, SIGTERM"
+
+
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+
+
+def finish(process: subprocess.Popen[str], timeout: float, awaited: str) -> tuple[str, str]:
+    """The (stdout, stderr) of `process` once it exits. If it has not within `timeout` seconds
+    the test fails, naming what it waited for (`awaited`), the stop signals the process
+    ignored and what it had written so far, rather than with a bare TimeoutExpired."""
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        ignoring = ignored_stop_signals(process.pid)
+        process.kill()
+    try:
+        stdout, stderr = process.communicate(timeout=5)
+    except subprocess.TimeoutExpired as again:  # its ranks still hold the pipes
+        stdout, stderr = again.stdout, again.stderr
+    pytest.fail(f"{awaited}: still running {timeout:g} s later (it ignored: {ignoring}); "
+                f"killed.\n--- its stdout so far ---\n{_text(stdout)}"
+                f"--- its stderr so far ---\n{_text(stderr)}")
 
 
 @pytest.mark.parametrize("signum, job", [(signal.SIGTERM, TRAINER), (signal.SIGINT, SLEEPER)],
@@ -236,7 +288,8 @@ def test_run_forwards_sigterm_and_sigint_and_leaves_no_rank(tmp_path, signum, jo
         pids = wait_for_pids(tmp_path, [0, 1], alive=lambda: launcher.poll() is None)
         sent = time.monotonic()
         launcher.send_signal(signum)
-        _, stderr = launcher.communicate(timeout=GRACE + SLACK)
+        _, stderr = finish(launcher, GRACE + SLACK, f"`pipedream-fast run` to exit after "
+                                                    f"{signal.Signals(signum).name}")
         assert time.monotonic() - sent < GRACE + SLACK
     finally:
         launcher.kill()
@@ -309,7 +362,9 @@ def test_run_passes_a_group_wide_sigterm_and_sighup_to_each_rank_once(tmp_path, 
             os.killpg(launcher.pid, signum)
         else:
             launcher.send_signal(signum)
-        _, stderr = launcher.communicate(timeout=GRACE + SLACK)
+        _, stderr = finish(launcher, GRACE + SLACK,
+                           f"`pipedream-fast run` to exit after {signal.Signals(signum).name} "
+                           f"to the {target} (its ranks end 0.5 s after theirs)")
     finally:
         launcher.kill()
     name = signal.Signals(signum).name
@@ -317,6 +372,27 @@ def test_run_passes_a_group_wide_sigterm_and_sighup_to_each_rank_once(tmp_path, 
     assert f"pipedream-fast run: stopped by {name}: sent it to the 2 ranks\n" in stderr
     assert signals_got(tmp_path, [0, 1]) == [[name], [name]]
     assert wait_gone(pids, 2.0) == []
+
+
+def test_run_keeps_an_inherited_ignored_sighup_ignored(tmp_path):
+    """Started under `nohup` (SIGHUP ignored), the launcher leaves SIGHUP ignored: a closed
+    terminal does not stop the job, nor reach its ranks; SIGTERM still stops it."""
+    launcher = cli_process("run", "--nproc", "2", "--grace", str(GRACE),
+                           str(script(tmp_path, STOPPER)), str(tmp_path), "slow",
+                           sighup="SIG_IGN")
+    try:
+        wait_for_pids(tmp_path, [0, 1], alive=lambda: launcher.poll() is None)
+        launcher.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert launcher.poll() is None, "a SIGHUP stopped a launcher started under nohup"
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = finish(launcher, GRACE + SLACK, "`pipedream-fast run` (SIGHUP ignored) to "
+                                                    "exit after SIGTERM")
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 143, stderr
+    assert "pipedream-fast run: stopped by SIGTERM: sent it to the 2 ranks\n" in stderr
+    assert signals_got(tmp_path, [0, 1]) == [["SIGTERM"], ["SIGTERM"]]  # no SIGHUP, ever
 
 
 def test_run_takes_a_second_sigterm_within_the_window_as_the_same_request(tmp_path, capsys):
@@ -425,7 +501,8 @@ def test_train_stops_its_ranks_on_sigterm_and_sigint(tmp_path, signum):
         while not (out / "metrics.csv").exists() or \
                 len((out / "metrics.csv").read_text().splitlines()) < 2:  # a step was logged
             assert launcher.poll() is None, launcher.communicate()
-            assert time.monotonic() < deadline, "training did not start"
+            assert time.monotonic() < deadline, (f"training did not start: no step in "
+                                                 f"{out / 'metrics.csv'} after {START:g} s")
             time.sleep(0.1)
         # The ranks, not the resource tracker multiprocessing also starts.
         ranks = [c for c in children(launcher.pid)
@@ -436,7 +513,9 @@ def test_train_stops_its_ranks_on_sigterm_and_sigint(tmp_path, signum):
             os.killpg(launcher.pid, signum)
         else:
             launcher.send_signal(signum)
-        _, stderr = launcher.communicate(timeout=5.0 + SLACK)  # train's grace is the default
+        _, stderr = finish(launcher, 5.0 + SLACK,  # train's grace is the default
+                           f"`pipedream-fast train --nproc 2` to exit after "
+                           f"{signal.Signals(signum).name}")
         assert time.monotonic() - sent < 5.0 + SLACK
     finally:
         launcher.kill()

@@ -15,11 +15,13 @@ import sys
 from typing import Any
 
 from pipedream_fast.cli import UsageError
+from pipedream_fast.commands import DEFAULT_BANDWIDTH
 from pipedream_fast.formats import Plan, Profile
 from pipedream_fast.options import byte_count
-from pipedream_fast.planner import SCHEDULES, STRATEGIES, evaluate_plan, make_plan
-from pipedream_fast.planner.choose import choose_schedule
+from pipedream_fast.planner import STRATEGIES, evaluate_plan
+from pipedream_fast.planner.choose import choose_schedule, predict, prediction_text, plan_for
 from pipedream_fast.planner.costs import RECOMPUTE
+from pipedream_fast.schedules import SCHEDULE_NAMES, kind
 from pipedream_fast.topology import Topology
 
 
@@ -41,19 +43,25 @@ def register(subparsers: Any) -> None:
                              "(one more forward) only where keeping them does not fit "
                              "--memory-per-worker; none: never; all: every stage")
     parser.add_argument("--straight", action="store_true", help="one worker per stage (no replicas)")
-    parser.add_argument("--schedule", choices=SCHEDULES + ("auto",), default="pipedream",
-                        help="decides weight versions and in-flight microbatches (default "
-                             "pipedream); auto: plan every trainable schedule and keep the one "
-                             "the simulator predicts fastest within the memory limit")
-    parser.add_argument("--strategy", choices=STRATEGIES, default="dp",
-                        help="dp: PipeDream's dynamic program (default); data-parallel; or the "
-                             "baselines uniform, params (balance parameters), time (balance time)")
+    # Every schedule: each is planned as `train` plans it (`plan_for`: its memory rules, or
+    # those of the schedule it derives from, and the planning it needs, such as 2 stages per
+    # rank for interleaved-1f1b), and the plan names it.
+    parser.add_argument("--schedule", choices=SCHEDULE_NAMES + ("auto",), default="pipedream",
+                        help="decides weight versions, in-flight microbatches and the planning "
+                             "it needs (default pipedream); auto: plan every trainable schedule "
+                             "and keep the one the simulator predicts fastest within the "
+                             "memory limit")
+    parser.add_argument("--strategy", choices=STRATEGIES, default=None,
+                        help="dp: PipeDream's dynamic program (default; data-parallel for "
+                             "--schedule data-parallel); data-parallel; or the baselines "
+                             "uniform, params (balance parameters), time (balance time)")
     parser.add_argument("--chunks", type=int, default=None,
                         help="microbatches per step, all of which GPipe keeps in flight "
                              "(default: the worker count)")
-    parser.add_argument("--stages-per-rank", type=int, default=1, metavar="V",
+    parser.add_argument("--stages-per-rank", type=int, default=None, metavar="V",
                         help="plan workers x V stages balanced by time, stage k on rank k mod "
-                             "workers, for interleaved-1f1b (default 1)")
+                             "workers (default: the schedule's, 2 for interleaved-1f1b, zb-v "
+                             "and looped-bfs, else 1)")
     parser.add_argument("--evaluate", metavar="PLAN", default=None,
                         help="instead of planning, re-cost this existing plan on the profile")
     parser.add_argument("--quiet", action="store_true", help="do not print the table")
@@ -69,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                          f"but --workers is {args.workers}; make the level counts multiply to it")
     if args.chunks is not None and args.chunks < 1:
         raise UsageError(f"--chunks must be >= 1, got {args.chunks}")
-    if args.stages_per_rank < 1:
+    if args.stages_per_rank is not None and args.stages_per_rank < 1:
         raise UsageError(f"--stages-per-rank must be >= 1, got {args.stages_per_rank}")
     profile = Profile.load(args.profile)
     if args.evaluate:
@@ -78,16 +86,34 @@ def run(args: argparse.Namespace) -> int:
         plan = choose_schedule(profile, topology, straight=args.straight,
                                recompute=args.recompute)
     else:
-        plan = make_plan(profile, topology, schedule=args.schedule, straight=args.straight,
-                         strategy=args.strategy, chunks=args.chunks,
-                         stages_per_rank=args.stages_per_rank, recompute=args.recompute)
+        plan = plan_for(args.schedule, profile, topology, straight=args.straight,
+                        recompute=args.recompute, **_planning(args))
+        plan.schedule = args.schedule  # not the schedule it was planned as (zb-h1: 1f1b)
     if args.out:
         plan.save(args.out)
     if not args.quiet:
         print_plan(plan, profile)
+        # the figure `simulate` and `train` give for this plan (`predict`)
+        print(prediction_text(predict(profile, plan, plan.schedule, chunks=args.chunks,
+                                      bandwidth=DEFAULT_BANDWIDTH), plan.schedule))
     if args.out:
         print(f"wrote {args.out}")
     return 0
+
+
+def _planning(args: argparse.Namespace) -> dict[str, Any]:
+    """The `make_plan` options given on the command line, over those the schedule needs; one
+    that contradicts what the schedule is (data-parallel's strategy) is refused."""
+    given = {name: value for name, value in (("strategy", args.strategy),
+                                             ("chunks", args.chunks),
+                                             ("stages_per_rank", args.stages_per_rank))
+             if value is not None}
+    needed = kind(args.schedule).planning.get("strategy")
+    if needed is not None and given.get("strategy", needed) != needed:
+        raise UsageError(f"--schedule {args.schedule} is planned with --strategy {needed}, "
+                         f"not {given['strategy']}; drop --strategy, or plan another schedule "
+                         f"with it")
+    return given
 
 
 def _rank_ranges(ranks: tuple[int, ...]) -> str:

@@ -15,8 +15,10 @@ import json
 from typing import Any
 
 from pipedream_fast.cli import UsageError
+from pipedream_fast.commands import DEFAULT_BANDWIDTH
 from pipedream_fast.formats import Plan, Profile
 from pipedream_fast.options import add_schedule_flags, schedule_values
+from pipedream_fast.planner.choose import predict, prediction_size, prediction_text
 from pipedream_fast.schedules import SCHEDULE_NAMES, make_schedule
 from pipedream_fast.sim import CostModel, ProfileCosts, SimResult, UnitCosts, simulate
 
@@ -25,11 +27,16 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "simulate", help="run a schedule in virtual time: makespan, bubbles, weight delays",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--schedule", choices=SCHEDULE_NAMES,
-                   help="schedule to generate (default with --plan: the plan's)")
+    # auto is offered as `plan` and `train` offer it, and refused with what to run instead:
+    # choosing is planning (each schedule its own plan), which a simulation of one plan is not.
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES + ("auto",),
+                   help="schedule to generate (default with --plan: the plan's); auto is "
+                        "`plan --schedule auto`'s choice: simulate the plan it writes")
     p.add_argument("--stages", type=int, help="pipeline stages (taken from --plan if given)")
-    p.add_argument("--microbatches", type=int, required=True,
-                   help="microbatches in the whole run (N = steps x chunks)")
+    p.add_argument("--microbatches", type=int,
+                   help="microbatches in the whole run (N = steps x chunks); default with "
+                        "--profile and --plan: those of the prediction `plan` and `train` "
+                        "report (8 steps), else required")
     p.add_argument("--replicas", help="ranks per stage, e.g. 2,1,1 (default 1 each)")
     p.add_argument("--stages-per-rank", type=int,
                    help="v stages per rank, stage g on rank g mod (stages / v): interleaved-1f1b")
@@ -46,8 +53,10 @@ def register(subparsers: Any) -> None:
     costs.add_argument("--comm-cost", type=float, help="time of one transfer or all-reduce")
     costs.add_argument("--profile", help="Profile JSON (with --plan): costs in ms")
     costs.add_argument("--plan", help="Plan JSON (with --profile): stages, replicas, ranks")
-    costs.add_argument("--bandwidth", type=float, default=10e9,
-                       help="bytes/s between ranks when the plan has no topology (default 10e9)")
+    costs.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH,
+                       metavar="BYTES_PER_S",
+                       help=f"between ranks when the plan has no topology (default "
+                            f"{DEFAULT_BANDWIDTH / 1e9:g}e9)")
     costs.add_argument("--latency", type=float, default=0.0, help="ms per message (default 0)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead")
@@ -92,6 +101,11 @@ def _costs(args: argparse.Namespace) -> tuple[CostModel, Plan | None]:
 
 
 def _layout(args: argparse.Namespace, plan: Plan | None) -> dict[str, Any]:
+    if args.schedule == "auto":
+        raise UsageError("--schedule auto chooses a schedule by planning each one, which "
+                         "simulate does not do: run `pipedream-fast plan --schedule auto` and "
+                         "simulate the plan it writes (--plan, without --schedule), or name "
+                         f"one of {', '.join(SCHEDULE_NAMES)}")
     replicas = _replicas(args.replicas)
     if plan is None:
         if args.stages is None:
@@ -122,6 +136,17 @@ def _layout(args: argparse.Namespace, plan: Plan | None) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     costs, plan = _costs(args)
     layout = _layout(args, plan)
+    predicted = None
+    if plan is not None:  # the figure `plan` and `train` give for this plan (`predict`)
+        profile = Profile.load(args.profile)
+        name = layout["name"]
+        predicted = predict(profile, plan, name, chunks=args.chunks, bandwidth=args.bandwidth,
+                            options=schedule_values(args))
+        if args.microbatches is None:
+            args.microbatches, per_step = prediction_size(plan, name, chunks=args.chunks)
+            args.chunks = args.chunks or per_step
+    if args.microbatches is None:
+        raise UsageError("--microbatches is required unless --profile and --plan are given")
     schedule = make_schedule(num_microbatches=args.microbatches, chunks=args.chunks,
                              **schedule_values(args), **layout)
     result = simulate(schedule, costs)
@@ -138,11 +163,14 @@ def run(args: argparse.Namespace) -> int:
         data = result.to_dict()
         if plan is not None:
             data["samples_per_s"] = result.throughput * plan.batch_size * 1e3
+            data["predicted_samples_per_s"] = predicted
         if memory:
             data["memory"] = {rank: m.to_dict() for rank, m in memory.items()}
         print(json.dumps(data, indent=2))
     else:
         print(summary(result, plan))
+        if predicted is not None and args.latency == 0:
+            print(prediction_text(predicted, layout["name"]))
         if memory:
             print(memory_summary(memory))
     return 0

@@ -38,6 +38,7 @@ from pipedream_fast.commands.train_run import load_datasets, train_processes, tr
 from pipedream_fast.formats import Plan, Profile
 from pipedream_fast.models import (BUILTIN_MODELS, ModelSpecError, build_model, loss_fn)
 from pipedream_fast.options import ADAPTABLE, PipelineOptions, add_flags, planned_recompute
+from pipedream_fast.planner.choose import predict, prediction_text
 from pipedream_fast.schedules import TRAINABLE, kind
 from pipedream_fast.commands.train_report import (_summary, _summary_json, _write,
                                                   describe_plan)
@@ -49,63 +50,92 @@ from pipedream_fast.tuning import Tuning
 
 
 def register(subparsers: Any) -> None:
+    from pipedream_fast.commands import DEFAULT_BANDWIDTH
+    from pipedream_fast.schedules import SCHEDULE_NAMES
+
     parser = subparsers.add_parser(
         "train", help="train on real data: profile, plan, simulate, train, evaluate, report",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    what = parser.add_argument_group("model and data")
-    what.add_argument("--model", default=None, metavar="NAME_OR_MODULE:FACTORY",
-                      help=f"built-in ({', '.join(BUILTIN_MODELS)}) or package.module:factory "
-                           f"(default: the data's model, convnet for digits, charlm for text)")
-    what.add_argument("--data", default=None, metavar="NAME_OR_MODULE:FACTORY",
-                      help="digits (scikit-learn's 8x8 digits), text (characters of this "
-                           "package's docstrings), synthetic (random inputs and labels), or "
-                           "package.module:factory returning (train_dataset, test_dataset) "
-                           "(default: the model's data, digits without --model)")
-    what.add_argument("--target-accuracy", type=float, default=None, metavar="A",
-                      help="stop at the first evaluation with test accuracy >= A (0.95 or 95); "
-                           "exit code 1 if never reached (default: no target)")
-    what.add_argument("--compare", choices=("data-parallel",), default=None,
-                      help="also train plain data parallelism (every worker a replica of the "
-                           "whole model) on the same data and show both side by side")
-    sched = parser.add_argument_group("pipeline")
-    sched.add_argument("--schedule", default="pipedream", choices=TRAINABLE + ("auto",),
-                       help="default pipedream; auto: the planner compares every trainable "
-                            "schedule in the simulator and keeps the fastest")
-    workers = sched.add_mutually_exclusive_group()
-    workers.add_argument("--nproc", type=int, default=None, help="ranks as processes (default 2)")
-    workers.add_argument("--threads", type=int, default=None,
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [--model M] [--data D] [--schedule S] [--nproc N | --threads N] "
+              "[options]")
+    # The groups in the order of `--help`: what most runs set first, then what fewer do.
+    common = parser.add_argument_group("common")
+    common.add_argument("--model", default=None, metavar="NAME_OR_MODULE:FACTORY",
+                        help=f"built-in ({', '.join(BUILTIN_MODELS)}) or package.module:factory "
+                             f"(default: the data's model, convnet for digits, charlm for text)")
+    common.add_argument("--data", default=None, metavar="NAME_OR_MODULE:FACTORY",
+                        help="digits (scikit-learn's 8x8 digits), text (characters of this "
+                             "package's docstrings), synthetic (random inputs and labels), or "
+                             "package.module:factory returning (train_dataset, test_dataset) "
+                             "(default: the model's data, digits without --model)")
+    # Every schedule, as `plan` and `simulate` offer them; one that cannot train would be
+    # refused by the Pipeline's options, naming those that can.
+    untrainable = [n for n in SCHEDULE_NAMES if n not in TRAINABLE]
+    common.add_argument("--schedule", default="pipedream", choices=SCHEDULE_NAMES + ("auto",),
+                        metavar="SCHEDULE",
+                        help=f"{', '.join(SCHEDULE_NAMES)} (default pipedream"
+                             + (f"; {', '.join(untrainable)}: simulate only" if untrainable
+                                else "")
+                             + "), or auto: the planner compares every trainable schedule in "
+                               "the simulator and keeps the fastest")
+    workers = common.add_mutually_exclusive_group()
+    workers.add_argument("--nproc", type=int, default=None, metavar="N",
+                         help="ranks as processes (default 2)")
+    workers.add_argument("--threads", type=int, default=None, metavar="N",
                          help="ranks as threads of this process")
-    sched.add_argument("--force", action="store_true",
-                       help="start more rank processes than this machine has cores (refused "
-                            "without it: each rank is a whole training process)")
-    sched.add_argument("--plan", default=None, help="plan JSON (default: profile and plan now)")
-    sched.add_argument("--straight", action=argparse.BooleanOptionalAction, default=True,
-                       help="when planning: one rank per stage, a pipeline as deep as the "
-                            "workers (default); --no-straight lets the planner replicate stages")
-    sched.add_argument("--stages-per-rank", type=int, default=None, metavar="V",
-                       help="when planning: workers x V stages, looped over the ranks "
-                            "(default: the schedule's, 2 for interleaved-1f1b, else 1)")
-    sched.add_argument("--bandwidth", type=float, default=1e9,
-                       help="link bandwidth in bytes/s assumed when planning and simulating "
-                            "(default 1e9)")
-    sched.add_argument("--chunks", type=int, default=None,
-                       help="microbatches per minibatch (default: 1 for pipedream and the "
-                            "other asynchronous schedules, the worker count for the rest)")
+    common.add_argument("--epochs", type=int, default=None, metavar="N",
+                        help="epochs to train (default: the data's, 10 for digits and text)")
+    common.add_argument("--steps", type=int, default=None, metavar="N",
+                        help="at most this many minibatches (default: no bound; 10 for "
+                             "synthetic)")
+    common.add_argument("--batch-size", type=int, default=None, metavar="N",
+                        help="samples per minibatch (32)")
+    common.add_argument("--out", default=None, metavar="DIR",
+                        help="run directory (default: runs/<timestamp>)")
     opt = parser.add_argument_group("training")
-    opt.add_argument("--epochs", type=int, default=None,
-                     help="epochs to train (default: the data's, 10 for digits and text)")
-    opt.add_argument("--steps", type=int, default=None,
-                     help="at most this many minibatches (default: no bound; 10 for synthetic)")
-    opt.add_argument("--batch-size", type=int, default=None, help="samples per minibatch (32)")
     opt.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
                      help="sgd (momentum 0.9), adam or adamw (default: adam; sgd for synthetic)")
     opt.add_argument("--lr", type=float, default=None,
                      help="learning rate (default: the data's, 1e-3 for digits)")
+    opt.add_argument("--target-accuracy", type=float, default=None, metavar="A",
+                     help="stop at the first evaluation with test accuracy >= A (0.95 or 95); "
+                          "exit code 1 if never reached (default: no target)")
+    opt.add_argument("--compare", choices=("data-parallel",), default=None,
+                     help="also train plain data parallelism (every worker a replica of the "
+                          "whole model) on the same data and show both side by side")
+    opt.add_argument("--torch-threads", type=int, default=1, metavar="N",
+                     help="intra-op threads per rank (default 1: ranks share the cores)")
+    opt.add_argument("--force", action="store_true",
+                     help="start more rank processes than this machine has cores (refused "
+                          "without it: each rank is a whole training process)")
+    planning = parser.add_argument_group(
+        "planning", "how the stages are cut when no --plan is given, and what the simulator "
+                    "assumes")
+    planning.add_argument("--plan", default=None, metavar="PATH",
+                          help="plan JSON (default: profile and plan now)")
+    planning.add_argument("--profile", default=None, metavar="PATH",
+                          help="profile JSON (`pipedream-fast profile`, at this run's "
+                               "microbatch size) to plan and predict from instead of "
+                               "profiling now; with --plan nothing is profiled or planned")
+    planning.add_argument("--straight", action=argparse.BooleanOptionalAction, default=True,
+                          help="one rank per stage, a pipeline as deep as the workers "
+                               "(default); --no-straight lets the planner replicate stages")
+    planning.add_argument("--stages-per-rank", type=int, default=None, metavar="V",
+                          help="workers x V stages, looped over the ranks (default: the "
+                               "schedule's, 2 for interleaved-1f1b, zb-v and looped-bfs, "
+                               "else 1)")
+    planning.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH,
+                          metavar="BYTES_PER_S",
+                          help=f"link bandwidth assumed when planning and simulating (default "
+                               f"{DEFAULT_BANDWIDTH / 1e9:g}e9)")
+    planning.add_argument("--chunks", type=int, default=None, metavar="N",
+                          help="microbatches per minibatch (default: 1 for pipedream and the "
+                               "other asynchronous schedules, the worker count for the rest)")
     # One flag per Pipeline option marked for the command line, and per option a schedule
     # declares (--local-steps): made from their declarations (pipedream_fast.options).
-    add_flags(parser.add_argument_group("pipeline options"))
-    opt.add_argument("--torch-threads", type=int, default=1,
-                     help="intra-op threads per rank (default 1: ranks share the cores)")
+    add_flags(parser.add_argument_group("pipeline options"),
+              parser.add_argument_group("schedule options",
+                                        "options of some schedules only, each saying which"))
     knobs = parser.add_argument_group(
         "tuning", "speed knobs of the core: they change speed or memory, never results "
                   "(TUNING.md says when to change them)")
@@ -130,8 +160,6 @@ def register(subparsers: Any) -> None:
     knobs.add_argument("--offload-stash", action="store_true",
                        help="keep stashed weight versions in pinned host memory (GPU runs only)")
     out = parser.add_argument_group("output")
-    out.add_argument("--out", default=None, metavar="DIR",
-                     help="run directory (default: runs/<timestamp>)")
     out.add_argument("--trace", default=None, metavar="PATH",
                      help="also copy the run's Chrome/Perfetto trace here")
     out.add_argument("--trace-steps", type=int, default=8, metavar="N",
@@ -140,7 +168,6 @@ def register(subparsers: Any) -> None:
                      help="a metrics row every N steps (default: about 200 rows per run); "
                           "off a terminal also print a line")
     parser.set_defaults(func=run)
-
 
 # ---- settings --------------------------------------------------------------------------------
 
@@ -172,6 +199,20 @@ def _profile(s: Settings, micro: int, train_data: Any) -> Profile:
     inputs, _ = _check_fit(module, next(iter(DataLoader(train_data, batch_size=micro))), s)
     return profile_model(module, inputs, micro, warmup=1, repeat=3, progress=False,
                          model_name=s.model, optimizer=PROFILE_OPTIMIZER[s.optimizer])
+
+
+def _given_profile(path: str, micro: int) -> Profile:
+    """--profile, which must have been made at this run's microbatch size."""
+    try:
+        profile = Profile.load(path)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--profile {path}: {err}") from err
+    if profile.batch_size != micro:
+        raise UsageError(f"--profile {path} was made at batch size {profile.batch_size}, but "
+                         f"this run's microbatches hold {micro} samples; profile with "
+                         f"--batch-size {micro}, or give --batch-size and --chunks that make "
+                         f"microbatches of {profile.batch_size}")
+    return profile
 
 
 def _plan(s: Settings, profile: Profile, args: argparse.Namespace, schedule: str,
@@ -413,17 +454,25 @@ def _prepare(s: Settings, args: argparse.Namespace, schedule: str, chunks: int |
         raise UsageError(f"batch size {s.batch_size} does not split into {guess} microbatches "
                          f"(--chunks); choose a multiple")
     micro = s.batch_size // guess
-    say(f"profiling {s.model} at microbatch size {micro} ...")
-    try:
-        profile = _profile(s, micro, train_data)
-    except ModelSpecError as err:
-        raise UsageError(str(err)) from err
-    say(f"planning {schedule} for {s.workers} workers ...")
-    if main and s.plan_file is not None:
+    # With --plan, the profile only feeds the prediction, the checkpoint's room check and
+    # --adapt's re-planning; nothing is planned.
+    if main and args.profile is not None:
+        profile = _given_profile(args.profile, micro)
+        say(f"profile: {args.profile}")
+    else:
+        say(f"profiling {s.model} at microbatch size {micro}"
+            + (" (for the prediction; --profile reuses one)" if main and s.plan_file else "")
+            + " ...")
+        try:
+            profile = _profile(s, micro, train_data)
+        except ModelSpecError as err:
+            raise UsageError(str(err)) from err
+    if s.plan_file is not None and main:
         plan = s.plan_file
         schedule = plan.schedule if schedule == "auto" else schedule
         _check_plan_fits_model(plan, s, micro)
     else:
+        say(f"planning {schedule} for {s.workers} workers ...")
         plan = _plan(s, profile, args, schedule, straight)
         schedule = plan.schedule if schedule == "auto" else schedule
     if chunks is None:
@@ -432,21 +481,22 @@ def _prepare(s: Settings, args: argparse.Namespace, schedule: str, chunks: int |
             raise UsageError(f"batch size {s.batch_size} does not split into {chunks} "
                              f"microbatches for {schedule}; choose a multiple")
         if chunks != guess:  # auto chose a schedule with another microbatch size
-            profile = _profile(s, s.batch_size // chunks, train_data)
+            profile = (_given_profile(args.profile, s.batch_size // chunks)
+                       if main and args.profile is not None
+                       else _profile(s, s.batch_size // chunks, train_data))
     names = [b.name for b in profile.blocks]
     say(f"plan: {describe_plan(plan, names)}")
     simulated, window = None, None
     try:
         per_epoch = max(1, len(train_data) // s.batch_size)
         steps = min(per_epoch, SIM_MAX_STEPS, s.steps or SIM_MAX_STEPS)
-        result = _simulate(profile, plan, schedule, chunks, steps, args.bandwidth,
-                           _schedule_options(s, schedule))
-        simulated = steps * s.batch_size / result.makespan * 1e3 if result.makespan else None
+        # The figure `plan` and `simulate` give for the same plan and settings (`predict`)
+        simulated = predict(profile, plan, schedule, chunks=chunks, bandwidth=args.bandwidth,
+                            options=_schedule_options(s, schedule))
         if main and args.trace_steps:
             window = _simulate(profile, plan, schedule, chunks, min(args.trace_steps, steps),
                                args.bandwidth, _schedule_options(s, schedule))
-        if simulated:
-            say(f"simulated: {simulated:,.0f} samples/s for {schedule} ({steps} steps)")
+        say(prediction_text(simulated, schedule))
     except ValueError as err:  # FormatError included: a --plan made for another profile
         say(f"note: no simulation: {err}")
     return RunSetup(name=schedule, schedule=schedule, plan=plan, chunks=chunks, profile=profile,

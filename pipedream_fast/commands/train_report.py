@@ -20,15 +20,7 @@ from pipedream_fast.commands.train_settings import RunSetup, Settings, _schedule
 
 
 def describe_plan(plan: Plan, names: list[str] | None = None) -> str:
-    def blocks(start: int, stop: int) -> str:
-        if names and len(names) >= stop:
-            return names[start] if stop - start == 1 else f"{names[start]}..{names[stop - 1]}"
-        return f"blocks {start}-{stop - 1}"
-
-    parts = [f"{blocks(st.start, st.stop)} on rank{'s' if len(st.ranks) > 1 else ''} "
-             f"{','.join(map(str, st.ranks))}"
-             + (" (recomputing)" if st.extra.get("recompute") else "") for st in plan.stages]
-    return f"{plan.num_stages} stage{'s' if plan.num_stages > 1 else ''}: " + " | ".join(parts)
+    return plan.describe(names)
 
 
 def _write(run_dir: Path, args: argparse.Namespace, s: Settings, setups: list[RunSetup],
@@ -144,6 +136,7 @@ def _summary(s: Settings, setups: list[RunSetup], histories: list[Any],
                                          f"{f.get('step', 0)} steps, {h.samples:,} samples")),
         ("samples/s measured", per(lambda st, h, f: h.samples_per_s)),
         ("samples/s simulated, calibrated", [calibrated_text(c) for c in calibrated]),
+        *calibration_rows(calibrated),
         ("samples/s simulated, profile", per(lambda st, h, f: _profile_text(
             st.simulated_samples_per_s))),
         (_metric_label(s), per(lambda st, h, f: f"{100 * f['accuracy']:.2f}%"
@@ -235,24 +228,41 @@ def _epochs_ms(st: RunSetup, s: Settings, snaps: dict[int, Any], counts: list[in
     return sum(run_ms[c] for c in counts)
 
 
+def _epochs(first: int, n: int) -> str:
+    return f"epoch {first}" if n == 1 else f"epochs {first}-{first + n - 1}"
+
+
 def calibrated_text(c: dict[str, Any] | None) -> str:
-    """One summary cell: the prediction, what it covers, and what was measured there."""
+    """One summary cell, short enough for one line: the prediction for the epochs after the
+    calibrating ones, and the rate measured in them (`calibration_rows`: the rest)."""
     if c is None:
-        return "- (needs 2 epochs: calibrated on the first, predicting the rest)"
-    warm, count, rest = c["warmup_epochs"], c["calibrated_epochs"], c["predicted_epochs"]
+        return "- (needs 2 epochs or more)"
+    then = _epochs(c["warmup_epochs"] + c["calibrated_epochs"] + 1, c["predicted_epochs"])
+    return (f"{c['predicted_samples_per_s']:,.1f} for {then}; measured "
+            f"{c['measured_samples_per_s']:,.1f} ({c['error_pct']:+.1f}%)")
 
-    def epochs(first: int, n: int) -> str:
-        return f"epoch {first}" if n == 1 else f"epochs {first}-{first + n - 1}"
 
-    which, then = epochs(warm + 1, count), epochs(warm + count + 1, rest)
-    text = (f"{c['predicted_samples_per_s']:,.1f} for {then}, from the speed the ranks "
-            f"measured in {which}" + (" (epoch 1 warms up)" if warm else "")
-            + f"; measured in {then}: {c['measured_samples_per_s']:,.1f} "
-            f"({c['error_pct']:+.1f}%)")
-    if "same_window_samples_per_s" in c:
-        text += (f"; from {then}'s own speed: {c['same_window_samples_per_s']:,.1f} "
-                 f"({c['same_window_error_pct']:+.1f}%)")
-    return text
+def calibration_rows(calibrated: list[dict[str, Any] | None]) -> list[tuple[str, list[str]]]:
+    """The rows under `calibrated_text`'s, when a run has its prediction: the epochs the
+    ranks measured their speed in, and the prediction from the predicted epochs' own speed
+    (which separates the simulator's error from the machine's changes)."""
+    if not any(calibrated):
+        return []
+
+    def window(c: dict[str, Any] | None) -> str:
+        if c is None:
+            return "-"
+        warm = c["warmup_epochs"]
+        return (_epochs(warm + 1, c["calibrated_epochs"])
+                + (f" ({_epochs(1, warm)} warm{'s' if warm == 1 else ''} up)" if warm else ""))
+
+    rows = [("calibrated on", [window(c) for c in calibrated])]
+    if any(c and "same_window_samples_per_s" in c for c in calibrated):
+        rows.append(("samples/s simulated, own speed",
+                     [f"{c['same_window_samples_per_s']:,.1f} ({c['same_window_error_pct']:+.1f}%)"
+                      if c and "same_window_samples_per_s" in c else "-"
+                      for c in calibrated]))
+    return rows
 
 
 def _moves_text(results: list[dict[str, Any]]) -> str:

@@ -32,19 +32,49 @@ def plan_for(name: str, profile: Profile, topology: Topology, straight: bool = F
     return make_plan(profile, topology, schedule=spec.plans_as or name, **options)
 
 
-def predict(profile: Profile, plan: Plan, name: str, steps: int = STEPS) -> float:
-    """Samples/s of `name` on `plan` in the simulator: `steps` x workers microbatches of the
-    profiled size for every schedule (those that step per minibatch take one microbatch per
-    worker per step), so fill and drain weigh the same for all."""
+def predict(profile: Profile, plan: Plan, name: str, steps: int = STEPS,
+            chunks: int | None = None, bandwidth: float | None = None,
+            options: dict[str, Any] | None = None) -> float:
+    """Samples/s of `name` on `plan` in the simulator: the prediction, the one figure
+    `plan`, `simulate` (with a profile and a plan) and `train` report for the same plan and
+    settings. `steps` x workers microbatches of the profiled size for every schedule (those
+    that step per minibatch take one microbatch per worker per step; those that step per
+    `chunks` microbatches, default one per worker, take `steps` steps), so fill and drain
+    weigh the same for all. `bandwidth` (bytes/s) for the cuts where the plan has no topology;
+    `options`: the schedule's own (localsgd's local_steps ...)."""
+    result = simulate_prediction(profile, plan, name, steps, chunks, bandwidth, options)
+    return result.schedule.num_microbatches * profile.batch_size / result.makespan * 1e3
+
+
+def prediction_text(samples_per_s: float, schedule: str) -> str:
+    """How every command says `predict`'s figure, so that they can be compared."""
+    return (f"predicted (simulated from the profile): {samples_per_s:,.1f} samples/s for "
+            f"{schedule}")
+
+
+def prediction_size(plan: Plan, name: str, steps: int = STEPS,
+                    chunks: int | None = None) -> tuple[int, int | None]:
+    """(microbatches, chunks per step or None) that `predict` simulates."""
+    if kind(name).chunked_steps:
+        chunks = chunks or plan.workers
+        return steps * chunks, chunks
+    return steps * plan.workers, None
+
+
+def simulate_prediction(profile: Profile, plan: Plan, name: str, steps: int = STEPS,
+                        chunks: int | None = None, bandwidth: float | None = None,
+                        options: dict[str, Any] | None = None) -> Any:
+    """The simulated run behind `predict` (a `sim.SimResult`)."""
     from pipedream_fast.sim import ProfileCosts, simulate
 
-    n = steps * plan.workers
-    options: dict[str, Any] = ({"chunks": plan.workers} if kind(name).chunked_steps
-                               else {})
+    n, per_step = prediction_size(plan, name, steps, chunks)
+    given: dict[str, Any] = {"chunks": per_step} if per_step is not None else {}
+    given.update(options or {})
     schedule = make_schedule(name, len(plan.stages), n,
-                             stage_ranks=[list(s.ranks) for s in plan.stages], **options)
-    result = simulate(schedule, _at_speed(ProfileCosts.from_plan(profile, plan), plan))
-    return n * profile.batch_size / result.makespan * 1e3
+                             stage_ranks=[list(s.ranks) for s in plan.stages], **given)
+    costs = (ProfileCosts.from_plan(profile, plan) if bandwidth is None
+             else ProfileCosts.from_plan(profile, plan, bandwidth))
+    return simulate(schedule, _at_speed(costs, plan))
 
 
 def _at_speed(costs: Any, plan: Plan) -> Any:

@@ -310,7 +310,7 @@ class Stages:
         assert self.chain is not None  # captured before any plan is set up
         check_plan_fits(plan, self.chain)
         self._check_same_model_everywhere(self.chain)
-        if self.model is not None and not self.factory_built:  # weights as the ranks built them
+        if self.model is not None:  # the first cut, on every rank (collective)
             self._start_from_rank_0(self.chain)
         self.plan = plan
         self.stage_indices = plan.stages_of_rank(self.ctx.rank)
