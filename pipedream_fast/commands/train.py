@@ -40,8 +40,7 @@ from pipedream_fast.models import (BUILTIN_MODELS, ModelSpecError, build_model, 
 from pipedream_fast.options import ADAPTABLE, PipelineOptions, add_flags, planned_recompute
 from pipedream_fast.planner.choose import predict, prediction_text
 from pipedream_fast.schedules import TRAINABLE, kind
-from pipedream_fast.commands.train_report import (_summary, _summary_json, _write,
-                                                  describe_plan)
+from pipedream_fast.commands.train_report import _summary, _summary_json, _write
 from pipedream_fast.commands.train_settings import (OPTIMIZERS, SIM_MAX_STEPS,
                                                     PROFILE_OPTIMIZER, RunSetup, Settings,
                                                     _schedule_options, settings)
@@ -485,7 +484,7 @@ def _prepare(s: Settings, args: argparse.Namespace, schedule: str, chunks: int |
                        if main and args.profile is not None
                        else _profile(s, s.batch_size // chunks, train_data))
     names = [b.name for b in profile.blocks]
-    say(f"plan: {describe_plan(plan, names)}")
+    say(f"plan: {plan.describe(names)}")
     simulated, window = None, None
     try:
         per_epoch = max(1, len(train_data) // s.batch_size)

@@ -14,13 +14,8 @@ from pathlib import Path
 from typing import Any
 
 
-from pipedream_fast.formats import Plan
 from pipedream_fast.tuning import Tuning
 from pipedream_fast.commands.train_settings import RunSetup, Settings, _schedule_options
-
-
-def describe_plan(plan: Plan, names: list[str] | None = None) -> str:
-    return plan.describe(names)
 
 
 def _write(run_dir: Path, args: argparse.Namespace, s: Settings, setups: list[RunSetup],
@@ -127,8 +122,8 @@ def _summary(s: Settings, setups: list[RunSetup], histories: list[Any],
                   for st, h, results in zip(setups, histories, outcomes)]
 
     rows: list[tuple[str, list[Any]]] = [
-        ("plan", per(lambda st, h, f: describe_plan(
-            st.plan, [b.name for b in st.profile.blocks] if st.profile else None))),
+        ("plan", per(lambda st, h, f: st.plan.describe(
+             [b.name for b in st.profile.blocks] if st.profile else None))),
         ("workers", [f"{s.workers} {'threads' if s.threads else 'processes'}"] * len(setups)),
         ("minibatch", per(lambda st, h, f: f"{s.batch_size} = {st.chunks} x "
                                            f"{s.batch_size // st.chunks}")),
