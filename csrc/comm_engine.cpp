@@ -1,7 +1,9 @@
 #include "comm_engine.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <deque>
 #include <exception>
 #include <sstream>
@@ -13,18 +15,18 @@ namespace pipedream_fast {
 
 namespace {
 
-constexpr int64_t kHeaderLen = 128;  // int64 words: [count, (dtype, ndim, dims...)...]
-
 // Message tags. The process group matches a receive to a send by (peer, tag) across every link
-// of a rank pair, so the tag names the link (channel, stage) and the microbatch:
-//   bit 30 header | bits 21..29 stage | bits 1..20 microbatch mod 2^20 | bit 0 channel
+// of a rank pair, so the tag names the link (channel, stage), the microbatch and the part:
+//   bit 30 header | bit 29 overflow | bits 20..28 stage | bits 1..19 microbatch mod 2^19 |
+//   bit 0 channel
 // All 31 bits stay non-negative in an int. Wrapping the microbatch is safe because a link
-// receives in post order and never has 2^20 microbatches in flight.
+// receives in post order and never has 2^19 microbatches in flight.
 constexpr int kChannelBits = 1;
-constexpr int kMicrobatchBits = 20;
+constexpr int kMicrobatchBits = 19;
 constexpr int kStageBits = 9;
 constexpr int kStageShift = kChannelBits + kMicrobatchBits;
-constexpr int kHeaderBit = kStageShift + kStageBits;
+constexpr int kOverflowBit = kStageShift + kStageBits;
+constexpr int kHeaderBit = kOverflowBit + 1;
 static_assert(kHeaderBit == 30, "tags must fit in 31 bits");
 static_assert(CommEngine::kMaxStages == 1 << kStageBits, "kMaxStages must match the tag layout");
 
@@ -33,6 +35,10 @@ int message_tag(Channel channel, int stage, int64_t microbatch) {
   const int64_t mb_bits = microbatch & ((int64_t{1} << kMicrobatchBits) - 1);
   return (stage << kStageShift) | static_cast<int>(mb_bits << kChannelBits) |
          static_cast<int>(channel);
+}
+// The rest of a message that outgrew the first transfer (see "Frames" below).
+int overflow_tag(Channel channel, int stage, int64_t microbatch) {
+  return (1 << kOverflowBit) | message_tag(channel, stage, microbatch);
 }
 // One header per link: microbatch bits zero, told apart from messages by the header bit.
 int header_tag(Channel channel, int stage) {
@@ -45,6 +51,7 @@ struct TensorMeta {
   bool operator==(const TensorMeta& other) const {
     return dtype == other.dtype && sizes == other.sizes;
   }
+  bool operator!=(const TensorMeta& other) const { return !(*this == other); }
 };
 
 std::string describe(const std::vector<TensorMeta>& metas) {
@@ -60,17 +67,21 @@ std::string describe(const std::vector<TensorMeta>& metas) {
 
 std::vector<TensorMeta> metas_of(const std::vector<at::Tensor>& tensors) {
   std::vector<TensorMeta> metas;
+  metas.reserve(tensors.size());
   for (const auto& t : tensors) metas.push_back({t.scalar_type(), t.sizes().vec()});
   return metas;
 }
 
-at::Tensor encode_header(const std::vector<TensorMeta>& metas, const std::string& what) {
-  at::Tensor header = at::zeros({kHeaderLen}, at::kLong);
-  auto* words = header.data_ptr<int64_t>();
+// A message's dtypes and shapes as int64 words: [count, (dtype, ndim, dims...)...], at most
+// kMetaWords of them (the link header, and a frame whose shapes changed, carry these).
+constexpr int64_t kMetaWords = 128;
+
+int64_t encode_metas(const std::vector<TensorMeta>& metas, int64_t* words,
+                     const std::string& what) {
   int64_t pos = 0;
   words[pos++] = static_cast<int64_t>(metas.size());
   for (const auto& meta : metas) {
-    if (pos + 2 + static_cast<int64_t>(meta.sizes.size()) > kHeaderLen) {
+    if (pos + 2 + static_cast<int64_t>(meta.sizes.size()) > kMetaWords) {
       throw std::invalid_argument(what + ": too many tensors or dimensions to describe in one "
                                   "message header: " + describe(metas));
     }
@@ -78,31 +89,62 @@ at::Tensor encode_header(const std::vector<TensorMeta>& metas, const std::string
     words[pos++] = static_cast<int64_t>(meta.sizes.size());
     for (int64_t size : meta.sizes) words[pos++] = size;
   }
-  return header;
+  return pos;
 }
 
-std::vector<TensorMeta> decode_header(const at::Tensor& header) {
-  const auto* words = header.data_ptr<int64_t>();
+std::vector<TensorMeta> decode_metas(const int64_t* words, const std::string& what) {
+  auto corrupt = [&] {
+    return std::runtime_error(what + ": a message arrived with a corrupt shape description "
+                              "(is the peer running the same version of pipedream_fast?)");
+  };
+  if (words[0] < 0 || words[0] > kMetaWords / 2) throw corrupt();
   std::vector<TensorMeta> metas(static_cast<size_t>(words[0]));
   int64_t pos = 1;
   for (auto& meta : metas) {
+    if (pos + 2 > kMetaWords) throw corrupt();
     meta.dtype = static_cast<at::ScalarType>(words[pos++]);
-    meta.sizes.assign(words + pos + 1, words + pos + 1 + words[pos]);
-    pos += 1 + words[pos];
+    const int64_t ndim = words[pos++];
+    if (ndim < 0 || pos + ndim > kMetaWords) throw corrupt();
+    meta.sizes.assign(words + pos, words + pos + ndim);
+    pos += ndim;
   }
   return metas;
 }
 
-// Packing. A message of several tensors (an activation and the target riding with it, a
-// gradient and its loss) costs one process-group transfer per tensor, and every transfer is a
-// round of latency: on gloo, two tiny tensors per message made a round trip 4x slower than
-// one. So a message of several tensors totalling at most kPackMaxBytes travels as one byte
-// buffer: the sender copies its tensors in (a memcpy, small next to a round of latency at
-// these sizes), the receiver hands out views of the buffer, no copy. Both ends decide from
-// the negotiated metas, so they always agree. Larger messages go tensor by tensor, where the
-// copy would cost more than the latency it saves.
-constexpr int64_t kPackMaxBytes = 4 << 20;
+at::Tensor encode_header(const std::vector<TensorMeta>& metas, const std::string& what) {
+  at::Tensor header = at::zeros({kMetaWords}, at::kLong);
+  encode_metas(metas, header.data_ptr<int64_t>(), what);
+  return header;
+}
+
+// Frames. Shapes may change from message to message (a batch padded to its own longest
+// sequence, a short last batch), so the receiver cannot know a message's size before it
+// arrives; yet it must post a buffer for it early, or the transfer waits for the receiver.
+// Each link therefore fixes, from its first message (described by the link header), a
+// *capacity*, and every message travels as a frame:
+//
+//   packed link:  one transfer  [prefix 64 B][shape words, only when they changed][tensors]
+//   split link:   one transfer  [prefix 64 B][shape words]  then one per tensor
+//
+// The receiver posts buffers of the capacity ahead, as before; a frame that is smaller fills
+// part of one (gloo accepts a send shorter than the posted receive; a GPU send is padded to
+// the capacity, as NCCL needs equal sizes), and the rest of one that is larger follows on the
+// overflow tag into a buffer allocated then. The prefix says how long the frame is and whether
+// shape words follow; shapes that stay as they were cost no header and no extra transfer.
+//
+// A message of several small tensors (an activation and the target riding with it, a
+// gradient and its loss), or of one small tensor, is *packed*: the sender copies its tensors
+// into the frame (a memcpy, small next to a round of latency at these sizes), the receiver
+// hands out views of the buffer, no copy. A larger message is *split*: a small prefix
+// transfer, then each tensor from its own memory, no copy (a prefix's latency is small next
+// to such a transfer). Both ends decide from the link header, so they always agree.
+constexpr int64_t kPackMaxBytes = 4 << 20;       // several tensors up to this: packed
+constexpr int64_t kPackOneMaxBytes = 256 << 10;  // one tensor up to this: packed
 constexpr int64_t kPackAlign = 64;  // every tensor starts at a multiple: any dtype can view it
+constexpr int64_t kPrefixWords = 8;  // [frame bytes, shape words, unused...]
+constexpr int64_t kPrefixBytes = kPrefixWords * 8;
+constexpr int64_t kMetaBytes = kMetaWords * 8;
+constexpr int64_t kSplitPrefixBytes = kPrefixBytes + kMetaBytes;  // a split frame's first part
 
 int64_t meta_bytes(const TensorMeta& meta) {
   int64_t numel = 1;
@@ -112,18 +154,37 @@ int64_t meta_bytes(const TensorMeta& meta) {
 
 int64_t aligned(int64_t bytes) { return (bytes + kPackAlign - 1) / kPackAlign * kPackAlign; }
 
-// The packed size of a message, or 0 when it travels tensor by tensor.
-int64_t packed_bytes(const std::vector<TensorMeta>& metas) {
-  if (metas.size() < 2) return 0;
+int64_t payload_bytes(const std::vector<TensorMeta>& metas) {
   int64_t total = 0;
   for (const auto& meta : metas) total += aligned(meta_bytes(meta));
-  return total <= kPackMaxBytes ? total : 0;
+  return total;
 }
 
-// Views of `flat` laid out as `metas` (the layout `pack_into` writes).
-std::vector<at::Tensor> unpack(const at::Tensor& flat, const std::vector<TensorMeta>& metas) {
+// How a link's messages travel, fixed by its first message.
+struct Layout {
+  bool packed = true;
+  int64_t capacity = 0;            // packed: the bytes of the first transfer
+  std::vector<int64_t> part_caps;  // split: the bytes of each tensor's first transfer
+};
+
+Layout layout_for(const std::vector<TensorMeta>& metas) {
+  Layout layout;
+  const int64_t payload = payload_bytes(metas);
+  if (payload <= (metas.size() >= 2 ? kPackMaxBytes : kPackOneMaxBytes)) {
+    // Room for shape words too: a change of shape that keeps the size needs no overflow.
+    layout.capacity = kPrefixBytes + kMetaBytes + payload;
+  } else {
+    layout.packed = false;
+    for (const auto& meta : metas) layout.part_caps.push_back(meta_bytes(meta));
+  }
+  return layout;
+}
+
+// Views of `flat` from byte `offset` on, laid out as `metas` (the layout `pack_into` writes).
+std::vector<at::Tensor> unpack(const at::Tensor& flat, int64_t offset,
+                               const std::vector<TensorMeta>& metas) {
   std::vector<at::Tensor> out;
-  int64_t offset = 0;
+  out.reserve(metas.size());
   for (const auto& meta : metas) {
     const int64_t bytes = meta_bytes(meta);
     out.push_back(flat.narrow(0, offset, bytes).view(meta.dtype).view(meta.sizes));
@@ -132,10 +193,22 @@ std::vector<at::Tensor> unpack(const at::Tensor& flat, const std::vector<TensorM
   return out;
 }
 
-void pack_into(const at::Tensor& flat, const std::vector<at::Tensor>& tensors,
+void pack_into(const at::Tensor& flat, int64_t offset, const std::vector<at::Tensor>& tensors,
                const std::vector<TensorMeta>& metas) {
-  auto views = unpack(flat, metas);
+  auto views = unpack(flat, offset, metas);
   for (size_t i = 0; i < tensors.size(); ++i) views[i].copy_(tensors[i]);
+}
+
+// A contiguous tensor's bytes, as a 1-d byte tensor over the same memory.
+at::Tensor as_bytes(const at::Tensor& t) {
+  return t.reshape({-1}).view(at::kByte);
+}
+
+// The first `words` int64 words of a byte buffer, readable on the CPU.
+at::Tensor host_words(const at::Tensor& flat, int64_t words) {
+  at::Tensor head = flat.narrow(0, 0, words * 8);
+  if (!head.is_cpu()) head = head.cpu();
+  return head.contiguous().view(at::kLong);
 }
 
 std::chrono::milliseconds millis(double seconds) {
@@ -189,6 +262,7 @@ struct CommEngine::Link {
         recv_pool(recv_pool),
         depth(depth),
         direct(direct),
+        exact_sizes(!device.is_cpu()),
         what(std::string(channel_name(channel)) + " link of rank " + std::to_string(rank) +
              " with rank " + std::to_string(peer) + " for stage " + std::to_string(stage)),
         sends(depth, what + " (sends)", spin_us),
@@ -205,25 +279,29 @@ struct CommEngine::Link {
   const int64_t recv_pool;  // most buffer sets kept in `pool`
   const int64_t depth;      // messages in flight per direction before a send waits
   const bool direct;        // transfers issued and awaited by the caller, no link threads
+  const bool exact_sizes;   // a receive takes exactly the posted size (NCCL), not less (gloo)
   const std::string what;   // "activation link of rank 0 with rank 1 for stage 3", for messages
   ActivationQueue sends;
   ActivationQueue requests;
   ActivationQueue done;
 
-  // Compute-thread state.
-  std::vector<TensorMeta> sent_metas;  // negotiated on the first send
+  // Compute-thread state: the first message's metas (what may not change is checked
+  // against them).
+  std::vector<TensorMeta> first_metas;
   bool negotiated = false;
 
-  // Send-thread state: whether the header went out, and the byte buffer packed messages go
-  // out from (each send completes before the next is packed, so one is enough).
+  // Sending side (the send thread, or the caller in direct mode): whether the header went
+  // out, the layout it fixed, the metas of the last frame, and packed buffers free for reuse.
   bool sent_header = false;
-  at::Tensor send_flat;
+  Layout send_layout;
+  std::vector<TensorMeta> framed_metas;
+  std::vector<at::Tensor> free_flats;
 
-  // Receive-thread state.
-  std::vector<TensorMeta> recv_metas;
+  // Receiving side (the receive thread, or the caller in direct mode).
+  std::vector<TensorMeta> recv_metas;  // the last frame's
   bool got_header = false;
-  int64_t recv_packed = 0;  // packed_bytes(recv_metas)
-  std::vector<std::vector<at::Tensor>> pool;  // per set: the tensors, or one packed buffer
+  Layout recv_layout;
+  std::vector<std::vector<at::Tensor>> pool;  // per set: the buffers of one message's first parts
 
   std::mutex mutex;
   std::condition_variable idle;
@@ -264,43 +342,237 @@ struct CommEngine::Link {
     idle.notify_all();  // wakes flush (a failed send) and shutdown
   }
 
+  // ---- frames (see "Frames" above) -----------------------------------------------------
+  // What one message puts on the wire, in order, and what must live until it is sent.
+  struct Frame {
+    std::vector<at::Tensor> parts;
+    std::vector<int> tags;
+    at::Tensor flat;  // a packed frame's buffer, returned to free_flats once sent
+    std::vector<at::Tensor> keep;  // the tensors a split frame sends from, and its prefix
+  };
+
+  // The link header, before the first frame: it fixes the layout on both ends.
+  at::Tensor header_for(const std::vector<TensorMeta>& metas) {
+    send_layout = layout_for(metas);
+    framed_metas = metas;
+    sent_header = true;
+    return encode_header(metas, what).to(device);
+  }
+
+  // A packed buffer of at least `bytes` on `dev`: a free one, or a new one.
+  at::Tensor spare_flat(int64_t bytes, at::Device dev) {
+    for (auto it = free_flats.begin(); it != free_flats.end(); ++it) {
+      if (it->numel() >= bytes && it->device() == dev) {
+        at::Tensor flat = std::move(*it);
+        free_flats.erase(it);
+        return flat;
+      }
+    }
+    return at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(dev));
+  }
+
+  void recycle(at::Tensor flat) {
+    if (flat.defined() && static_cast<int64_t>(free_flats.size()) <= depth) {
+      free_flats.push_back(std::move(flat));
+    }
+  }
+
+  Frame frame(std::vector<at::Tensor> tensors, int64_t microbatch) {
+    const auto metas = metas_of(tensors);
+    const bool changed = metas != framed_metas;
+    if (changed) framed_metas = metas;
+    const int tag = message_tag(channel, stage, microbatch);
+    const int rest_tag = overflow_tag(channel, stage, microbatch);
+    Frame f;
+    std::vector<int64_t> head(kPrefixWords + kMetaWords, 0);
+    const int64_t meta_words = changed || !send_layout.packed
+                                   ? encode_metas(metas, head.data() + kPrefixWords, what)
+                                   : 0;
+    head[1] = meta_words;
+    if (send_layout.packed) {
+      const int64_t offset = kPrefixBytes + aligned(meta_words * 8);
+      const int64_t bytes = offset + payload_bytes(metas);
+      head[0] = bytes;
+      const int64_t cap = send_layout.capacity;
+      const at::Device dev = tensors.empty() ? device : tensors[0].device();
+      f.flat = spare_flat(exact_sizes ? std::max(bytes, cap) : bytes, dev);
+      write_words(f.flat, head.data(), offset / 8);
+      pack_into(f.flat, offset, tensors, metas);
+      f.parts.push_back(f.flat.narrow(0, 0, exact_sizes ? cap : std::min(bytes, cap)));
+      f.tags.push_back(tag);
+      if (bytes > cap) {
+        f.parts.push_back(f.flat.narrow(0, cap, bytes - cap));
+        f.tags.push_back(rest_tag);
+      }
+      return f;
+    }
+    at::Tensor prefix = at::from_blob(head.data(), {kSplitPrefixBytes}, at::kByte).clone();
+    if (!device.is_cpu()) prefix = prefix.to(device);
+    f.keep.push_back(prefix);
+    f.parts.push_back(prefix);
+    f.tags.push_back(tag);
+    std::vector<at::Tensor> rests;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const at::Tensor bytes = as_bytes(tensors[i]);
+      const int64_t n = bytes.numel();
+      const int64_t cap = send_layout.part_caps[i];
+      if (cap > 0) {
+        if (exact_sizes && n < cap) {  // NCCL: pad to the posted size
+          at::Tensor padded = at::empty({cap}, bytes.options());
+          padded.narrow(0, 0, n).copy_(bytes);
+          f.keep.push_back(padded);
+          f.parts.push_back(padded);
+        } else {
+          f.parts.push_back(bytes.narrow(0, 0, std::min(n, cap)));
+        }
+        f.tags.push_back(tag);
+      }
+      if (n > cap) rests.push_back(bytes.narrow(0, cap, n - cap));
+    }
+    for (auto& rest : rests) {
+      f.parts.push_back(rest);
+      f.tags.push_back(rest_tag);
+    }
+    f.keep.insert(f.keep.end(), tensors.begin(), tensors.end());
+    return f;
+  }
+
+  // Writes `count` int64 words at the start of a byte buffer (a GPU one through the host).
+  static void write_words(const at::Tensor& flat, const int64_t* words, int64_t count) {
+    if (flat.is_cpu()) {
+      std::memcpy(flat.data_ptr(), words, static_cast<size_t>(count * 8));
+    } else {
+      flat.narrow(0, 0, count * 8)
+          .copy_(at::from_blob(const_cast<int64_t*>(words), {count * 8}, at::kByte));
+    }
+  }
+
+  // A new receive's buffers: a pooled set nobody else holds any more, or a new one. Packed:
+  // one buffer of the capacity; split: the prefix, then one per tensor.
+  std::vector<at::Tensor> take_buffers() {
+    for (auto& set : pool) {
+      bool free = true;
+      for (const auto& t : set) free = free && t.storage().use_count() == 1;
+      if (free) return set;
+    }
+    const auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
+    std::vector<at::Tensor> set;
+    if (recv_layout.packed) {
+      set.push_back(at::empty({recv_layout.capacity}, bytes));
+    } else {
+      set.push_back(at::empty({kSplitPrefixBytes}, bytes));
+      for (int64_t cap : recv_layout.part_caps) set.push_back(at::empty({cap}, bytes));
+    }
+    if (static_cast<int64_t>(pool.size()) < recv_pool) pool.push_back(set);
+    return set;
+  }
+
+  // Starts the first parts of a message into `buffers` (those of size zero have none).
+  std::vector<c10::intrusive_ptr<c10d::Work>> post_first_parts(std::vector<at::Tensor>& buffers,
+                                                               int64_t microbatch) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    const int tag = message_tag(channel, stage, microbatch);
+    for (auto& buffer : buffers) {
+      if (buffer.numel() == 0) continue;
+      std::vector<at::Tensor> one{buffer};
+      works.push_back(group->recv(one, peer, tag));
+    }
+    return works;
+  }
+
+  // The message in `buffers`, whose first parts have arrived: reads the prefix, receives an
+  // overflow (posting its works through `started`, so that a shutdown can abort them), and
+  // returns views of the tensors.
+  template <typename Started>
+  std::vector<at::Tensor> open_frame(const std::vector<at::Tensor>& buffers, int64_t microbatch,
+                                     Started started) {
+    const int rest_tag = overflow_tag(channel, stage, microbatch);
+    auto receive_rest = [&](std::vector<at::Tensor> into) {
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      for (auto& t : into) {
+        std::vector<at::Tensor> one{t};
+        works.push_back(group->recv(one, peer, rest_tag));
+      }
+      started(works);
+      for (auto& w : works) await(w, "receiving", microbatch, false);
+    };
+    if (recv_layout.packed) {
+      at::Tensor flat = buffers[0];
+      const at::Tensor prefix = host_words(flat, kPrefixWords);
+      const int64_t bytes = prefix.data_ptr<int64_t>()[0];
+      const int64_t meta_words = prefix.data_ptr<int64_t>()[1];
+      if (bytes < kPrefixBytes || meta_words < 0 || meta_words > kMetaWords) {
+        throw std::runtime_error(what + ": microbatch " + std::to_string(microbatch) +
+                                 " arrived with a corrupt frame prefix (is the peer running "
+                                 "the same version of pipedream_fast?)");
+      }
+      const int64_t cap = recv_layout.capacity;
+      if (bytes > cap) {  // the rest follows on the overflow tag
+        at::Tensor whole = at::empty({bytes}, flat.options());
+        whole.narrow(0, 0, cap).copy_(flat);
+        receive_rest({whole.narrow(0, cap, bytes - cap)});
+        flat = whole;
+      }
+      if (meta_words > 0) {
+        const at::Tensor words = host_words(flat, kPrefixWords + meta_words);
+        recv_metas = decode_metas(words.data_ptr<int64_t>() + kPrefixWords, what);
+      }
+      return unpack(flat, kPrefixBytes + aligned(meta_words * 8), recv_metas);
+    }
+    const at::Tensor words = host_words(buffers[0], kPrefixWords + kMetaWords);
+    recv_metas = decode_metas(words.data_ptr<int64_t>() + kPrefixWords, what);
+    if (recv_metas.size() != recv_layout.part_caps.size()) {
+      throw std::runtime_error(what + ": microbatch " + std::to_string(microbatch) + " holds " +
+                               std::to_string(recv_metas.size()) + " tensors, the link " +
+                               std::to_string(recv_layout.part_caps.size()));
+    }
+    std::vector<at::Tensor> out;
+    std::vector<at::Tensor> rests;
+    for (size_t i = 0; i < recv_metas.size(); ++i) {
+      const TensorMeta& meta = recv_metas[i];
+      const int64_t n = meta_bytes(meta);
+      const int64_t cap = recv_layout.part_caps[i];
+      at::Tensor bytes = buffers[1 + i];
+      if (n > cap) {
+        at::Tensor whole = at::empty({n}, bytes.options());
+        if (cap > 0) whole.narrow(0, 0, cap).copy_(bytes);
+        rests.push_back(whole.narrow(0, cap, n - cap));
+        bytes = whole;
+      }
+      out.push_back(bytes.narrow(0, 0, n).view(meta.dtype).view(meta.sizes));
+    }
+    if (!rests.empty()) receive_rest(rests);
+    return out;
+  }
+
+  // Sends every part of `f` and waits for each (the link threads' way).
+  void send_frame_and_wait(const Frame& f, int64_t microbatch) {
+    for (size_t i = 0; i < f.parts.size(); ++i) {
+      std::vector<at::Tensor> one{f.parts[i]};
+      transfer(group->send(one, peer, f.tags[i]), "sending", microbatch);
+    }
+  }
+
   // Send thread: hands each queued message to the process group, header first.
   void send_loop() {
     while (true) {
       Bundle bundle = sends.pop();
       const int64_t start = now_ns();
-      send_message(bundle);
+      const int64_t size = nbytes(bundle.tensors);
+      if (!sent_header) {
+        std::vector<at::Tensor> header{header_for(metas_of(bundle.tensors))};
+        transfer(group->send(header, peer, header_tag(channel, stage)), "sending",
+                 bundle.microbatch, /*header=*/true);
+      }
+      Frame f = frame(std::move(bundle.tensors), bundle.microbatch);
+      send_frame_and_wait(f, bundle.microbatch);
+      recycle(std::move(f.flat));
       send_ns += now_ns() - start;
-      bytes_sent += nbytes(bundle.tensors);
+      bytes_sent += size;
       ++messages_sent;
       std::lock_guard<std::mutex> guard(mutex);
       --sends_in_flight;
       idle.notify_all();
-    }
-  }
-
-  void send_message(const Bundle& bundle) {
-    const auto metas = metas_of(bundle.tensors);  // the negotiated ones (checked in send)
-    if (!sent_header) {
-      std::vector<at::Tensor> header{encode_header(metas, what).to(device)};
-      transfer(group->send(header, peer, header_tag(channel, stage)), "sending", bundle.microbatch,
-               /*header=*/true);
-      sent_header = true;
-    }
-    const int tag = message_tag(channel, stage, bundle.microbatch);
-    if (const int64_t packed = packed_bytes(metas)) {
-      if (!send_flat.defined()) {
-        send_flat = at::empty(
-            {packed}, at::TensorOptions().dtype(at::kByte).device(bundle.tensors[0].device()));
-      }
-      pack_into(send_flat, bundle.tensors, metas);
-      std::vector<at::Tensor> one{send_flat};
-      transfer(group->send(one, peer, tag), "sending", bundle.microbatch);
-    } else {
-      for (const auto& t : bundle.tensors) {
-        std::vector<at::Tensor> one{t};
-        transfer(group->send(one, peer, tag), "sending", bundle.microbatch);
-      }
     }
   }
 
@@ -317,26 +589,27 @@ struct CommEngine::Link {
     }
   }
 
+  void learn_header(const at::Tensor& header) {
+    const at::Tensor words = header.is_cpu() ? header : header.cpu();
+    recv_metas = decode_metas(words.data_ptr<int64_t>(), what);
+    recv_layout = layout_for(recv_metas);
+    got_header = true;
+  }
+
   std::vector<at::Tensor> receive_message(int64_t microbatch) {
     if (!got_header) {
       std::vector<at::Tensor> header{
-          at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(device))};
+          at::empty({kMetaWords}, at::TensorOptions().dtype(at::kLong).device(device))};
       transfer(group->recv(header, peer, header_tag(channel, stage)), "receiving", microbatch,
                /*header=*/true);
-      recv_metas = decode_header(header[0].cpu());
-      recv_packed = packed_bytes(recv_metas);
-      got_header = true;
+      learn_header(header[0]);
     }
-    std::vector<at::Tensor> buffers = take_buffers();
-    const int tag = message_tag(channel, stage, microbatch);
-    std::vector<at::Tensor> out;
-    for (auto& t : buffers) {
-      std::vector<at::Tensor> one{t};
-      transfer(group->recv(one, peer, tag), "receiving", microbatch);
-      out.push_back(t.detach());  // a fresh handle; the pool keeps the buffer itself
+    std::vector<at::Tensor> buffers;
+    for (const auto& b : take_buffers()) buffers.push_back(b.detach());  // handles of our own
+    for (auto& work : post_first_parts(buffers, microbatch)) {
+      transfer(work, "receiving", microbatch);
     }
-    if (recv_packed > 0) out = unpack(out[0], recv_metas);  // views, no copy
-    return out;
+    return open_frame(buffers, microbatch, [](const auto&) {});
   }
 
   // Waits for one transfer of `microbatch` (or for the link's header, sent before its first
@@ -365,14 +638,13 @@ struct CommEngine::Link {
     int64_t microbatch = 0;
     bool header = false;
     std::vector<c10::intrusive_ptr<c10d::Work>> works;  // empty: posted before the header
-    std::vector<at::Tensor> tensors;  // what is sent, or the buffers received into
+    std::vector<at::Tensor> tensors;  // what is sent from, or the buffers received into
     at::Tensor flat;                  // a packed send's buffer, reused once it is sent
   };
   // In flight, oldest first. Changed by the caller's thread only, under `mutex` so that a
   // shutdown from another thread can abort what they wait for.
   std::deque<Transfer> sending;
   std::deque<Transfer> receiving;
-  std::vector<at::Tensor> free_flats;  // packed send buffers whose sends completed
   c10::intrusive_ptr<c10d::Work> header_work;  // the link's header, while it is awaited
   at::Tensor header_buffer;
   std::atomic<bool> closed{false};
@@ -398,38 +670,25 @@ struct CommEngine::Link {
     check_open(&Link::send_error);
     while (static_cast<int64_t>(sending.size()) > depth) reap_send();
     const int64_t start = now_ns();
-    const auto metas = metas_of(tensors);
     if (!sent_header) {
       Transfer header;
       header.microbatch = microbatch;
       header.header = true;
-      header.tensors = {encode_header(metas, what).to(device)};
+      header.tensors = {header_for(metas_of(tensors))};
       header.works.push_back(group->send(header.tensors, peer, header_tag(channel, stage)));
       push(sending, std::move(header));
-      sent_header = true;
     }
+    const int64_t size = nbytes(tensors);
+    Frame f = frame(std::move(tensors), microbatch);
     Transfer t;
     t.microbatch = microbatch;
-    const int tag = message_tag(channel, stage, microbatch);
-    if (const int64_t packed = packed_bytes(metas)) {
-      if (free_flats.empty()) {
-        t.flat = at::empty({packed},
-                           at::TensorOptions().dtype(at::kByte).device(tensors[0].device()));
-      } else {
-        t.flat = std::move(free_flats.back());
-        free_flats.pop_back();
-      }
-      pack_into(t.flat, tensors, metas);
-      std::vector<at::Tensor> one{t.flat};
-      t.works.push_back(group->send(one, peer, tag));
-    } else {
-      for (const auto& tensor : tensors) {
-        std::vector<at::Tensor> one{tensor};
-        t.works.push_back(group->send(one, peer, tag));
-      }
+    for (size_t i = 0; i < f.parts.size(); ++i) {
+      std::vector<at::Tensor> one{f.parts[i]};
+      t.works.push_back(group->send(one, peer, f.tags[i]));
     }
-    bytes_sent += nbytes(tensors);
-    t.tensors = std::move(tensors);
+    bytes_sent += size;
+    t.tensors = std::move(f.keep);
+    t.flat = std::move(f.flat);
     push(sending, std::move(t));
     send_ns += now_ns() - start;
   }
@@ -445,7 +704,7 @@ struct CommEngine::Link {
       throw;
     }
     if (!oldest.header) ++messages_sent;
-    if (oldest.flat.defined()) free_flats.push_back(oldest.flat);
+    recycle(std::move(oldest.flat));
     std::lock_guard<std::mutex> guard(mutex);
     sending.pop_front();
   }
@@ -459,7 +718,7 @@ struct CommEngine::Link {
     Transfer t;
     t.microbatch = microbatch;
     if (!got_header && !header_work) {
-      header_buffer = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(device));
+      header_buffer = at::empty({kMetaWords}, at::TensorOptions().dtype(at::kLong).device(device));
       std::vector<at::Tensor> one{header_buffer};
       header_work = group->recv(one, peer, header_tag(channel, stage));
     }
@@ -471,11 +730,7 @@ struct CommEngine::Link {
     // Handles of their own: the pool tells a buffer free by its storage's use count, which
     // counts tensors (not copies of one handle), so the transfer must hold its own.
     for (const auto& buffer : take_buffers()) t.tensors.push_back(buffer.detach());
-    const int tag = message_tag(channel, stage, t.microbatch);
-    for (auto& buffer : t.tensors) {
-      std::vector<at::Tensor> one{buffer};
-      t.works.push_back(group->recv(one, peer, tag));
-    }
+    t.works = post_first_parts(t.tensors, t.microbatch);
   }
 
   std::vector<at::Tensor> direct_wait(int64_t microbatch) {
@@ -495,16 +750,17 @@ struct CommEngine::Link {
     try {
       if (!got_header) {
         await(header_work, "receiving", microbatch, /*header=*/true);
-        recv_metas = decode_header(header_buffer.cpu());
-        recv_packed = packed_bytes(recv_metas);
-        got_header = true;
+        learn_header(header_buffer);
         std::lock_guard<std::mutex> guard(mutex);
         header_work.reset();
         for (auto& t : receiving) start_recv(t);  // the receives posted before it came
       }
       Transfer& t = receiving.front();
       for (const auto& work : t.works) await(work, "receiving", microbatch, false);
-      for (const auto& buffer : t.tensors) out.push_back(buffer.detach());  // fresh handles
+      out = open_frame(t.tensors, microbatch, [&](const auto& works) {
+        std::lock_guard<std::mutex> guard(mutex);  // so that a shutdown aborts them too
+        t.works.insert(t.works.end(), works.begin(), works.end());
+      });
     } catch (...) {
       std::lock_guard<std::mutex> guard(mutex);
       if (!recv_error && !closed) recv_error = std::current_exception();
@@ -517,7 +773,6 @@ struct CommEngine::Link {
     recv_ns += now_ns() - start;
     bytes_received += nbytes(out);
     ++messages_received;
-    if (recv_packed > 0) out = unpack(out[0], recv_metas);  // views, no copy
     return out;
   }
 
@@ -544,26 +799,6 @@ struct CommEngine::Link {
         // a backend without abort: its waiter ends at the transfer's timeout
       }
     }
-  }
-
-  // Buffers for the next receive: a pooled set nobody else holds any more, or a new one.
-  std::vector<at::Tensor> take_buffers() {
-    for (auto& set : pool) {
-      bool free = true;
-      for (const auto& t : set) free = free && t.storage().use_count() == 1;
-      if (free) return set;
-    }
-    std::vector<at::Tensor> set;
-    if (recv_packed > 0) {
-      set.push_back(at::empty({recv_packed}, at::TensorOptions().dtype(at::kByte).device(device)));
-    } else {
-      for (const auto& meta : recv_metas) {
-        set.push_back(
-            at::empty(meta.sizes, at::TensorOptions().dtype(meta.dtype).device(device)));
-      }
-    }
-    if (static_cast<int64_t>(pool.size()) < recv_pool) pool.push_back(set);
-    return set;
   }
 };
 
@@ -626,27 +861,27 @@ void CommEngine::send(int peer, Channel channel, int stage, int64_t microbatch,
     if (!t.defined()) throw std::invalid_argument(l.what + ": cannot send an undefined tensor");
     t = t.detach().contiguous();
   }
-  const auto metas = metas_of(tensors);
-  if (l.negotiated && metas != l.sent_metas) {
-    // Only the dtypes changed (a cast, autocast, a loader yielding another type): the size
-    // advice would mislead.
-    bool same_sizes = metas.size() == l.sent_metas.size();
-    for (size_t i = 0; same_sizes && i < metas.size(); ++i) {
-      same_sizes = metas[i].sizes == l.sent_metas[i].sizes;
+  // Sizes and dtypes may change from message to message (see "Frames"); what a stage boundary
+  // is made of may not: the number of tensors crossing it and their dimensions.
+  auto metas = metas_of(tensors);
+  if (!l.negotiated) {
+    l.first_metas = std::move(metas);
+    l.negotiated = true;
+  } else {
+    bool same_kind = metas.size() == l.first_metas.size();
+    for (size_t i = 0; same_kind && i < metas.size(); ++i) {
+      same_kind = metas[i].sizes.size() == l.first_metas[i].sizes.size();
     }
-    const char* advice =
-        same_sizes ? "; the dtypes crossing a stage boundary must stay fixed (give every batch "
-                     "the same dtypes: cast the loader's tensors, or keep autocast on for every "
-                     "microbatch)"
-                   : "; shapes crossing a stage boundary must stay fixed (give every microbatch "
-                     "the same size, e.g. drop_last=True in the DataLoader)";
-    throw std::invalid_argument(l.what + ": microbatch " + std::to_string(microbatch) +
-                                " sends tensors " + describe(metas) +
-                                " but this boundary was negotiated as " +
-                                describe(l.sent_metas) + advice);
+    if (!same_kind) {
+      throw std::invalid_argument(
+          l.what + ": microbatch " + std::to_string(microbatch) + " sends tensors " +
+          describe(metas) + " but this boundary's first message sent " +
+          describe(l.first_metas) +
+          "; sizes and dtypes may change between microbatches, but the number of tensors "
+          "crossing a stage boundary and their dimensions must stay fixed (return the same "
+          "structure from the stage for every batch)");
+    }
   }
-  l.sent_metas = metas;
-  l.negotiated = true;
   if (l.direct) {
     l.direct_send(std::move(tensors), microbatch);
     return;

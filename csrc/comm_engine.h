@@ -13,23 +13,24 @@
 // each must be its own link: one shared link would hand stage 3 the activation meant for
 // stage 1 whenever the two boundaries run the same microbatches in a different order.
 //
-// The first message of a link carries a small header with the tensors' dtypes and shapes;
-// after that the receiver allocates from a pool and the shapes are fixed: a send whose shapes
-// differ from the negotiated ones is rejected with an error naming both (see the docs for why
-// shapes are fixed). Shapes are negotiated per link, so two boundaries to the same peer may
-// carry different shapes.
+// The first message of a link is preceded by a small header with the tensors' dtypes and
+// shapes; it fixes how the link's messages travel (packed into one transfer, or split into a
+// prefix and one transfer per tensor) and the size of the receive buffers posted ahead. After
+// that every message is a frame whose 64-byte prefix says how long it is and, only when they
+// changed, carries the new dtypes and shapes: sizes and dtypes may change from microbatch to
+// microbatch (a batch padded to its own longest sequence, a short last batch) at no cost while
+// they stay; a message larger than the posted buffer sends its rest on an overflow tag. What
+// may not change is what the boundary is made of: the number of tensors and their dimensions
+// (a send that changes them is rejected with an error naming both). See "Frames" in
+// comm_engine.cpp.
 //
 // The process group matches a receive to a send by (peer, tag) over the whole rank pair, so
-// tags are unique across links: bit 30 marks the header, bits 21..29 hold the stage (so stage
-// < 512), bits 1..20 the microbatch modulo 2^20 (the messages in flight on one link never span
-// 2^20 microbatches) and bit 0 the channel. A receive thus matches exactly the send of the
-// same stage, channel and microbatch; a schedule that disagrees between two ranks times out
-// with a message naming the peer, the channel, the stage and the microbatch instead of mixing
-// data.
-//
-// A message of several small tensors (an activation with its target, a gradient with its
-// loss) travels packed in one byte buffer, one transfer instead of one per tensor; the
-// receiver gets views of it (see kPackMaxBytes in comm_engine.cpp).
+// tags are unique across links: bit 30 marks the header, bit 29 an overflow, bits 20..28 hold
+// the stage (so stage < 512), bits 1..19 the microbatch modulo 2^19 (the messages in flight on
+// one link never span 2^19 microbatches) and bit 0 the channel. A receive thus matches exactly
+// the send of the same stage, channel and microbatch; a schedule that disagrees between two
+// ranks times out with a message naming the peer, the channel, the stage and the microbatch
+// instead of mixing data.
 //
 // Two ways to move a message. On a GPU (NCCL) each link has a send and a receive thread, as
 // drawn above: a transfer there is waited for off the compute thread. On CPU (gloo), where a
@@ -44,7 +45,8 @@
 // Receive buffers come from a per-link pool of at most `recv_pool` sets. A buffer is handed
 // out again only when nobody else holds its storage (the compute thread and autograd have
 // dropped it), so steady-state receives allocate nothing as long as the pool covers the
-// messages a stage holds at once; past that, receives allocate fresh buffers.
+// messages a stage holds at once; past that, and for a message larger than the link's first
+// (its overflow), receives allocate fresh buffers.
 #pragma once
 
 #include <ATen/ATen.h>

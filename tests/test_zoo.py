@@ -45,7 +45,7 @@ if _MISSING:
     pytest.skip(f"the model zoo needs {', '.join(_MISSING)}: pip install -e '.[zoo]'",
                 allow_module_level=True)
 
-from zoo import DROPPING, ZOO, ZooModel, call  # noqa: E402 - after the check above
+from zoo import DROPPING, ZOO, ZooModel, call, one_torch_thread, relative  # noqa: E402 - after the check above
 
 # One launched job runs every case (about 3 minutes on 2 quiet cores): its fixture's setup
 # counts against the first test's timeout.
@@ -198,10 +198,7 @@ def job() -> list[dict[str, Outcome]]:
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from one_torch_thread()
 
 
 def result(job: list[dict[str, Outcome]], case: str, rank: int = 0) -> dict[str, Any]:
@@ -209,13 +206,6 @@ def result(job: list[dict[str, Outcome]], case: str, rank: int = 0) -> dict[str,
     if error is not None:
         pytest.fail(f"{case} failed on rank {rank}:\n{error}")
     return out
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| over one tensor (in float64)."""
-    a, b = a.detach().double(), b.detach().double()
-    return float(torch.linalg.vector_norm(a - b)) / max(float(torch.linalg.vector_norm(b)),
-                                                        1e-12)
 
 
 # --- the tests ----------------------------------------------------------------------------------

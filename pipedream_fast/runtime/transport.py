@@ -92,8 +92,10 @@ class ProcessTransport:
                  recv_pool: int = _C.CommEngine.DEFAULT_RECV_POOL,
                  link_threads: bool = False) -> None:
         """`group`: the process group of every rank that carries the point-to-point traffic
-        (default: the default group). A transport negotiates each link's tensor shapes on
-        its first message, so traffic of other shapes (evaluation) uses its own group.
+        (default: the default group). A link's first message fixes what crosses it (the
+        number of tensors and their dimensions; sizes and dtypes may vary) and the size of
+        its posted receive buffers, so traffic of another structure (evaluation) uses its own
+        group.
         `depth`, `spin_us`, `recv_pool`, `link_threads`: the engine's speed knobs (see
         `Tuning`)."""
         if not dist.is_initialized():

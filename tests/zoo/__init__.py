@@ -194,3 +194,18 @@ def call(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, (tuple, list)):
         return model(*inputs)
     return model(inputs)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| over one tensor (in float64)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float(torch.linalg.vector_norm(a - b)) / max(float(torch.linalg.vector_norm(b)),
+                                                        1e-12)
+
+
+def one_torch_thread() -> Any:
+    """A fixture body: one torch thread for the test, as each rank has."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
