@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -48,7 +49,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The exit code when the reader of stdout goes away early (`pipedream-fast ... | head -3`):
+# rich's, which the commands' tables already exit with there.
+BROKEN_PIPE_EXIT = 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The `pipedream-fast` entry point. A reader that stops reading early (`| head -3`) ends
+    the command quietly, as it ends `cat`: no traceback, exit code 1. Not by restoring
+    SIGPIPE's default action, which would kill a rank process whose peer's socket closes."""
+    try:
+        try:
+            code = _main(argv)
+        except SystemExit:  # argparse's --help, --version and usage errors
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()  # here, not at exit, where Python reports a failure on its own
+        return code
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return BROKEN_PIPE_EXIT
+
+
+def _stdout_to_devnull() -> None:
+    """Point the stdout file descriptor at /dev/null, so that Python's final flush of what is
+    still buffered succeeds instead of reporting the closed pipe once more."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (captured, in tests)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:  # a usage error (exit 2, on stderr), with the commands listed

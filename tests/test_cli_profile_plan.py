@@ -91,7 +91,7 @@ def test_plan_plans_every_schedule_as_train_does(mlp_profile: Path, tmp_path: Pa
     plan = Plan.load(out)
     assert plan.schedule == schedule
     same = plan_for(schedule, Profile.load(mlp_profile), Topology.parse("2x1e9"),
-                    recompute="auto")
+                    straight=True, recompute="auto")  # as train plans (plan's default too)
     assert [(s.start, s.stop, s.ranks) for s in plan.stages] == \
         [(s.start, s.stop, s.ranks) for s in same.stages]
     if kind(schedule).planning.get("stages_per_rank") == 2:

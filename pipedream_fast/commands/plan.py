@@ -1,11 +1,13 @@
 """`pipedream-fast plan`: choose stages, replicas and ranks for a profile on a topology.
 
-    pipedream-fast plan --profile profile.json --topology 4x12.5e9,4x1.25e9 --out plan.json
-    pipedream-fast plan --profile profile.json --topology 8x1e9 --straight --schedule 1f1b
+    pipedream-fast plan --profile profile.json --topology 8x1e9 --schedule 1f1b --out plan.json
+    pipedream-fast plan --profile profile.json --topology 4x12.5e9,4x1.25e9 --no-straight
     pipedream-fast plan --profile profile.json --topology 8x1e9 --evaluate plan.json
 
 Prints a table of the stages (blocks, replicas, ranks, predicted times, memory) followed by
-the bottleneck, the data-parallel time and the speedup over data parallelism.
+the bottleneck, the data-parallel time and the speedup over data parallelism. As in `train`,
+every stage gets one rank unless --no-straight lets the planner replicate stages (PipeDream's
+hierarchical plans, replicas across servers).
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ def register(subparsers: Any) -> None:
                         help="auto (default): a stage recomputes its activations in the backward "
                              "(one more forward) only where keeping them does not fit "
                              "--memory-per-worker; none: never; all: every stage")
-    parser.add_argument("--straight", action="store_true", help="one worker per stage (no replicas)")
+    # The same flag, default and help as `train`'s: plan a profile as `train` would plan it.
+    parser.add_argument("--straight", action=argparse.BooleanOptionalAction, default=True,
+                        help="one rank per stage, a pipeline as deep as the workers "
+                             "(default); --no-straight lets the planner replicate stages")
     # Every schedule: each is planned as `train` plans it (`plan_for`: its memory rules, or
     # those of the schedule it derives from, and the planning it needs, such as 2 stages per
     # rank for interleaved-1f1b), and the plan names it.

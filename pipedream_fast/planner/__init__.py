@@ -95,7 +95,8 @@ def _structural_hint(costs: Costs, topology: Topology, straight: bool) -> str:
         inner = topology.levels[0].count
         return (f"a straight plan must run a {inner}-stage pipeline inside every level-0 group of "
                 f"{inner} workers, which needs at least {inner} blocks per group, and the model has "
-                f"{costs.num_blocks}; drop --straight or use a flat topology")
+                f"{costs.num_blocks}; let the planner replicate stages (--no-straight) or use a "
+                f"flat topology")
     return "no plan exists for this topology"
 
 
