@@ -1,6 +1,8 @@
 """A loader turned into microbatches on the ranks that read it: epochs under a seeded random
-state (so replicas of the first stage read alike), the first stage's microbatch source, the
-targets' structure, padding of a short evaluation batch, and a model's own loss.
+state (so replicas of the first stage read alike), the first stage's microbatch source (a
+minibatch of any size split as evenly as it can, each microbatch's sample counts travelling
+with its target so that its loss weighs by its samples), the targets' structure, padding of
+an evaluation batch, and a model's own loss.
 """
 
 from __future__ import annotations
@@ -21,16 +23,15 @@ from pipedream_fast.ir import Schedule
 
 
 def split_microbatches(value: Any, chunks: int) -> list[Any]:
-    """Splits a tensor, or a tuple/list/dict of tensors, into `chunks` along dimension 0
-    (non-tensor values, such as a flag or None, are the same in every microbatch)."""
+    """Splits a tensor, or a tuple/list/dict of tensors, into `chunks` along dimension 0 as
+    evenly as possible, as `torch.tensor_split` does: of N samples, the first N % chunks
+    microbatches get one more (10 into 4: 3, 3, 2, 2; fewer samples than chunks leave the last
+    microbatches empty, see `MicrobatchFeed`). Non-tensor values, such as a flag or None, are
+    the same in every microbatch."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return [value] * chunks
     if isinstance(value, torch.Tensor):
-        if value.shape[0] % chunks:
-            raise ValueError(f"a minibatch of {value.shape[0]} samples does not split into "
-                             f"{chunks} equal microbatches; use a batch size divisible by chunks "
-                             f"(and drop_last=True in the DataLoader)")
-        return list(value.chunk(chunks))
+        return list(value.tensor_split(chunks))
     if isinstance(value, (tuple, list)):
         parts = [split_microbatches(v, chunks) for v in value]
         return [type(value)(p[i] for p in parts) for i in range(chunks)]
@@ -39,6 +40,23 @@ def split_microbatches(value: Any, chunks: int) -> list[Any]:
         return [{k: p[i] for k, p in by_key.items()} for i in range(chunks)]
     raise TypeError(f"cannot split a {type(value).__name__} into microbatches: inputs and "
                     f"targets must be tensors, or tuples, lists or dicts of tensors")
+
+
+def microbatch_sizes(samples: int, chunks: int) -> list[int]:
+    """The real samples of each microbatch of a minibatch of `samples` (`split_microbatches`:
+    the first samples % chunks get one more; 0 for a microbatch of padding)."""
+    q, r = divmod(samples, chunks)
+    return [q + 1] * r + [q] * (chunks - r)
+
+
+def repeat_last(value: Any, size: int) -> Any:
+    """`value` (a pytree of tensors) with every tensor that has a batch dimension extended to
+    `size` samples by repeats of its last one (0-d tensors and non-tensors as they are)."""
+    def pad(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] >= size:
+            return t
+        return torch.cat([t, t[-1:].expand(size - t.shape[0], *t.shape[1:])])
+    return pytree.tree_map(pad, value)
 
 
 def model_loss(output: Any, _target: Any = None) -> torch.Tensor:
@@ -97,12 +115,21 @@ class MicrobatchFeed:
     `uses(mb)` says how many takes microbatch `mb` gets in this process (one per rank that
     feeds the first stage or the last stage with it); microbatches nobody uses are dropped, so
     the feed holds only the microbatches in flight, however long the run.
+
+    A minibatch of N samples splits as evenly as it can (`split_microbatches`: 10 into 4 is
+    3, 3, 2, 2). `counts` (training): each microbatch's target travels as (target, counts),
+    counts an int64 tensor (n, N, chunks): its real samples, its step's, and the step's
+    microbatches, so that the rank computing its loss, wherever that is, weighs it by
+    chunks * n / N (`runtime.executor.sample_weight`): the step then equals the plain loop's
+    on the whole batch.
     """
 
-    def __init__(self, batches: Iterator[Any], chunks: int, uses: Callable[[int], int]) -> None:
+    def __init__(self, batches: Iterator[Any], chunks: int, uses: Callable[[int], int],
+                 counts: bool = False) -> None:
         self._batches = batches
         self._chunks = chunks
         self._uses = uses
+        self._counts = counts
         self._cache: dict[int, tuple[Any, int]] = {}  # mb -> (value, takes left)
         self._next_step = 0
         self._lock = threading.Lock()
@@ -122,7 +149,7 @@ class MicrobatchFeed:
                     raise TypeError(f"the loader must yield (inputs, targets) pairs, got "
                                     f"{type(batch).__name__}")
                 base = self._next_step * self._chunks
-                for i, part in enumerate(zip(*(split_microbatches(x, self._chunks) for x in batch))):
+                for i, part in enumerate(self._split(*batch)):
                     if uses := self._uses(base + i):
                         self._cache[base + i] = (part, uses)
                 self._next_step += 1
@@ -132,6 +159,26 @@ class MicrobatchFeed:
             else:
                 self._cache[mb] = (value, left - 1)
             return value
+
+    def _split(self, x: Any, y: Any) -> list[tuple[Any, Any]]:
+        """A minibatch's `chunks` microbatches, as (inputs, target) pairs."""
+        chunks = self._chunks
+        if not self._counts:
+            return list(zip(split_microbatches(x, chunks), split_microbatches(y, chunks)))
+        samples = batch_size(x)
+        if samples < chunks:
+            # Fewer samples than microbatches: a short last batch (a DataLoader whose
+            # batch_size is below chunks is refused up front, `check_loader`). The schedule
+            # runs `chunks` microbatches a step whatever the batch holds, so the empty ones
+            # get a repeat of the last sample that counts 0: its loss is weighed by 0, so it
+            # adds nothing to the gradient nor to the step's loss. Refusing instead would fail
+            # a run at its epoch's last batch, after the epoch trained, and the fix (drop the
+            # tail) loses data a plain loop trains on.
+            x, y = repeat_last((x, y), chunks)
+        sizes = microbatch_sizes(samples, chunks)
+        return [(px, (py, torch.tensor([n, samples, chunks])))
+                for px, py, n in zip(split_microbatches(x, chunks),
+                                     split_microbatches(y, chunks), sizes)]
 
 
 class KeptInputs:
@@ -231,28 +278,30 @@ def batch_size(inputs: Any) -> int:
     return int(leaves[0].shape[0])
 
 
-def pad_batch(batch: Any, size: int) -> tuple[Any, Any]:
-    """An evaluation minibatch as (inputs, (targets, real)): a short one is padded to `size`
-    samples by repeating its last, and `real` marks the samples that are not padding."""
+def pad_batch(batch: Any, size: int, most: int | None = None) -> tuple[Any, Any]:
+    """An evaluation minibatch as (inputs, (targets, real)): a shorter one is padded to `size`
+    samples by repeating its last, and `real` marks the samples that are not padding. One of
+    more than `most` samples (default `size`: the run's first batch set it) is refused."""
     x, y = batch
     n = batch_size(x)
-    if n > size:
-        raise ValueError(f"a minibatch of {n} samples follows one of {size}; evaluation batches "
-                         f"may only get shorter at the end")
-    real = torch.arange(size) < n
+    if n > (size if most is None else most):
+        raise ValueError(f"a minibatch of {n} samples follows one of "
+                         f"{size if most is None else most}; evaluation batches may only get "
+                         f"shorter at the end")
+    real = torch.arange(max(n, size)) < n
     if n < size:
-        def pad(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                return t
-            return torch.cat([t, t[-1:].expand(size - n, *t.shape[1:])])
-        x, y = pytree.tree_map(pad, x), pytree.tree_map(pad, y)
+        x, y = repeat_last((x, y), size)
     return x, (y, real)
 
 
-def check_loader(loader: Any, chunks: int, allow_short_last: bool = False) -> None:
+def check_loader(loader: Any, chunks: int, training: bool = True) -> None:
     """Refuses loaders that would train on the wrong data rather than fail: a
-    DistributedSampler (this runtime shards data itself, and only the first stage reads) and
-    a short last batch (its microbatches would not fit the negotiated shapes)."""
+    DistributedSampler (this runtime shards data itself, and only the first stage reads).
+    Training also refuses a DataLoader whose batch_size is below chunks: every step would
+    pad microbatches with a sample that counts 0 (a short last batch is padded so; see
+    `MicrobatchFeed`), which is a mistake in the settings, not in the data. Any batch size
+    and a short last batch are fine otherwise: microbatches split as evenly as they can and
+    each weighs by its samples."""
     loader = loader.loader if isinstance(loader, InputsOnly) else loader
     sampler = getattr(loader, "sampler", None)
     if isinstance(sampler, DistributedSampler):
@@ -261,15 +310,11 @@ def check_loader(loader: Any, chunks: int, allow_short_last: bool = False) -> No
                          "microbatches of each batch); pass the DataLoader without the "
                          "sampler (shuffle=True shuffles the same way on every replica)")
     size = getattr(loader, "batch_size", None)
-    if (isinstance(loader, DataLoader) and size and not loader.drop_last
-            and not allow_short_last and sampler is not None
-            and hasattr(sampler, "__len__") and len(sampler) % size):
-        raise ValueError(f"the loader's last batch holds {len(sampler) % size} of {size} "
-                         f"samples; a pipeline needs equal batches (the tensors between stages "
-                         f"keep their shapes): use drop_last=True")
-    if size and size % chunks:
-        raise ValueError(f"the loader's batch size {size} does not split into {chunks} equal "
-                         f"microbatches (chunks); use a multiple of {chunks}")
+    if training and isinstance(loader, DataLoader) and size and size < chunks:
+        raise ValueError(f"the loader's batch size {size} is smaller than chunks={chunks}: "
+                         f"each step would run {chunks - size} of its {chunks} microbatches "
+                         f"on padding; use chunks={size} or less, or a batch size of at "
+                         f"least {chunks}")
 
 
 def steps_for(loader: Any, steps: int | None, epochs: int | None) -> int:

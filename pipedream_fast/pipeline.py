@@ -14,7 +14,8 @@ driven by the caller's one loop (`rank_threads`); collectives meet in memory and
 handed over, not copied. Either way each rank runs the code below in its `world` (`world.py`):
 it cuts the model with the plan, keeps only its own stage(s), builds the schedule and hands
 its rank's actions to an `Executor`. A loader minibatch is split into
-`chunks` microbatches; microbatch ids run on across steps (step k holds k*chunks ...).
+`chunks` microbatches, as evenly as its samples allow; microbatch ids run on across steps
+(step k holds k*chunks ...).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from pipedream_fast.stopping import DeferredStop
 from pipedream_fast.training import (MicrobatchFeed, data_source,
                                      feed_uses, named_state,
                                      model_loss,
-                                     batch_size, split_microbatches,
+                                     batch_size, microbatch_sizes, split_microbatches,
                                      to_device)
 from pipedream_fast.tuning import Tuning
 from pipedream_fast.options import OptionError, PipelineOptions
@@ -115,13 +116,18 @@ def _continuing(path: str | os.PathLike[str], kwargs: dict[str, Any]
     return folder, manifest, notes, plan
 
 
-def _join_microbatches(*parts: Any) -> Any:
-    """One output leaf of a whole minibatch from its microbatches' (equal-sized) parts: a
-    batch-major tensor concatenated, a 0-d tensor (a microbatch's mean loss) averaged."""
+def _join_microbatches(sizes: Sequence[int], *parts: Any) -> Any:
+    """One output leaf of a whole minibatch from its microbatches' parts (of `sizes`
+    samples): a batch-major tensor concatenated, a 0-d tensor (a microbatch's mean loss)
+    averaged, weighed by the samples when the microbatches differ in size."""
     if not isinstance(parts[0], torch.Tensor):
         return parts[0]
     if parts[0].dim() == 0:
-        return torch.stack(parts).float().mean().to(parts[0].dtype)
+        stacked = torch.stack(parts).float()
+        if len(set(sizes)) == 1:
+            return stacked.mean().to(parts[0].dtype)
+        weights = torch.tensor(sizes, dtype=stacked.dtype, device=stacked.device)
+        return ((stacked * weights).sum() / sum(sizes)).to(parts[0].dtype)
     return torch.cat(parts)
 
 __all__ = ["NonFiniteLoss", "Pipeline"]
@@ -153,9 +159,14 @@ class Pipeline:
     """Pipeline-parallel training of `model` on the ranks of the default process group.
 
     Steps and updates: a *step* is one minibatch of the loader, split into `chunks`
-    microbatches. The synchronous schedules (gpipe, 1f1b, interleaved-1f1b, zb-h1,
-    data-parallel) update every stage once per step with the gradients averaged over its
-    microbatches: exactly minibatch SGD. 2bw also updates once per step, with gradients one
+    microbatches as evenly as it goes (a batch of 10 in 4: 3, 3, 2, 2); any batch size and a
+    short last batch train (one of fewer samples than chunks fills the rest with a repeated
+    sample that counts 0; a DataLoader whose batch_size is below chunks is refused). Each
+    microbatch's loss weighs by its share of the step's samples, so for a loss that is a mean
+    over the batch, the step's gradient and loss are the plain loop's on the whole batch.
+    The synchronous schedules (gpipe, 1f1b, interleaved-1f1b, zb-h1, data-parallel) update
+    every stage once per step with the gradients averaged over its microbatches: exactly
+    minibatch SGD. 2bw also updates once per step, with gradients one
     version stale. pipedream and pipedream-vsync update after every round of microbatches
     (one per replica of a stage): with `chunks=4` a step is four updates on a quarter of the
     minibatch each, so keep `chunks=1` (the default) to update once per minibatch.
@@ -527,8 +538,8 @@ class Pipeline:
         goes on where the last one (or the checkpoint `load` read) stopped: the same loader,
         or the first one after `load`, at the next batch of the epoch in progress, and
         `epochs=N` ends with the N-th epoch counting that one; another loader begins a new
-        epoch. Yields
-        each step's mean microbatch loss, the same on every rank (a replicated stage's ranks
+        epoch. Yields each step's loss (the mean of its microbatches' losses, each weighed by
+        its share of the step's samples), the same on every rank (a replicated stage's ranks
         see only their share: one small all-reduce per step combines them). With
         `checkpoint_dir`, the pipeline drains and saves every `checkpoint_every` steps.
         SIGTERM stops every rank after the same step, a few steps later (see
@@ -604,8 +615,12 @@ class Pipeline:
         rank passes the same inputs (only the first stage's ranks read them). Collective."""
         self._stages.require_setup("predict()")
         assert self.plan is not None
-        chunks = self._ctx.chunks_for(inputs)
+        samples = batch_size(inputs)
+        # As evenly as the samples split (10 into 4: 3, 3, 2, 2); fewer samples than chunks:
+        # one microbatch each (this run's schedule is made for the call).
+        chunks = min(self._ctx.chunks_for(inputs), samples)
         parts = split_microbatches(inputs, chunks)
+        sizes = microbatch_sizes(samples, chunks)
         schedule = forward_only([s.ranks for s in self.plan.stages], chunks)
         spec = pytree.tree_flatten(())[1]  # no target: nothing travels with the inputs
 
@@ -616,7 +631,7 @@ class Pipeline:
         self._run_loop.forward_only(schedule, source if 0 in self.stage_indices else None, spec,
                            lambda mb, out, _: outputs.__setitem__(mb, pytree.tree_map(
                                lambda t: t.detach().cpu(), out)),
-                           key=(batch_size(inputs), chunks, pytree.treespec_dumps(spec)))
+                           key=(samples, chunks, pytree.treespec_dumps(spec)))
         last = len(self.plan.stages) - 1
         if everywhere or len(self.plan.stages[last].ranks) > 1:
             gathered: list[Any] = []
@@ -627,7 +642,8 @@ class Pipeline:
         if not everywhere and last not in self.stage_indices:
             return None
         ordered = [outputs[mb] for mb in range(chunks)]
-        return pytree.tree_map(_join_microbatches, *ordered) if chunks > 1 else ordered[0]
+        return (pytree.tree_map(functools.partial(_join_microbatches, sizes), *ordered)
+                if chunks > 1 else ordered[0])
 
     # --- state ------------------------------------------------------------------------------
     @_on_every_rank(_rank_0)

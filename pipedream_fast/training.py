@@ -22,7 +22,8 @@ from pipedream_fast.schedules.registry import splits_backward
 from pipedream_fast.tracing import LayerChain
 from pipedream_fast.tuning import Tuning
 # re-exported: the data side of a run
-from pipedream_fast.data_feed import (split_microbatches as split_microbatches, model_loss as
+from pipedream_fast.data_feed import (split_microbatches as split_microbatches,
+                                      microbatch_sizes as microbatch_sizes, model_loss as
                                       model_loss, InputsOnly as InputsOnly, MicrobatchFeed as
                                       MicrobatchFeed, reads_data as reads_data, feed_uses as
                                       feed_uses, to_device as to_device, CPU as CPU, data_source as

@@ -1,4 +1,5 @@
-"""Replicas of the first stage read one shuffled loader alike (3 processes, gloo).
+"""The data feed: how a minibatch of any size becomes microbatches (unit tests), and
+replicas of the first stage reading one shuffled loader alike (3 processes, gloo).
 
 Ranks 0 and 1 replicate the first stage and each take half of every minibatch's microbatches;
 rank 2 holds the second stage. The loader shuffles without a generator of its own and the model
@@ -12,15 +13,81 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
+from pipedream_fast.data_feed import (MicrobatchFeed, check_loader, microbatch_sizes, pad_batch,
+                                      split_microbatches)
 from pipedream_fast.formats import Plan, StagePlan
 from pipedream_fast.launch import launch
 from pipedream_fast.pipeline import Pipeline
+from pipedream_fast.runtime.executor import sample_weight
 
 SAMPLES, BATCH, CHUNKS, EPOCHS = 32, 8, 2, 2
+
+
+# --- microbatches of any size (unit tests) -------------------------------------------------
+
+def test_a_minibatch_splits_as_evenly_as_it_goes_the_first_ones_one_larger():
+    x = torch.arange(10)
+    parts = split_microbatches({"x": x, "pair": (x, None), "flag": True}, 4)
+    assert [p["x"].tolist() for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert all(p["pair"][0] is not None and p["pair"][1] is None and p["flag"] for p in parts)
+    assert microbatch_sizes(10, 4) == [3, 3, 2, 2]
+    assert microbatch_sizes(8, 4) == [2, 2, 2, 2] and microbatch_sizes(2, 4) == [1, 1, 0, 0]
+    # A batch that chunks divide splits into the very views torch.chunk gives (same results).
+    y = torch.randn(8, 3)
+    assert all(torch.equal(a, b) and a.stride() == b.stride()
+               for a, b in zip(split_microbatches(y, 4), y.chunk(4)))
+
+
+def test_the_feed_sends_each_microbatchs_sample_counts_and_pads_a_tail_below_chunks():
+    x, y = torch.arange(11.0).unsqueeze(1), torch.arange(11)
+    feed = MicrobatchFeed(iter([(x[:6], y[:6]), (x[6:8], y[6:8])]), 4, lambda mb: 1,
+                          counts=True)
+    taken = [feed.take(mb) for mb in range(8)]
+    # 6 in 4: 2, 2, 1, 1; 2 in 4: 1, 1 and two repeats of the last sample that count 0.
+    assert [xs.squeeze(1).tolist() for xs, _ in taken] == [[0, 1], [2, 3], [4], [5], [6], [7],
+                                                            [7], [7]]
+    assert [target.tolist() for _, (target, _) in taken] == [[0, 1], [2, 3], [4], [5], [6], [7],
+                                                             [7], [7]]
+    counts = [c.tolist() for _, (_, c) in taken]
+    assert counts == [[2, 6, 4], [2, 6, 4], [1, 6, 4], [1, 6, 4],
+                      [1, 2, 4], [1, 2, 4], [0, 2, 4], [0, 2, 4]]
+    weights = [sample_weight(c) for _, (_, c) in taken]
+    assert weights == pytest.approx([4 / 3, 4 / 3, 2 / 3, 2 / 3, 2, 2, 0, 0])
+    assert sum(weights[:4]) == pytest.approx(4) and sum(weights[4:]) == pytest.approx(4)
+    # A microbatch holding its even share weighs exactly 1.0: multiplied by nothing.
+    assert sample_weight(torch.tensor([2, 8, 4])) == 1.0
+    assert sample_weight(torch.tensor([3, 12, 4])) == 1.0
+    # Without counts (evaluation, which pads its batches itself): the targets as they are.
+    plain = MicrobatchFeed(iter([(x[:8], y[:8])]), 4, lambda mb: 1)
+    assert torch.equal(plain.take(0)[1], y[:2])
+
+
+def test_evaluation_pads_to_its_size_with_a_mask_and_refuses_a_larger_batch():
+    x, y = torch.arange(7.0), torch.arange(7)
+    px, (py, real) = pad_batch((x, y), 12, most=10)
+    assert px.tolist() == [*range(7), 6, 6, 6, 6, 6] and py.tolist()[-1] == 6
+    assert real.tolist() == [True] * 7 + [False] * 5
+    _, (_, real) = pad_batch((torch.arange(9.0), torch.arange(9)), 4, most=10)  # above 4:
+    assert real.tolist() == [True] * 9  # nothing padded (a model's own loss, 4 chunks)
+    with pytest.raises(ValueError, match="follows one of 10"):
+        pad_batch((torch.arange(11.0), torch.arange(11)), 12, most=10)
+
+
+def test_any_batch_size_and_a_short_last_batch_are_accepted_below_chunks_is_refused():
+    data = TensorDataset(torch.randn(26, 2), torch.zeros(26))
+    check_loader(DataLoader(data, batch_size=8), 4)  # a short last batch (2)
+    check_loader(DataLoader(data, batch_size=10), 4)  # chunks do not divide it
+    check_loader(DataLoader(data, batch_size=2), 4, training=False)  # evaluation pads
+    with pytest.raises(ValueError, match="batch size 2 is smaller than chunks=4"):
+        check_loader(DataLoader(data, batch_size=2), 4)
+    with pytest.raises(ValueError, match="DistributedSampler"):
+        check_loader(DataLoader(data, batch_size=8,
+                                sampler=DistributedSampler(data, num_replicas=1, rank=0)), 4)
 
 
 class Recording(Dataset):

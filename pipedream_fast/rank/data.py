@@ -81,10 +81,10 @@ class Progress:
         another loader at the start of a new epoch. `epochs=N` then trains to the end of the
         N-th epoch, counting the one in progress. Evaluation reads its loader from the start.
 
-        `evaluation`: a short last batch is padded to the full size and each target gets a
-        mask of the real samples, so that nothing is dropped and nothing counted twice (not
-        for a model that computes its own loss: padding would enter its mean, so a short last
-        batch is refused)."""
+        `evaluation`: each target gets a mask of the real samples, and a batch is padded to
+        microbatches of equal size (`_padded`), so that nothing is dropped and nothing counted
+        twice. Training: any batch size and a short last batch are fine (microbatches split
+        as evenly as they can, each weighed by its samples: `MicrobatchFeed`)."""
         user_loader = loader
         if self.ctx.inputs_only and loader is not None:
             loader = InputsOnly(loader)
@@ -112,9 +112,13 @@ class Progress:
                 source, first = peeked if peeked is not None else self._peek(
                     loader, self._open_batches(user_loader, loader, epoch, index, evaluation))
                 chunks = self.ctx.chunks_for(first[0])
-                check_loader(loader, chunks, allow_short_last=evaluation and not self.ctx.inputs_only)
+                check_loader(loader, chunks, training=not evaluation)
                 size = batch_size(first[0])
-                target = (first[1], torch.ones(size, dtype=torch.bool)) if evaluation else first[1]
+                # What travels with each microbatch's target: evaluation's mask of the real
+                # samples; training's sample counts (n, N, chunks: `MicrobatchFeed`).
+                extra = (torch.ones(size, dtype=torch.bool) if evaluation
+                         else torch.zeros(3, dtype=torch.int64))
+                target = (first[1], extra)
                 total = steps_for(loader, steps, epochs)
                 if steps is None:  # epochs: the rest of the epoch in progress is the first
                     total -= index
@@ -145,8 +149,20 @@ class Progress:
         if len(self.stages.plan.stages[0].ranks) > 1:
             batches = self._check_replicas_read_alike(batches)
         if evaluation and batches is not None:
-            batches = (pad_batch(b, agreed["batch_size"]) for b in batches)
+            batches = self._padded(batches, agreed["batch_size"], agreed["chunks"])
         return agreed["steps"], agreed["chunks"], pytree.treespec_loads(agreed["target"]), batches
+
+    def _padded(self, batches: Iterator[Any], size: int, chunks: int) -> Iterator[Any]:
+        """Evaluation's batches, each with a mask of its real samples (see `pad_batch`),
+        padded so that its microbatches hold equal samples: to the first batch's size rounded
+        up to a multiple of chunks (the links of a forward-only run keep their first shapes).
+        Not for a model that computes its own loss: padding would enter its mean, so such a
+        batch is split as it is (as evenly as it can), padded only where it holds fewer
+        samples than chunks (the microbatches of padding alone are skipped)."""
+        if self.ctx.inputs_only:
+            return (pad_batch(b, chunks, most=size) for b in batches)
+        even = -(-size // chunks) * chunks
+        return (pad_batch(b, even, most=size) for b in batches)
 
     def _open_batches(self, user_loader: Any, loader: Any, epoch: int, index: int,
                       evaluation: bool) -> EpochBatches:

@@ -135,7 +135,8 @@ class RunLoop:
         runtimes = self.stages.runtimes_for(schedule)
         inputs, kept = None, None
         if batches is not None:
-            feed = MicrobatchFeed(batches, chunks, feed_uses(schedule, [self.ctx.rank]))
+            feed = MicrobatchFeed(batches, chunks, feed_uses(schedule, [self.ctx.rank]),
+                                  counts=True)  # each microbatch's loss weighs by its samples
             inputs = data_source(feed, schedule, self.ctx.rank, self.stages.flatten, self.ctx.device)
             if inputs is not None and self.ctx.options.on_nan == "stop":
                 kept = KeptInputs(chunks)  # to tell a NaN in the data from a diverging run
@@ -146,7 +147,7 @@ class RunLoop:
             self.stages.meter.start_samples()  # the memory held over the traced run
         executor = Executor(schedule, self.ctx.rank, runtimes, transport, inputs,
                             target_spec=spec, trace=self.trace, update_sync=self.stages.sync,
-                            calibration=self.calibration)
+                            calibration=self.calibration, sample_counts=True)
         self.executor = executor
         if self.hang_watch is not None:
             self.hang_watch.start()
@@ -179,7 +180,10 @@ class RunLoop:
     def _losses(self, executor: Executor, tracker: StepTracker, steps: int, chunks: int,
                 request: DeferredStop | None = None, vote: StopVote | None = None,
                 kept: KeptInputs | None = None) -> Iterator[torch.Tensor | None]:
-        """Each step's mean loss as the rank finishes the step. A non-finite loss (on_nan
+        """Each step's loss as the rank finishes the step: the mean of its microbatches'
+        losses, each already weighed by its share of the step's samples (`sample_weight`), so
+        the mean over the step's samples, as the plain loop's on the whole batch; microbatches
+        of equal size weigh 1 and the mean is the plain one. A non-finite loss (on_nan
         'stop') ends the run at the end of its step, where every rank learns of it (the loss
         travels back with the gradients), so all stop at the same step; its update is not
         applied (see `_abandon`). After each step the rank votes on stopping (`vote`), and
@@ -209,7 +213,8 @@ class RunLoop:
             return any(mb // chunks >= step for mb in upcoming.microbatches)
 
         def agreed(step: int) -> torch.Tensor | None:
-            """The step's mean loss over every rank's share (the sum, and how many)."""
+            """The step's loss over every rank's share (the sum of its microbatches' weighed
+            losses, and how many)."""
             got = losses.pop(step, {})
             total = torch.tensor([sum(float(x) for x in got.values()), len(got)],
                                  dtype=torch.float64)

@@ -100,10 +100,7 @@ class RankContext:
         first = batch_inputs
         while not isinstance(first, torch.Tensor):
             first = next(iter(first.values())) if isinstance(first, dict) else first[0]
-        if first.shape[0] % size:
-            raise ValueError(f"batch size {first.shape[0]} is not a multiple of microbatch_size "
-                             f"{size}")
-        return first.shape[0] // size
+        return -(-first.shape[0] // size)  # a batch that is not a multiple splits unevenly
 
     def agree(self, collective: Callable[[], Any], what: str) -> None:
         """Runs a collective of every rank, naming the ranks when one does not take part."""

@@ -13,6 +13,9 @@ Only the first stage reads data. A microbatch's targets travel with its activati
 last stage (appended to the activation message), and its loss travels back with its
 gradients (appended to the gradient message), so every rank learns each microbatch's loss
 when its backward arrives, and no two ranks ever have to read the same data in step.
+In training (`sample_counts`) the target travels as (target, counts), the counts giving the
+microbatch's share of its step's samples, by which the last stage weighs its loss
+(`sample_weight`): microbatches of any size then make the plain loop's step.
 """
 
 from __future__ import annotations
@@ -42,6 +45,18 @@ K = ActionKind
 InputSource = Callable[[int], tuple[tuple[Any, ...], Any]]
 # Evaluation: the last stage's outputs of a microbatch, with its target.
 OutputSink = Callable[[int, Any, Any], None]
+
+
+def sample_weight(counts: torch.Tensor) -> float:
+    """The weight of a microbatch's loss from the counts that travel with its target
+    (`data_feed.MicrobatchFeed(counts=True)`): (its real samples n, its step's samples N, the
+    step's microbatches chunks) -> chunks * n / N. The update averages over the step's
+    microbatches (`StageRuntime.prepare_update`), so the step's gradient is then the mean over
+    its samples, as the plain loop's on the whole batch; 0 for a microbatch of padding.
+    Exactly 1.0 when the microbatch holds its even share, so that full, divisible batches are
+    multiplied by nothing."""
+    n, total, chunks = (int(v) for v in counts.tolist())
+    return 1.0 if chunks * n == total else chunks * n / total
 
 
 class UpdateSync(Protocol):
@@ -81,11 +96,13 @@ class Executor:
                  transport: Transport, inputs: InputSource | None = None,
                  target_spec: pytree.TreeSpec | None = None, trace: bool = False,
                  outputs: OutputSink | None = None, update_sync: UpdateSync | None = None,
-                 calibration: Calibration | None = None) -> None:
+                 calibration: Calibration | None = None, sample_counts: bool = False) -> None:
         """`target_spec`: the structure of a microbatch's target (every rank must know it to
         split it off the activations). `outputs` given: evaluation, forwards only, in eval
         mode, each last-stage output handed to it. `update_sync`: called before updates.
-        `calibration`: the rank's running estimate of its costs, handed every action."""
+        `calibration`: the rank's running estimate of its costs, handed every action.
+        `sample_counts`: each target is (target, counts) (`MicrobatchFeed(counts=True)`), and
+        the last stage weighs the microbatch's loss by them (`sample_weight`)."""
         self.schedule = schedule
         self.rank = rank
         self.stages = stages
@@ -95,6 +112,7 @@ class Executor:
         self.training = outputs is None
         self.sink = outputs
         self.update_sync = update_sync
+        self.sample_counts = sample_counts and self.training
         self.stats = ExecutorStats()
         self.calibration = calibration
         # The action in progress (its index, itself, since when): what a stuck rank was doing.
@@ -229,7 +247,11 @@ class Executor:
                 self._carried[(a.stage, mb)] = target
             return None
         delay = self._delay(a) if stage.correction is not None else 0
-        outputs = stage.forward(mb, version, args, target, a.copy, delay)
+        weight = 1.0
+        if stage.is_last and self.sample_counts:  # the counts go no further than the loss
+            target, counts = target
+            weight = sample_weight(counts)
+        outputs = stage.forward(mb, version, args, target, a.copy, delay, weight)
         if stage.is_last:
             loss = outputs[0].detach()
             if not stage.is_first:

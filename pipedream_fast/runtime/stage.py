@@ -330,10 +330,14 @@ class StageRuntime:
 
     # --- compute ------------------------------------------------------------------------
     def forward(self, microbatch: int, version: int, inputs: tuple[Any, ...],
-                target: Any = None, copy: int = 0, delay: int = 0) -> tuple[Any, ...]:
+                target: Any = None, copy: int = 0, delay: int = 0,
+                weight: float = 1.0) -> tuple[Any, ...]:
         """Runs the stage on weight copy `copy`; returns what crosses the next cut (the loss
         on the last stage). `delay`: the stage's updates between the version read and the
-        one the microbatch's gradient is applied to (for the staleness correction)."""
+        one the microbatch's gradient is applied to (for the staleness correction).
+        `weight` (last stage): the loss is multiplied by it, so that the backward starts from
+        the weighed loss and the loss reported is weighed alike (a microbatch's share of its
+        step's samples; 1.0, the even share, multiplies by nothing)."""
         if not self.is_first:
             for t in _floats(inputs):
                 t.requires_grad_(True)
@@ -351,6 +355,8 @@ class StageRuntime:
                 self.recorder.recording = None
         if self.is_last:
             assert loss is not None, "the last stage needs a loss function"
+            if weight != 1.0:
+                loss = loss * weight
             outputs: tuple[Any, ...] = (loss,)
         else:
             outputs = out if isinstance(out, tuple) else (out,)
