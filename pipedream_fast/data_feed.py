@@ -278,6 +278,21 @@ def batch_size(inputs: Any) -> int:
     return int(leaves[0].shape[0])
 
 
+def sample_shapes(inputs: Any) -> list[list[int]]:
+    """The shape of one sample of each tensor of a minibatch that has a batch dimension
+    (dimension 0 dropped): what a plan made at this minibatch assumed of every later one."""
+    return [list(t.shape[1:]) for t in pytree.tree_leaves(inputs)
+            if isinstance(t, torch.Tensor) and t.dim()]
+
+
+def larger_than(shapes: list[list[int]], planned: list[list[int]]) -> bool:
+    """Whether a sample of `shapes` is larger than one of `planned` in some dimension (a
+    longer sequence, a larger image); another structure is not compared (the transport
+    refuses it)."""
+    return len(shapes) == len(planned) and any(
+        len(a) == len(b) and any(x > y for x, y in zip(a, b)) for a, b in zip(shapes, planned))
+
+
 def pad_batch(batch: Any, size: int, most: int | None = None) -> tuple[Any, Any]:
     """An evaluation minibatch as (inputs, (targets, real)): a shorter one is padded to `size`
     samples by repeating its last, and `real` marks the samples that are not padding. One of

@@ -184,3 +184,72 @@ def test_the_planners_memory_figures_agree_with_the_simulators_peak(schedule: st
     for rank, stage in enumerate(plan.stages):
         planned = memory.replica_bytes(costs, stage.start, stage.stop, noam=2 - rank)
         assert planned == pytest.approx(simulated[rank].total_peak, rel=0.05), rank
+
+
+# --- shapes that vary (issue 29, item 4) -------------------------------------------------------
+
+LENGTHS = [8, 32, 16]  # sequence lengths of the run's batches: the largest is not the first
+
+
+def sequences() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches of sequences of WIDTH features, each batch its own length; a target per token."""
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(BATCH, n, WIDTH, generator=g), torch.randint(0, 4, (BATCH, n), generator=g))
+            for n in LENGTHS]
+
+
+def token_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def test_the_memory_prediction_at_the_largest_batch_holds_when_shapes_vary():
+    """The plan and its memory figures are made at one batch's shapes. Profiled at the
+    largest batch of a run whose lengths vary, the simulator's prediction of every rank's
+    peak of activations is within 10% of what the run holds at its largest batch (measured
+    at the tensors); profiled at the first (shortest), it is 4x too small: that is why a
+    plan under memory_per_worker wants the largest batch as example_inputs."""
+    from pipedream_fast.profiler import profile_model
+    from pipedream_fast.sim import ProfileCosts, simulate
+    from pipedream_fast.sim_memory import predict_memory
+    from pipedream_fast.training import build_schedule
+
+    pipe = Pipeline(build(), token_loss, lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                    balance=[2, 3], schedule="1f1b", chunks=CHUNKS, ranks="threads",
+                    workers=2, measure_memory=True, timeout=60)
+    try:
+        list(pipe.train(sequences(), steps=len(LENGTHS)))
+        measured_memory, plan = pipe.memory, pipe.plan
+    finally:
+        pipe.close()
+    assert plan is not None
+    micro = BATCH // CHUNKS
+    peaks = {}
+    for name, batch in (("largest", sequences()[1]), ("first", sequences()[0])):
+        profile = profile_model(build(), batch[0][:micro], micro, optimizer="adam",
+                                warmup=0, repeat=1, progress=False)
+        plan.batch_size = micro  # a balance= plan records no profile
+        result = simulate(build_schedule(plan, "1f1b", len(LENGTHS), CHUNKS),
+                          ProfileCosts.from_plan(profile, plan))
+        peaks[name] = predict_memory(result, profile, plan, micro, CHUNKS)
+    for rank in (0, 1):
+        want = measured_memory[rank]["rank"]["activations_peak"]
+        assert peaks["largest"][rank].activations_peak == pytest.approx(want, rel=0.10), rank
+        assert peaks["first"][rank].activations_peak < 0.3 * want, rank
+
+
+def test_a_batch_larger_than_the_planned_one_is_told_of_once_under_a_memory_limit(capsys):
+    """Planned by the planner at the first batch (length 8) under memory_per_worker, the run
+    meets a batch of length 32: one line says so and what to do; the run trains on."""
+    pipe = Pipeline(build(), token_loss, lambda ps: torch.optim.SGD(ps, lr=0.01),
+                    stages=2, schedule="1f1b", chunks=CHUNKS, ranks="threads", workers=2,
+                    memory_per_worker=1 << 30, timeout=60)
+    try:
+        losses = list(pipe.train(sequences() * 2, steps=2 * len(LENGTHS)))
+    finally:
+        pipe.close()
+    assert len(losses) == 2 * len(LENGTHS)
+    told = [line for line in capsys.readouterr().out.splitlines() if "larger samples" in line]
+    assert len(told) == 1, told
+    assert told[0].startswith("pipedream_fast: batch 2 of the epoch has larger samples ([32, 64]) "
+                              "than the batch the plan was made at ([8, 64])"), told
+    assert "pass your largest batch as example_inputs=" in told[0]

@@ -38,7 +38,7 @@ from pipedream_fast.training import (GLOBAL_STATE, build_schedule, check_plan_fi
 from pipedream_fast.world import ThreadWorld
 from pipedream_fast.formats import Profile
 from pipedream_fast.options import planned_recompute, recompute_spec
-from pipedream_fast.data_feed import split_microbatches
+from pipedream_fast.data_feed import sample_shapes, split_microbatches
 from pipedream_fast.rank.state import RankContext
 
 
@@ -248,10 +248,7 @@ class Stages:
         return Plan.from_dict(planned["plan"])
 
     def _make_plan(self, example_inputs: Any) -> Plan:
-        from pipedream_fast.planner import make_plan
-        from pipedream_fast.planner.choose import plan_for
         from pipedream_fast.profiler import profile_model  # planning is rank 0's job
-        from pipedream_fast.topology import Topology
 
         assert self.model is not None and self.chain is not None
         # Profiled at the microbatch, what each stage runs (and holds per microbatch in
@@ -264,6 +261,17 @@ class Stages:
                                 progress=False, chain=self.chain)
         if self.profile is None:  # what `adapt` re-plans from
             self.profile = profile
+        plan = self._plan_profile(profile, chunks)
+        # What the plan assumed of the data: a later, larger batch (a longer sequence) holds
+        # more than its memory figures say (`DataAgreement` says so once, under a limit).
+        plan.extra["planned_at"] = sample_shapes(example_inputs)
+        return plan
+
+    def _plan_profile(self, profile: Any, chunks: int) -> Plan:
+        from pipedream_fast.planner import make_plan
+        from pipedream_fast.planner.choose import plan_for
+        from pipedream_fast.topology import Topology
+
         options = self.ctx.options
         topology = Topology.parse(f"{self.ctx.world_size}x1e9", options.memory_per_worker)
         recompute = planned_recompute(options.recompute)

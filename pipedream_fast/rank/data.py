@@ -15,6 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pipedream_fast import user_errors
+from pipedream_fast.data_feed import larger_than, sample_shapes
 from pipedream_fast.training import (EpochBatches, check_loader, InputsOnly, batch_size,
                                      fingerprint, pad_batch, steps_for, target_spec)
 from pipedream_fast.rank.cutting import Stages
@@ -29,7 +30,8 @@ class Progress:
     batches of that epoch trained on (`epoch_batches`); the loader of the last run
     (`last_loader`) and its batches (`live`), where a run on the same loader goes on reading;
     `reading`: the batches of the run in progress and `step` when it began; `agreed_batch`,
-    the size of the last run's minibatches; `peeked`, a batch read to plan with.
+    the size of the last run's minibatches; `peeked`, a batch read to plan with;
+    `told_larger`, whether a batch larger than the plan's was told of (once per Pipeline).
     """
 
     def __init__(self, ctx: RankContext, stages: Stages) -> None:
@@ -41,6 +43,7 @@ class Progress:
         self.live: EpochBatches | None = None
         self.reading: tuple[EpochBatches, int] | None = None
         self.agreed_batch = 0
+        self.told_larger = False
         self.peeked: tuple[EpochBatches, Any] | None = None
 
     def position(self) -> tuple[int, int]:
@@ -148,9 +151,29 @@ class Progress:
             self.reading = (source, self.step) if source is not None else None
         if len(self.stages.plan.stages[0].ranks) > 1:
             batches = self._check_replicas_read_alike(batches)
+        planned = self.stages.plan.extra.get("planned_at")
+        if (not evaluation and batches is not None and self.ctx.rank == lead and planned
+                and self.ctx.options.memory_per_worker is not None and not self.told_larger):
+            batches = self._watch_sizes(batches, planned, agreed["index"])
         if evaluation and batches is not None:
             batches = self._padded(batches, agreed["batch_size"], agreed["chunks"])
         return agreed["steps"], agreed["chunks"], pytree.treespec_loads(agreed["target"]), batches
+
+    def _watch_sizes(self, batches: Iterator[Any], planned: list[list[int]],
+                     index: int) -> Iterator[Any]:
+        """The batches as they are; the first whose samples are larger than those the plan was
+        made at (a longer sequence) is told of once: memory_per_worker was planned at the
+        smaller, and the planner's figures no longer hold for it."""
+        for number, batch in enumerate(batches, start=index + 1):
+            if not self.told_larger and larger_than(sample_shapes(batch[0]), planned):
+                self.told_larger = True
+                shapes = sample_shapes(batch[0])
+                print(f"pipedream_fast: batch {number} of the epoch has larger samples "
+                      f"({', '.join(map(str, shapes))}) than the batch the plan was made at "
+                      f"({', '.join(map(str, planned))}): memory_per_worker was planned at the "
+                      f"smaller, so a stage may now hold more than it allows; pass your "
+                      f"largest batch as example_inputs= to plan at it", flush=True)
+            yield batch
 
     def _padded(self, batches: Iterator[Any], size: int, chunks: int) -> Iterator[Any]:
         """Evaluation's batches, each with a mask of its real samples (see `pad_batch`),
