@@ -131,6 +131,9 @@ class MicrobatchFeed:
         self._uses = uses
         self._counts = counts
         self._cache: dict[int, tuple[Any, int]] = {}  # mb -> (value, takes left)
+        # mb -> the bytes of its inputs: a run's real sizes, which the simulator can replay
+        # (`sim.SizedCosts`) when shapes vary
+        self.input_bytes: dict[int, int] = {}
         self._next_step = 0
         self._lock = threading.Lock()
 
@@ -150,6 +153,9 @@ class MicrobatchFeed:
                                     f"{type(batch).__name__}")
                 base = self._next_step * self._chunks
                 for i, part in enumerate(self._split(*batch)):
+                    self.input_bytes[base + i] = sum(
+                        t.nbytes for t in pytree.tree_leaves(part[0])
+                        if isinstance(t, torch.Tensor))
                     if uses := self._uses(base + i):
                         self._cache[base + i] = (part, uses)
                 self._next_step += 1

@@ -460,6 +460,15 @@ class Pipeline:
         return self._run_loop.last_events
 
     @property
+    def last_input_bytes(self) -> dict[int, int]:
+        """The bytes of each microbatch's inputs over the same run as `last_events` (by
+        microbatch, from the ranks that feed the first stage): the run's real sizes, for the
+        simulator to replay (`sim.SizedCosts`) when shapes vary."""
+        if self._threads is not None:
+            return {mb: n for p in self._ranks for mb, n in p.last_input_bytes.items()}
+        return self._run_loop.last_input_bytes
+
+    @property
     def last_memory(self) -> list[Any]:
         """With `trace` and measure_memory, the activation bytes held over the same run as
         `last_events` (`trace.MemorySample`s; every rank's under ranks='threads')."""

@@ -276,6 +276,58 @@ class MeasuredCosts:
         return max(self.run_overhead_ms.values(), default=0.0)
 
 
+@dataclass(frozen=True)
+class SizedCosts:
+    """A run whose shapes vary, replayed: `base`'s costs (measured or profiled at one size),
+    each microbatch's forward, backward and transfers scaled by its size relative to that one
+    (`sizes[mb]`, 1.0 where missing; `relative_sizes` makes them from a run's
+    `Pipeline.last_input_bytes`). Linear in the inputs' bytes: right for layers whose work
+    grows with the tokens or pixels (linear layers, convolutions, a per-token loss); short of
+    attention's quadratic part at long sequences. Updates, all-reduces and the rank's
+    overheads do not depend on the data and keep `base`'s."""
+
+    base: Any  # a CostModel
+    sizes: Mapping[int, float]
+
+    @property
+    def time_unit(self) -> str:
+        return str(self.base.time_unit)
+
+    @property
+    def transfer_after_post(self) -> bool:
+        return bool(getattr(self.base, "transfer_after_post", False))
+
+    def _scale(self, action: Action) -> float:
+        return self.sizes.get(action.microbatch, 1.0) if action.microbatch is not None else 1.0
+
+    def compute(self, rank: int, action: Action) -> float:
+        cost = float(self.base.compute(rank, action))
+        if action.kind in (K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
+            cost *= self._scale(action)
+        return cost
+
+    def transfer(self, action: Action, src: int, dst: int) -> float:
+        return float(self.base.transfer(action, src, dst)) * self._scale(action)
+
+    def allreduce(self, stage: int, ranks: Sequence[int]) -> float:
+        return float(self.base.allreduce(stage, ranks))
+
+    def overhead(self, rank: int, action: Action) -> float:
+        return float(getattr(self.base, "overhead", _no_overhead)(rank, action))
+
+
+def relative_sizes(input_bytes: Mapping[int, int], reference: int | None = None
+                   ) -> dict[int, float]:
+    """Each microbatch's size relative to `reference` bytes of inputs (default: the first
+    microbatch's, the one a Pipeline plans and profiles at), for `SizedCosts`."""
+    if not input_bytes:
+        return {}
+    base = reference if reference is not None else input_bytes[min(input_bytes)]
+    if base <= 0:
+        raise ValueError(f"the reference size must be positive bytes, got {base}")
+    return {mb: n / base for mb, n in input_bytes.items()}
+
+
 def _measured_per_stage(parts: Sequence[Sequence[Any]], *keys: str) -> tuple[float, ...]:
     """Per stage, the sum of costs every block measured; () if a block lacks one."""
     if not all(key in b.extra for p in parts for b in p for key in keys):

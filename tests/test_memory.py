@@ -253,3 +253,36 @@ def test_a_batch_larger_than_the_planned_one_is_told_of_once_under_a_memory_limi
     assert told[0].startswith("pipedream_fast: batch 2 of the epoch has larger samples ([32, 64]) "
                               "than the batch the plan was made at ([8, 64])"), told
     assert "pass your largest batch as example_inputs=" in told[0]
+
+
+def test_a_runs_real_sizes_are_recorded_and_replayed_by_the_simulator():
+    """`last_input_bytes` holds each microbatch's input bytes as the run fed them (lengths 8,
+    32, 16: 1x, 4x, 2x the first); `SizedCosts` scales each microbatch's compute and
+    transfers by them. On one rank, 1 forward + 1 backward a unit each, the replayed run
+    lasts 2 x (4 + 16 + 8) microbatch sizes: every action at its own size."""
+    from pipedream_fast.ir import ActionKind as K
+    from pipedream_fast.sim import SizedCosts, UnitCosts, relative_sizes, simulate
+    from pipedream_fast.training import build_schedule, manual_plan
+    from pipedream_fast.tracing import trace
+
+    pipe = Pipeline(build(), token_loss, lambda ps: torch.optim.SGD(ps, lr=0.01),
+                    balance=[2, 3], schedule="1f1b", chunks=CHUNKS, ranks="threads",
+                    workers=2, timeout=60)
+    try:
+        list(pipe.train(sequences(), steps=len(LENGTHS)))
+        sizes = pipe.last_input_bytes
+    finally:
+        pipe.close()
+    per_token = BATCH // CHUNKS * WIDTH * FLOAT
+    assert sizes == {s * CHUNKS + i: n * per_token
+                     for s, n in enumerate(LENGTHS) for i in range(CHUNKS)}, sizes
+    relative = relative_sizes(sizes)
+    assert relative[CHUNKS] == 4.0 and relative[2 * CHUNKS] == 2.0
+    plan = manual_plan(trace(build()), 1, "gpipe", balance=[5])
+    schedule = build_schedule(plan, "gpipe", len(LENGTHS), CHUNKS)
+    replayed = simulate(schedule, SizedCosts(UnitCosts(), relative))
+    assert replayed.makespan == pytest.approx(2 * CHUNKS * sum(LENGTHS) / LENGTHS[0])
+    plain = simulate(schedule, UnitCosts())
+    assert plain.makespan == pytest.approx(2 * CHUNKS * len(LENGTHS))
+    forwards = [r for r in replayed.records if r.action.kind is K.FORWARD]
+    assert {r.end - r.start for r in forwards} == {1.0, 4.0, 2.0}

@@ -144,6 +144,8 @@ def train(model_name: str, data: str, **options: Any) -> dict[str, Any]:
     batches = BATCHES[data]()
     out = {"losses": [float(loss) for loss in pipe.train(batches, steps=len(batches))],
            "state": pipe.state_dict()}
+    if data == "padded":  # forwards only, in eval mode, over batches of other lengths
+        out["evaluate"] = pipe.evaluate(batches[2:5])["loss"]
     pipe.close()
     return out
 
@@ -230,6 +232,9 @@ def test_on_processes_equals_the_plain_loop(processes: Any, model_name: str, dat
             assert_equals_the_loop(got, model_name, data)
         else:
             assert got["losses"] == outcome(processes, f"{model_name}/{data}")["losses"]
+    if data == "padded":  # evaluation carries varying shapes too, one figure on every rank
+        figures = [outcome(processes, f"{model_name}/{data}", rank)["evaluate"] for rank in (0, 1)]
+        assert figures[0] == figures[1] and 0 < figures[0] < 10, figures
 
 
 @pytest.mark.parametrize("model_name,data", EXACT)

@@ -46,7 +46,8 @@ class RunLoop:
     run's executor), `hang_watch` (reports the rank's action in progress when it makes no
     progress for `hang_report` seconds), `trace` (whether runs record their actions),
     `executor` (the last run's: what a stuck rank was doing), `last_stats` and `last_events` (the last run's
-    statistics and, with `trace`, the first run of the last train() call's events), and
+    statistics and, with `trace`, the first run of the last train() call's events),
+    `last_input_bytes` (that run's microbatches' input bytes, on a rank that feeds them), and
     `stop_request` (the driving thread's signal, under rank threads). Between the runs of a
     train() call it saves periodic checkpoints and calls `after_run` (the Pipeline hands
     `Moving.after_run` in: adapt's checks).
@@ -64,6 +65,8 @@ class RunLoop:
         self.last_stats: dict[str, Any] = {}
         self.last_events: list[Any] = []
         self.last_memory: list[MemorySample] = []  # measure_memory: the same run's samples
+        self.last_input_bytes: dict[int, int] = {}
+        self._feed: MicrobatchFeed | None = None  # the run's, on a rank that reads data
         self.stop_request: DeferredStop | None = None
         self.after_run: Callable[[int, float, int], None] = lambda steps, seconds, chunks: None
         self._first_run = True  # the next run is the first of its train() call
@@ -133,9 +136,9 @@ class RunLoop:
                                   self.ctx.options.schedule_options)
         check_backend(schedule, self.ctx.world.backend)
         runtimes = self.stages.runtimes_for(schedule)
-        inputs, kept = None, None
+        inputs, kept, self._feed = None, None, None
         if batches is not None:
-            feed = MicrobatchFeed(batches, chunks, feed_uses(schedule, [self.ctx.rank]),
+            self._feed = feed = MicrobatchFeed(batches, chunks, feed_uses(schedule, [self.ctx.rank]),
                                   counts=True)  # each microbatch's loss weighs by its samples
             inputs = data_source(feed, schedule, self.ctx.rank, self.stages.flatten, self.ctx.device)
             if inputs is not None and self.ctx.options.on_nan == "stop":
@@ -273,6 +276,7 @@ class RunLoop:
         self.last_stats = executor.stats.to_dict()
         if self._first_run:  # a call's later runs (after a checkpoint, an adapt check)
             self.last_events = executor.events or []  # number their microbatches from 0 again
+            self.last_input_bytes = dict(self._feed.input_bytes) if self._feed else {}
             meter = self.stages.meter
             if meter is not None and meter.samples is not None:
                 self.last_memory = [MemorySample(self.ctx.rank, t, held)
