@@ -35,12 +35,25 @@ class OffPath(nn.Module):
         return self.lin(x) + self.bias_net(torch.ones(1, 1))
 
 
+class AttributeReads(nn.Module):
+    """Weights read as attributes, no parameter-owning submodule called: what a graph
+    captured by torch.export looks like (HF GPT-2's stages). Its calls record nothing, so
+    only a whole backward gives its weights their gradients (they once got none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.inner.weight, self.inner.bias)
+
+
 def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
 MODULES = {"mlp": lambda: nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 6)),
-           "twice": Twice, "off-path": OffPath}
+           "twice": Twice, "off-path": OffPath, "attribute-reads": AttributeReads}
 
 
 @pytest.mark.parametrize("name", list(MODULES))

@@ -10,8 +10,10 @@ gradient later, without computing anything twice.
               parameters): only that module's own weight-gradient work, into `.grad`
 
 A forward where one module ran twice, or two calls shared a parameter, cannot be split that
-way (a call's backward would also reach the parameters through the other call): then the input
-part runs the whole backward and the weight part has nothing left to do. Outputs the input
+way (a call's backward would also reach the parameters through the other call), nor one that
+read a parameter outside a recorded call (a graph captured by torch.export reads its weights
+as attributes): then the input part runs the whole backward and the weight part has nothing
+left to do. Outputs the input
 path never reaches (their gradient was not kept) get their weight gradients from the roots in
 the weight part, restricted to their parameters.
 """
@@ -71,11 +73,16 @@ class CallRecorder:
             handle.remove()
 
 
-def splittable(calls: Sequence[Call]) -> bool:
-    """No module ran twice and no parameter served two calls."""
+def splittable(calls: Sequence[Call], trainable: int) -> bool:
+    """No module ran twice, no parameter served two calls, and the calls used every one of
+    the stage's `trainable` parameters. A parameter read outside a recorded call (a graph
+    that torch.export captured reads its weights as attributes and calls no submodule; a
+    functional op on a weight) would get its gradient from neither part: the input part
+    skips weight gradients, the weight part knows only the calls."""
     modules = [id(c.module) for c in calls]
     params = [id(p) for c in calls for p in c.params]
-    return len(set(modules)) == len(modules) and len(set(params)) == len(params)
+    return (len(set(modules)) == len(modules) and len(set(params)) == len(params)
+            and len(params) == trainable)
 
 
 def input_part(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,

@@ -113,6 +113,7 @@ class StageRuntime:
         self.inflight: dict[int, InFlight] = {}
         self.input_grads: dict[int, list[torch.Tensor]] = {}  # made, not yet taken
         self.recorder = CallRecorder(module) if split_backward else None
+        self.trainable = sum(1 for _, p in named if p.requires_grad)  # what the calls must cover
         self.buckets: GradientBuckets | None = None  # set up when the stage is replicated
         self.bucket_bytes = bucket_bytes
         # copies[0] is the module's own parameters; localsgd adds one copy per model replica.
@@ -407,7 +408,7 @@ class StageRuntime:
         state.roots, state.root_grads = roots, grads
         if self.is_first or not roots:
             return  # nothing upstream waits: the weight part does the backward
-        if splittable(state.calls):
+        if splittable(state.calls, self.trainable):
             self.input_grads[microbatch] = input_part(roots, grads, state.inputs)
             return
         torch.autograd.backward(roots, grads)  # cannot split: all of it now
