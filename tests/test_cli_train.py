@@ -461,3 +461,37 @@ def test_the_summarys_calibrated_prediction_is_one_line_a_row():
     assert "16,700.1 (+0.4%)" in body[2]
     assert calibration_rows([None]) == []
     assert "needs 2 epochs" in calibrated_text(None)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "auto"])
+def test_train_profiles_and_plans_once_per_run(tmp_path, capsys, monkeypatch, schedule):
+    """The command profiles and plans (it reports the plan and the prediction); the ranks
+    take its plan and neither profile nor plan again (issue 33, item 2)."""
+    import pipedream_fast.planner.choose as choose
+    import pipedream_fast.profiler as profiler
+    from pipedream_fast.rank.cutting import Stages
+
+    calls = {"profile": 0, "plan": 0, "ranks plan": 0}
+    inside: set[str] = set()  # a planning that plans its candidates counts once
+
+    def counted(owner: object, name: str, key: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args: object, **kwargs: object) -> object:
+            if key in inside:
+                return original(*args, **kwargs)
+            calls[key] += 1
+            inside.add(key)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside.discard(key)
+        monkeypatch.setattr(owner, name, wrapper)
+
+    counted(profiler, "profile_model", "profile")
+    counted(choose, "plan_for", "plan")
+    counted(choose, "choose_schedule", "plan")
+    counted(Stages, "plan_from", "ranks plan")
+    assert main(["train", "--threads", "2", "--steps", "4", "--batch-size", "16",
+                 "--schedule", schedule, "--out", str(tmp_path / "run")]) == 0
+    assert calls == {"profile": 1, "plan": 1, "ranks plan": 0}, calls
