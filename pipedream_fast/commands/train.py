@@ -448,7 +448,9 @@ def _prepare(s: Settings, args: argparse.Namespace, schedule: str, chunks: int |
              train_data: Any, say: Callable[[str], None], main: bool) -> RunSetup:
     """Profile at the microbatch size, plan (or take --plan), predict with the simulator."""
     straight = args.straight if main else False
-    guess = chunks or (s.workers if schedule == "auto" or kind(schedule).chunked_steps else 1)
+    guess = chunks or (s.workers if schedule == "auto"
+                       else kind(schedule).default_chunks(s.workers) if kind(schedule).chunked_steps
+                       else 1)
     if s.batch_size % guess:
         raise UsageError(f"batch size {s.batch_size} does not split into {guess} microbatches "
                          f"(--chunks); choose a multiple")
@@ -475,7 +477,7 @@ def _prepare(s: Settings, args: argparse.Namespace, schedule: str, chunks: int |
         plan = _plan(s, profile, args, schedule, straight)
         schedule = plan.schedule if schedule == "auto" else schedule
     if chunks is None:
-        chunks = s.workers if kind(schedule).chunked_steps else 1
+        chunks = kind(schedule).default_chunks(s.workers) if kind(schedule).chunked_steps else 1
         if s.batch_size % chunks:
             raise UsageError(f"batch size {s.batch_size} does not split into {chunks} "
                              f"microbatches for {schedule}; choose a multiple")

@@ -131,7 +131,7 @@ def settings(args: argparse.Namespace) -> Settings:
     schedule = args.schedule
     chunks = args.chunks
     if chunks is None and schedule != "auto":
-        chunks = workers if kind(schedule).chunked_steps else 1
+        chunks = kind(schedule).default_chunks(workers) if kind(schedule).chunked_steps else 1
     tuning = _tuning(args, on_gpus=args.threads is None and torch.cuda.is_available()
                      and torch.cuda.device_count() >= workers)
     if args.compare == "data-parallel" and schedule == "data-parallel":

@@ -56,7 +56,7 @@ def prediction_size(plan: Plan, name: str, steps: int = STEPS,
                     chunks: int | None = None) -> tuple[int, int | None]:
     """(microbatches, chunks per step or None) that `predict` simulates."""
     if kind(name).chunked_steps:
-        chunks = chunks or plan.workers
+        chunks = chunks or kind(name).default_chunks(plan.workers)
         return steps * chunks, chunks
     return steps * plan.workers, None
 

@@ -106,6 +106,27 @@ class Program:
         return Action(K.AVERAGE, self.stage, version=version)
 
 
+    def act(self, kind: str, mb: int) -> Action:
+        """The action a rank order names: "F" forward, "B" whole backward, "I" and "W" the
+        input and weight parts of a split one."""
+        return {"F": self.forward, "B": self.backward, "I": self.backward_input,
+                "W": self.backward_weight}[kind](mb)
+
+
+def ordered_steps(config: Config, programs: Sequence[Program],
+                  order: Callable[[int], Iterable[tuple[str, int, int]]]) -> Iterator[Action]:
+    """A rank's stream for schedules that give each step's compute as a rank order: for every
+    step (group of microbatches), the actions of `order(microbatches in the step)`, each a
+    (kind, index of the program, microbatch index in the step), then every program's update,
+    the last stage's first."""
+    for g in range(config.num_groups()):
+        group = config.group(g)
+        for kind, chunk, index in order(len(group)):
+            yield programs[chunk].act(kind, group.start + index)
+        for prog in reversed(programs):
+            yield from prog.step(group, replicated=False)
+
+
 def build(name: str, config: Config, compute: ComputeProgram,
           max_versions: Mapping[int, int], max_inflight: Mapping[int, int],
           gradients: bool = True, early_inputs: bool = False) -> Schedule:

@@ -101,6 +101,9 @@ class ScheduleKind:
     own_options: tuple[ScheduleOption, ...] = ()
     whole_minibatches: bool = False
     chunked_steps: bool = True
+    # Microbatches per step a command uses unless told (--chunks), for `workers` ranks: one
+    # per worker fills a 1F1B pipeline; DualPipeV needs two per worker.
+    default_chunks: Callable[[int], int] = field(default=lambda workers: workers)
     plans_as: str | None = None
     split_backward: bool = False
     planning: Mapping[str, Any] = field(default_factory=dict)

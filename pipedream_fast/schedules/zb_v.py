@@ -28,12 +28,12 @@ zero-bubble schedule at the same memory (so every schedule runs on a plain pipel
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from pipedream_fast.ir import Action, Schedule
 from pipedream_fast.schedules import zb_h1
-from pipedream_fast.schedules.common import Config, Program, build
+from pipedream_fast.schedules.common import Config, Program, build, ordered_steps
 from pipedream_fast.schedules.layout import Layout
 from pipedream_fast.schedules.registry import Options, ScheduleKind, flush_options, register
 
@@ -120,26 +120,29 @@ def most_in_flight(p: int, rank: int, m: int) -> int:
 
 
 def generate(config: Config) -> Schedule:
+    return generate_v(config, NAME, rank_order, most_in_flight)
+
+
+def generate_v(config: Config, name: str,
+               order: Callable[[int, int, int], Iterable[tuple[str, int, int]]],
+               in_flight: Callable[[int, int, int], int]) -> Schedule:
+    """A schedule on the V placement from its rank order: `order(p, rank, microbatches)`
+    gives a step's compute as (kind, 0 or 1 for stage rank or 2p-1-rank, index), and
+    `in_flight(p, rank, microbatches)` the most microbatches the rank holds at once. One
+    stage per rank (no V) runs zb-h1."""
     layout = config.layout
     if not is_v(layout):
-        return zb_h1.generate(config, NAME)  # one stage per rank (`_options` checked it)
+        return zb_h1.generate(config, name)  # one stage per rank (`_options` checked it)
     p = layout.num_ranks
 
     def compute(rank: int) -> Iterator[Action]:
-        chunks = (Program(rank), Program(2 * p - 1 - rank))
-        for g in range(config.num_groups()):
-            group = config.group(g)
-            for kind, chunk, index in rank_order(p, rank, len(group)):
-                prog, mb = chunks[chunk], group.start + index
-                yield (prog.forward(mb) if kind == "F" else prog.backward_input(mb)
-                       if kind == "I" else prog.backward_weight(mb))
-            for prog in reversed(chunks):
-                yield from prog.step(group, replicated=False)
+        return ordered_steps(config, (Program(rank), Program(2 * p - 1 - rank)),
+                             lambda m: order(p, rank, m))
 
     ranks = range(p)
     sizes = {len(config.group(g)) for g in {0, config.num_groups() - 1}}
-    inflight = {r: max(most_in_flight(p, r, size) for size in sizes) for r in ranks}
-    return build(NAME, config, compute, dict.fromkeys(ranks, 2), inflight)
+    inflight = {r: max(in_flight(p, r, size) for size in sizes) for r in ranks}
+    return build(name, config, compute, dict.fromkeys(ranks, 2), inflight)
 
 
 def _options(layout: Layout, options: Options) -> tuple[Config, dict[str, Any]]:
