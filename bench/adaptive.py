@@ -13,54 +13,27 @@ measured duration after running (--slow sets the factor). Rank 1 turns it on whe
 loop has seen step --slow-from's loss (both ranks see each step's loss in lockstep). The
 slowdown follows the rank, not the blocks: blocks moved onto rank 1 are slowed too.
 
-Contenders, per model, each one launch, back to back in this one invocation:
+Contenders, per model, each one launch:
 
-  static     the plan Pipeline(stages=2) makes (the planner balancing 2 stages by time for
-             equal speeds), from a profile taken here once (one thread) and passed as plan=.
-             The profile is of a microbatch (--profile-batch, default 8 = 32 / chunks), the
-             size the ranks compute: model A's Linear 4096 blocks cost about 3x more per
-             sample at 8 than at 32, so from a batch-32 profile (what Pipeline(stages=2)
-             profiles) its split (5) is unbalanced before any slowdown and adapt moves at its
-             second check (after its baseline), fixing the split, not reacting to the
-             slowdown. Taken once, it is
-             also the same plan in every repeat: rank 0's own profile in each run picks
-             another split under this machine's load now and then. --static-plan stages
-             runs Pipeline(stages=2) itself.
-  adaptive   the same plan with adapt=True, adapt_every=--adapt-every and profile= that
-             profile: every K steps rank 0 gathers the ranks' measured speeds, re-plans and,
-             if worth it, every rank moves blocks at a step boundary inside train()
-  hindsight  the best static plan for the slowed machine, chosen with hindsight: candidates
-             are the hetero planner's split for speeds (1, 1/1.5) (the same profile, planned
-             on "2x1e9@speeds=1,0.6667", straight) and its neighbours +-1 .. +-(--neighbours)
-             blocks; each runs as an explicit plan= under the same slowdown (a candidate that
-             is the static split is the static runs), and the best measured (median over
-             repeats) counts. Every candidate's rate is in the JSON and the table.
+  static     the plan Pipeline(stages=2) makes (2 straight stages balanced by time), from a
+             profile of one microbatch (8 samples, the size the ranks compute) taken here
+             once, passed as plan=: the same plan in every repeat
+  adaptive   the same plan with adapt=True, adapt_every=--adapt-every and profile= it
+  hindsight  the best static plan for the slowed machine, chosen with hindsight: the hetero
+             planner's split for speeds (1, 1/1.5) and its neighbours +-(--neighbours) blocks,
+             each run as plan= under the same slowdown; the best median counts
 
-Rate: rank 0's samples/s from the end of step slow_from + warm-up to the last step, the
-adaptive run's move included (that is the point). recovery = (adaptive - static) /
-(hindsight - static). The unslowed rate (steps warm-up .. slow_from) is reported too. The
-whole round of contenders is repeated --repeats times, every other round in reverse order, and
-medians taken, since this machine's speed drifts (up to 1.4x in minutes).
+Rate: rank 0's samples/s from the end of step slow_from + warm-up to the last step, the move
+included. recovery = (adaptive - static) / (hindsight - static). Rounds of contenders repeat
+--repeats times, every other round reversed (`harness.alternate`'s order), medians taken; a
+run where other processes took more than DISTURBED cores runs again (--retries).
 
     python bench/adaptive.py [--models a,convs] [--steps a=80,convs=80] [--slow-from 10] \
         [--slow 1.5] [--adapt-every 5] [--repeats 2] [--neighbours 1] [--retries 1] \
-        [--profile-batch 8] [--static-plan profile|stages] [--no-adaptive] \
         [--out bench/results/adaptive.md]
 
-About 11 minutes on 2 quiet cores. The recovery depends on the run's length: the adaptive run
-pays its detection (the slowed steps before the first check after the slowdown, less the
-warm-up) and its move (about 1 s for model A's 140 MB) once, against a gap that grows with
-every step; the runs are 80 steps so that the slowed window (67 steps) is long next to them.
-The slowdown starts at a check boundary by default (--slow-from a multiple of --adapt-every):
-the first check after it sees adapt_every fully slowed steps. The machine may be shared: each
-run also measures how many cores other processes took during its slowed window, and a run
-where they took more than DISTURBED is run again (--retries), the less disturbed run kept.
-
-Writes --out (markdown), the same name .json (every run's per-step times, plans, moves and the
-adaptive checks), .png (per-step time against step, slowdown start and the move marked) and
-_trace.json (a Chrome/Perfetto trace of rank 0's steps per run, the move as a span).
-`--no-adaptive` leaves the adaptive contender out (for runs before the runtime has it); the
-report then shows no adaptive figures.
+Writes --out, the same name .json (every run's step times, plans, moves and checks), .png
+(time per step, the slowdown and the moves marked) and _trace.json (Perfetto, rank 0's steps).
 """
 
 from __future__ import annotations
@@ -69,9 +42,7 @@ import argparse
 import functools
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -86,7 +57,8 @@ from pipedream_fast.models import build_cnn
 from pipedream_fast.pipeline import Pipeline
 
 # Scripts next to this file (bench/ is on sys.path when this file runs as a script).
-from vs_ddp import build_convs, fixed_batch, machine_busy_s
+import harness
+from vs_ddp import build_convs, fixed_batch
 
 BATCH = 32
 CHUNKS = 4
@@ -137,22 +109,19 @@ def describe(plan: Any) -> list[list[Any]]:
     return [[s.start, s.stop, list(s.ranks)] for s in plan.stages]
 
 
-def rank_main(rank: int, world: int, model_name: str, plan: Plan | None, steps: int,
+def rank_main(rank: int, world: int, model_name: str, plan: Plan, steps: int,
               slow_from: int, slow: float, adapt: dict[str, Any] | None, profile: Any
               ) -> dict[str, Any]:
-    """One rank of one contender: `plan` None plans with stages=2 (rank 0 profiles), else
-    that plan; `adapt` the adapt options (None: static); `profile` what adapt re-plans from
-    where the plan is given."""
+    """One rank of one contender: `plan`; `adapt` the adapt options (None: static), which
+    re-plan from `profile`."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     if rank == 1:
         install_slowdown(slow - 1.0)
     model = MODELS[model_name]()
-    kwargs: dict[str, Any] = {"stages": 2} if plan is None else {"plan": plan}
+    kwargs: dict[str, Any] = {"plan": plan}
     if adapt is not None:
-        kwargs.update(adapt=True, **adapt)
-        if plan is not None:
-            kwargs["profile"] = profile
+        kwargs.update(adapt=True, profile=profile, **adapt)
     pipe = Pipeline(model, nn.functional.cross_entropy,
                     lambda ps: torch.optim.SGD(ps, lr=LR), schedule=SCHEDULE, chunks=CHUNKS,
                     timeout=600.0, **kwargs)
@@ -166,7 +135,7 @@ def rank_main(rank: int, world: int, model_name: str, plan: Plan | None, steps: 
         ends.append(time.perf_counter())
         last = loss
         cpu.append(time.process_time())
-        busy.append(machine_busy_s())
+        busy.append(harness.machine_busy_s())
         if first_plan is None:
             first_plan = describe(pipe.plan)
         if len(ends) == slow_from and rank == 1:
@@ -253,15 +222,9 @@ def rates(ends: list[float], slow_from: int) -> tuple[float, float]:
     return before, after
 
 
-def run_one(model_name: str, contender: str, plan: Plan | None, steps: int, profile: Any,
+def run_one(model_name: str, contender: str, plan: Plan, steps: int, profile: Any,
             args: argparse.Namespace) -> dict[str, Any]:
-    adapt = None
-    if contender == "adaptive":
-        adapt = {"adapt_every": args.adapt_every}
-        if args.adapt_threshold is not None:
-            adapt["adapt_threshold"] = args.adapt_threshold
-        if args.adapt_payback is not None:
-            adapt["adapt_payback"] = args.adapt_payback
+    adapt = {"adapt_every": args.adapt_every} if contender == "adaptive" else None
     t0 = time.perf_counter()
     r0, r1 = launch(rank_main, 2, model_name, plan, steps, args.slow_from, args.slow, adapt,
                     profile, timeout=600, threads_per_rank=1)
@@ -297,16 +260,13 @@ def run_one(model_name: str, contender: str, plan: Plan | None, steps: int, prof
     return row
 
 
-def contenders(static: Plan | None, candidates: list[int], profile: Any,
-               args: argparse.Namespace) -> list[tuple[str, Plan | None]]:
+def contenders(static: Plan, candidates: list[int], profile: Any
+               ) -> list[tuple[str, Plan]]:
     """The launches of one model's round. A candidate equal to the static split is the
     static run itself (the same plan under the same slowdown): not launched twice."""
-    out: list[tuple[str, Plan | None]] = [("static", static)]
-    if not args.no_adaptive:
-        out.append(("adaptive", static))
-    split = None if static is None else static.stages[0].stop
-    out += [("hindsight", split_plan(profile, s)) for s in candidates if s != split]
-    return out
+    split = static.stages[0].stop
+    return [("static", static), ("adaptive", static)] + [
+        ("hindsight", split_plan(profile, s)) for s in candidates if s != split]
 
 
 def summarise(model_name: str, runs: list[dict[str, Any]], candidates: list[int]
@@ -380,18 +340,14 @@ def marked(rates: list[float], others: list[float]) -> str:
 
 def markdown(summary: dict[str, Any], runs: list[dict[str, Any]], meta: dict[str, Any],
              args: argparse.Namespace) -> str:
-    static_how = ("`Pipeline(stages=2)` (rank 0 profiles the model in the run and balances the "
-                  "2 stages by time)" if args.static_plan == "stages" else
-                  "the plan `Pipeline(stages=2)` makes (the planner balancing 2 straight "
-                  f"stages by time), from a profile of {args.profile_batch} samples taken once "
+    static_how = ("the plan `Pipeline(stages=2)` makes (the planner balancing 2 straight "
+                  f"stages by time), from a profile of {BATCH // CHUNKS} samples taken once "
                   "here before the runs, passed as `plan=` (and to the adaptive run "
                   "`profile=`), so that static and adaptive start from the same plan in every "
                   "repeat (rank 0's own profile in each run picks another split under this "
-                  "machine's load now and then)" + (
-                      "; the profile is of the microbatch the ranks compute: model A's Linear "
-                      "4096 blocks cost about 3x more per sample at 8 than at 32, so a batch-32 "
-                      "profile's split is unbalanced before any slowdown"
-                      if args.profile_batch == BATCH // CHUNKS else ""))
+                  "machine's load now and then); the profile is of the microbatch the ranks "
+                  "compute: model A's Linear 4096 blocks cost about 3x more per sample at 8 "
+                  "than at 32, so a batch-32 profile's split is unbalanced before any slowdown")
     lines = ["# Adaptive re-planning: one rank slowed part-way", "",
              f"Command: `{meta['command'].strip()}`", "",
              f"Machine: {meta['cores']} cores, {meta['cpu']}, torch {torch.__version__}, "
@@ -409,24 +365,18 @@ def markdown(summary: dict[str, Any], runs: list[dict[str, Any]], meta: dict[str
              f"included); unslowed: steps {WARMUP + 1}-{args.slow_from}. Medians of "
              f"{args.repeats} repeats, interleaved (every other round in reverse order). "
              f"Static: {static_how}. Adaptive: the same plan with `adapt=True, "
-             f"adapt_every={args.adapt_every}`"
-             + ("".join(f", {k}={v}" for k, v in (("adapt_threshold", args.adapt_threshold),
-                                                  ("adapt_payback", args.adapt_payback))
-                        if v is not None))
-             + f". Hindsight: the best measured of the candidate splits, the hetero planner's "
+             f"adapt_every={args.adapt_every}`. Hindsight: the best measured of the "
+             f"candidate splits, the hetero planner's "
              f"split for speeds (1, 1/{args.slow:g}) and +-{args.neighbours} blocks; a candidate "
              f"that is the static split is the static runs themselves. \"others\": cores that "
              f"other processes on the machine took during the slowed window (its busy CPU time "
              f"less both ranks' own); a run where they took more than {DISTURBED} cores ran again "
              f"(up to {args.retries} more times) and the least disturbed was kept; runs still "
              f"over it are starred (\\*). Plans are [start, stop, ranks] per stage.", ""]
-    if args.no_adaptive:
-        lines += ["**The adaptive contender was not run (--no-adaptive): no adaptive "
-                  "figures.**", ""]
     for model_name, s in summary.items():
         lines += [f"## {TITLES[model_name]}", "",
                   f"Profiled block ms (forward + backward, 1 thread, batch "
-                  f"{args.profile_batch}): "
+                  f"{BATCH // CHUNKS}): "
                   f"{', '.join(f'{v:.1f}' for v in meta['profiles'][model_name])}. Equal-speed "
                   f"split: {meta['equal_splits'][model_name]}; hetero planner's split for the "
                   f"slowed machine: {meta['hetero_splits'][model_name]}.", "",
@@ -560,15 +510,6 @@ def chrome_trace(runs: list[dict[str, Any]], path: Path) -> None:
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=10
-                              ).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def parse_steps(text: str, models: list[str]) -> dict[str, int]:
     """--steps: one count for every model, or MODEL=STEPS pairs (the others keep defaults)."""
     if "=" not in text:
@@ -590,34 +531,15 @@ def main() -> int:
     parser.add_argument("--slow", type=float, default=1.5, help="rank 1's slowdown factor")
     parser.add_argument("--adapt-every", type=int, default=5,
                         help="adapt's check interval in steps (default 5)")
-    parser.add_argument("--adapt-threshold", type=float, default=None,
-                        help="passed to Pipeline when given (default: the runtime's)")
-    parser.add_argument("--adapt-payback", type=int, default=None,
-                        help="passed to Pipeline when given (default: the runtime's)")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=harness.positive, default=2)
     parser.add_argument("--neighbours", type=int, default=1,
                         help="hindsight candidates: the hetero split +- this many blocks")
     parser.add_argument("--retries", type=int, default=1,
                         help=f"runs again a run during which other processes took more than "
                              f"{DISTURBED} cores, up to this many times, keeping the least "
                              f"disturbed (default 1)")
-    parser.add_argument("--profile-batch", type=int, default=BATCH // CHUNKS,
-                        help=f"samples per profiled batch (default {BATCH // CHUNKS}, the "
-                             f"microbatch the runs compute; {BATCH}: the minibatch, as "
-                             f"Pipeline(stages=2) profiles)")
-    parser.add_argument("--static-plan", choices=("profile", "stages"), default="profile",
-                        help="profile: the equal-speed split from one profile taken here, "
-                             "passed as balance= (default); stages: Pipeline(stages=2), "
-                             "planned by rank 0 in each run")
-    parser.add_argument("--no-adaptive", action="store_true",
-                        help="leave the adaptive contender out")
     parser.add_argument("--out", default="bench/results/adaptive.md")
-    parser.add_argument("--render", metavar="JSON",
-                        help="write the report, plot and trace again from a saved JSON (no "
-                             "runs; its command and arguments are kept)")
     args = parser.parse_args()
-    if args.render:
-        return render(Path(args.render), Path(args.out))
     models = args.models.split(",")
     for m in models:
         if m not in MODELS:
@@ -634,16 +556,12 @@ def main() -> int:
                          f"{n} steps")
     if args.slow <= 1.0:
         parser.error("--slow must be above 1")
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
-    if not 1 <= args.profile_batch <= BATCH:
-        parser.error(f"--profile-batch must be in [1, {BATCH}]")
     began = time.perf_counter()
     load_before = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     profiles, profile_ms, equal, hetero, blocks, candidates = {}, {}, {}, {}, {}, {}
     for m in models:
-        print(f"profiling {m} (1 thread, batch {args.profile_batch}) ...", flush=True)
-        profiles[m] = profile_of(m, args.profile_batch)
+        print(f"profiling {m} (1 thread, batch {BATCH // CHUNKS}) ...", flush=True)
+        profiles[m] = profile_of(m, BATCH // CHUNKS)
         profile_ms[m] = [b.forward_ms + b.backward_ms for b in profiles[m].blocks]
         blocks[m] = len(profiles[m].blocks)
         equal[m] = equal_plan(profiles[m])
@@ -657,8 +575,7 @@ def main() -> int:
     for repeat in range(args.repeats):
         print(f"round {repeat + 1} of {args.repeats}", flush=True)
         for m in models:
-            static = equal[m] if args.static_plan == "profile" else None
-            order = contenders(static, candidates[m], profiles[m], args)
+            order = contenders(equal[m], candidates[m], profiles[m])
             if repeat % 2:
                 order.reverse()
             for contender, plan in order:
@@ -685,9 +602,9 @@ def main() -> int:
                  f"{fmt(None if s['recovery'] is None else s['recovery'] * 100, '.0f')}%"),
               flush=True)
     out = Path(args.out)
-    meta = {"command": " ".join(["python bench/adaptive.py", *sys.argv[1:]]),
-            "cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
-            "date": time.strftime("%Y-%m-%d %H:%M"), "commit": git_commit(),
+    meta = {"command": harness.command(),
+            "cores": os.cpu_count(), "cpu": harness.machine_info()["processor"],
+            "date": time.strftime("%Y-%m-%d %H:%M"), "commit": harness.git("rev-parse", "HEAD"),
             "load": (load_before, ", ".join(f"{v:.2f}" for v in os.getloadavg())),
             "wall_s": time.perf_counter() - began, "profiles": profile_ms, "steps": steps,
             "equal_splits": {m: p.stages[0].stop for m, p in equal.items()},
@@ -711,18 +628,6 @@ def write(out: Path, meta: dict[str, Any], args: argparse.Namespace,
     plot(runs, summary, args, png)
     chrome_trace(runs, trace)
     print(f"wrote {out}, {data}, {png}, {trace}", flush=True)
-
-
-def render(saved: Path, out: Path) -> int:
-    """--render: the outputs again from a saved JSON, as that run's arguments had them."""
-    data = json.loads(saved.read_text())
-    args = argparse.Namespace(**data["args"])
-    meta = data["meta"]
-    if "candidates" not in meta:  # written before the candidates were saved
-        meta["candidates"] = {m: [int(c) for c in s["candidates"]]
-                              for m, s in data["summary"].items()}
-    write(out, meta, args, data["runs"])
-    return 0
 
 
 if __name__ == "__main__":

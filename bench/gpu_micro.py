@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import platform
 import statistics
 import sys
 import time
@@ -62,6 +61,8 @@ if str(ROOT) not in sys.path:  # run as `python bench/gpu_micro.py` from anywher
     sys.path.insert(0, str(ROOT))
 
 from pipedream_fast import _C  # noqa: E402
+
+import harness  # noqa: E402 - a sibling
 
 WIDTH = 1024
 MB = 1 << 20
@@ -289,12 +290,7 @@ def stream_handoff(dev: Device, sizes_kib: list[int], handoffs: int, repeats: in
 # ---- main -------------------------------------------------------------------------------------
 
 def machine(dev: Device) -> str:
-    if dev.cuda:
-        where = f"{torch.cuda.get_device_name(dev.device)}, CUDA {torch.version.cuda}"
-    else:
-        where = f"CPU {platform.processor() or platform.machine()}"
-    return (f"{where}; torch {torch.__version__}; Python {platform.python_version()}; "
-            f"pipedream_fast._C.cuda_enabled = {_C.cuda_enabled}")
+    return f"{harness.device_line(dev.device)}; pipedream_fast._C.cuda_enabled = {_C.cuda_enabled}"
 
 
 @contextlib.contextmanager
@@ -351,14 +347,10 @@ def main(argv: list[str] | None = None) -> int:
             text, right = stream_handoff(dev, sizes, args.handoffs, args.repeats)
         sections.append(text)
         ok = ok and right
-    command = "python bench/gpu_micro.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = "\n\n".join([
-        "## Core microbenchmarks on the GPU", f"Command: `{command.strip()}`",
-        f"Machine: {machine(dev)}.", *sections]) + "\n"
-    print("\n" + report, flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(report)
+    print()
+    harness.emit(args.out, "\n\n".join([
+        "## Core microbenchmarks on the GPU", f"Command: `{harness.command()}`",
+        f"Machine: {machine(dev)}.", *sections]) + "\n")
     return 0 if ok else 1
 
 

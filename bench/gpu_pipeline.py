@@ -40,10 +40,7 @@ Exit status: 0 when every transport that ran matched the reference and at least 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import inspect
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -65,6 +62,8 @@ if str(ROOT) not in sys.path:  # run as `python bench/gpu_pipeline.py` from anyw
 
 from pipedream_fast.formats import Plan, StagePlan  # noqa: E402
 from pipedream_fast.models import build_cnn  # noqa: E402
+
+import harness  # noqa: E402 - a sibling
 
 SPLIT, BLOCKS = 6, 9  # model A's blocks: 6 convolutions | 3 linear layers
 LR = 0.01
@@ -173,50 +172,26 @@ def timed(steps_done: Iterator[Any], batch: int, steps: int, warmup: int,
 
 # ---- transport 'threads': LocalPipeline ---------------------------------------------------------
 
-@contextlib.contextmanager
-def local_inputs_on(device: torch.device) -> Iterator[dict[str, Any]]:
-    """LocalPipeline builds its first stage's input source with the default device (the CPU).
-    If its constructor takes a `device`, yields {"device": device} to pass it; otherwise binds
-    its data source to `device` while inside and yields {}."""
-    from pipedream_fast import local_pipeline
-
-    if "device" in inspect.signature(local_pipeline.LocalPipeline.__init__).parameters:
-        yield {"device": device}
-        return
-    original = local_pipeline.data_source
-
-    def on_device(*args: Any, **kwargs: Any) -> Any:
-        if len(args) < 5 and "device" not in kwargs:  # (feed, schedule, rank, names, device)
-            kwargs["device"] = device
-        return original(*args, **kwargs)
-
-    local_pipeline.data_source = on_device
-    try:
-        yield {}
-    finally:
-        local_pipeline.data_source = original
-
-
 def run_threads(args: argparse.Namespace, device: torch.device) -> Outcome:
     from pipedream_fast.local_pipeline import LocalPipeline
 
     outcome = Outcome("threads", "LocalPipeline: 2 ranks as threads of one process, "
                                  "activation queues, both stages on " + str(device))
-    with local_inputs_on(device) as extra:
-        numerics(device, strict=True)
-        pipe = LocalPipeline(model_a().to(device), loss_fn, sgd, plan_for(args.batch, args.schedule),
-                             schedule=args.schedule, chunks=args.chunks, timeout=args.timeout,
-                             **extra)
-        outcome.losses = [float(loss) for loss in
-                          pipe.train(check_batches(args.batch, args.check_steps),
-                                     steps=args.check_steps)]
-        outcome.state = cpu_state(pipe.state_dict())
-        numerics(device, strict=False)
-        pipe = LocalPipeline(model_a().to(device), loss_fn, sgd, plan_for(args.batch, args.schedule),
-                             schedule=args.schedule, chunks=args.chunks, timeout=args.timeout,
-                             **extra)
-        outcome.rate = timed(pipe.train(timing_batches(args.batch, args.steps), steps=args.steps),
-                             args.batch, args.steps, args.warmup, device)
+    # Both rank threads on `device` (PipelineOptions.device).
+    numerics(device, strict=True)
+    pipe = LocalPipeline(model_a().to(device), loss_fn, sgd, plan_for(args.batch, args.schedule),
+                         schedule=args.schedule, chunks=args.chunks, timeout=args.timeout,
+                         device=str(device))
+    outcome.losses = [float(loss) for loss in
+                      pipe.train(check_batches(args.batch, args.check_steps),
+                                 steps=args.check_steps)]
+    outcome.state = cpu_state(pipe.state_dict())
+    numerics(device, strict=False)
+    pipe = LocalPipeline(model_a().to(device), loss_fn, sgd, plan_for(args.batch, args.schedule),
+                         schedule=args.schedule, chunks=args.chunks, timeout=args.timeout,
+                         device=str(device))
+    outcome.rate = timed(pipe.train(timing_batches(args.batch, args.steps), steps=args.steps),
+                         args.batch, args.steps, args.warmup, device)
     outcome.status = "ran"
     return outcome
 
@@ -357,13 +332,6 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tupl
     return ok, worst, worst_key
 
 
-def machine(device: torch.device) -> str:
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    cuda = f", CUDA {torch.version.cuda}" if torch.version.cuda else ""
-    return f"{where}; torch {torch.__version__}{cuda}; Python {platform.python_version()}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
@@ -403,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
         args.device = str(device)
-    print(f"gpu_pipeline: {machine(device)}", flush=True)
+    print(f"gpu_pipeline: {harness.device_line(device)}", flush=True)
 
     t0 = time.perf_counter()
     numerics(device, strict=True)
@@ -451,10 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     matched = [o for o in outcomes if o.status == "match"]
     bad = [o for o in outcomes if o.status in ("differs", "failed")]
     passed = bool(matched) and not bad and teeth
-    command = "python bench/gpu_pipeline.py " + " ".join(
-        a if " " not in a else repr(a) for a in (argv if argv is not None else sys.argv[1:]))
     lines = [f"## Model A, 2-stage {args.schedule} on one device: weights and samples/s", "",
-             f"Command: `{command}`", "", f"Machine: {machine(device)}.", "",
+             f"Command: `{harness.command()}`", "", f"Machine: {harness.device_line(device)}.",
+             "",
              f"Weights after {args.check_steps} minibatches of {args.batch} samples "
              f"({args.chunks} microbatches each), SGD lr {LR}, against single-process training "
              f"with the same gradient accumulation (deterministic cuDNN, no TF32); pass: every "
@@ -473,10 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {name} | {rate:.1f} | {rate / base:.2f}x |" for name, rate in rates]
     lines += ["", f"Result: {'PASS' if passed else 'FAIL'}"]
     report = "\n".join(lines) + "\n"
-    print("\n" + report, flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(report)
+    print()
+    harness.emit(args.out, report)
     return 0 if passed else 1
 
 

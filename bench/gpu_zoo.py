@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import platform
 import re
 import sys
 import threading
@@ -59,7 +58,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +67,12 @@ from torch import nn
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-for _path in (str(ROOT / "tests"), str(ROOT)):  # the zoo, the package
+for _path in (str(ROOT / "tests"), str(ROOT), str(BENCH)):  # the zoo, the package, harness
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from pipedream_fast.launch import free_port, launch  # noqa: E402
+import harness  # noqa: E402
+from pipedream_fast.launch import launch  # noqa: E402
 from pipedream_fast.training import model_loss, split_microbatches  # noqa: E402
 
 MODELS = ("nanogpt", "llama", "gpt2", "bert")
@@ -164,11 +163,6 @@ def numerics(device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = False
 
 
-def shorten(err: BaseException, limit: int = 300) -> str:
-    text = " ".join(f"{type(err).__name__}: {err}".split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
 # ---- the one-process loop --------------------------------------------------------------------
 
 def reference(entry: Entry, steps: int, device: torch.device) -> list[float]:
@@ -202,8 +196,8 @@ class Layout:
     what: str = ""
 
 
-def rank_main(rank: int, world: int, layout: Layout, models: list[str], ports: list[int],
-              steps: int, timeout: float) -> dict[str, Any]:
+def rank_main(rank: int, world: int, layout: Layout, models: list[str], steps: int,
+              timeout: float) -> dict[str, Any]:
     """Each model on a fresh process group of `layout`'s backend: a Pipeline trained for
     `steps` minibatches; its losses, step time and this rank's copy of the tied weight."""
     from pipedream_fast.pipeline import Pipeline
@@ -221,14 +215,10 @@ def rank_main(rank: int, world: int, layout: Layout, models: list[str], ports: l
         torch.set_num_threads(1)
     numerics(torch.device("cuda" if cuda else "cpu"))
     out: dict[str, Any] = {}
-    for name, port in zip(models, ports):
+    for number, name in enumerate(models):
         began = time.perf_counter()
         try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            dist.init_process_group("nccl" if cuda else "gloo",
-                                    init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=world, timeout=timedelta(seconds=timeout))
+            harness.fresh_group(rank, world, number, "nccl" if cuda else "gloo", timeout)
             if cuda and layout.device != "default":
                 # NCCL builds its communicator at the first collective: a refusal shows here
                 probe = torch.ones(1, device=device)
@@ -261,12 +251,14 @@ def rank_main(rank: int, world: int, layout: Layout, models: list[str], ports: l
             pipe.close()
             out[name] = result
         except Exception as err:  # noqa: BLE001 - reported in the table
-            out[name] = {"error": shorten(err), "traceback": traceback.format_exc()[-3000:],
+            out[name] = {"error": harness.shorten(err, 300),
+                         "traceback": traceback.format_exc()[-3000:],
                          "seconds": time.perf_counter() - began}
             if cuda and NCCL_REFUSAL.search(str(err)):
                 # the same communicator would be refused for every model: stop here
                 for rest in models[models.index(name) + 1:]:
-                    out[rest] = {"error": "not run, as the first model: " + shorten(err)}
+                    out[rest] = {"error": "not run, as the first model: "
+                                          + harness.shorten(err, 300)}
                 break
     if dist.is_initialized():
         try:
@@ -311,21 +303,18 @@ def run_layout(layout: Layout, models: list[str], steps: int, timeout: float, wa
                want: dict[str, list[float]], rtol: float) -> list[Row]:
     """The layout's job; `wall`: its whole time, after which its ranks are stopped (a rank
     stuck in C++, in NCCL's communicator set-up for one, only ends that way)."""
-    ports: set[int] = set()
-    while len(ports) < len(models):
-        ports.add(free_port())
     began = time.perf_counter()
     stop = threading.Event()
     timer = threading.Timer(wall, stop.set)
     timer.start()
     try:
-        by_rank = launch(rank_main, layout.world, layout, models, sorted(ports), steps, timeout,
+        by_rank = launch(rank_main, layout.world, layout, models, steps, timeout,
                          timeout=timeout, threads_per_rank=None if layout.device != "cpu" else 1,
                          stop=stop)
     except Exception as err:  # noqa: BLE001 - a rank died: the whole layout failed
         outcome = "failed (expected)" if layout.informational else "failed"
         why = (f"stopped after {wall:g} s (--layout-timeout): " if stop.is_set() else "") + \
-            shorten(err, 500)
+            harness.shorten(err, 500)
         return [Row(layout.name, m, outcome, note=why, check=not layout.informational)
                 for m in models]
     finally:
@@ -373,29 +362,15 @@ def run_layout(layout: Layout, models: list[str], steps: int, timeout: float, wa
     return rows
 
 
-def machine(device: torch.device) -> str:
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    cuda = f", CUDA {torch.version.cuda}" if torch.version.cuda else ""
-    nccl = ""
-    if device.type == "cuda":
-        try:
-            nccl = ", NCCL " + ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:  # noqa: BLE001
-            pass
-    return f"{where}; torch {torch.__version__}{cuda}{nccl}; Python {platform.python_version()}"
-
-
 def write_report(args: argparse.Namespace, argv: list[str] | None, device: torch.device,
                  layouts: list[Layout], rows: list[Row], rtol: float, final: bool) -> bool:
     """The markdown report (to --out, and printed when `final`); whether the check passed."""
     checked = [r for r in rows if r.check]
     bad = [r for r in checked if r.outcome != "match"]
     passed = bool(checked) and not bad
-    command = "python bench/gpu_zoo.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = ["## The zoo's transformers through Pipeline, 1f1b, 2 stages: losses against the "
-             "one-process loop", "", f"Command: `{command.strip()}`", "",
-             f"Machine: {machine(device)}.", "",
+             "one-process loop", "", f"Command: `{harness.command()}`", "",
+             f"Machine: {harness.device_line(device)}.", "",
              f"{args.steps} minibatches of 8 per model, {CHUNKS} microbatches, SGD lr {LR} "
              f"momentum {MOMENTUM}, split before the second layer; pass: every step's loss "
              f"within {rtol:g} (relative) of the loop on {device} with the same gradient "
@@ -454,8 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", 0)
     else:
         torch.set_num_threads(1)
-    print(f"gpu_zoo: {machine(device)}; {torch.cuda.device_count() if device.type == 'cuda' else 0}"
-          f" GPU(s)", flush=True)
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    print(f"gpu_zoo: {harness.device_line(device)}; {gpus} GPU(s)", flush=True)
     t0 = time.perf_counter()
     entries, skipped = load_zoo(models)
     ran = [m for m in models if m in entries]

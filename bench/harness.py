@@ -1,5 +1,5 @@
-"""What every benchmark here shares: interleaved repeats, medians with their spread, the
-machine's notes, and the results files.
+"""What every benchmark here shares: interleaved repeats, medians with their spread, a rank's
+clock and the other processes' share of the machine, the machine's notes, and the results files.
 
 Only ratios measured side by side mean anything on a shared machine (one thread trained the
 same model at 61 samples/s on one machine and 106 on another, and a machine's speed drifts
@@ -11,27 +11,32 @@ warm-up round that is not counted, and the ratio of two drivers is taken round b
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+T = TypeVar("T")
 
-def alternate(drivers: Mapping[str, Callable[[], float]], rounds: int,
-              warmup: bool = True) -> dict[str, list[float]]:
+
+def alternate(drivers: Mapping[str, Callable[[], T]], rounds: int,
+              warmup: bool = True) -> dict[str, list[T]]:
     """Each driver's measurement (whatever it returns: seconds, us per action...) in each
     of `rounds` rounds, the order of the drivers reversed every other round; a first
     warm-up round is run and dropped."""
     names = list(drivers)
-    values: dict[str, list[float]] = {name: [] for name in names}
+    values: dict[str, list[T]] = {name: [] for name in names}
     for index in range(rounds + (1 if warmup else 0)):
         order = names if index % 2 == 0 else names[::-1]
         measured = {name: drivers[name]() for name in order}
@@ -64,10 +69,170 @@ def paired_ratio(values: Mapping[str, Sequence[float]], numerator: str,
     return Spread.of([a / b for a, b in zip(values[numerator], values[denominator])])
 
 
+def positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def sizes(args: argparse.Namespace, default: Mapping[str, int], quick: Mapping[str, int],
+          is_quick: bool) -> dict[str, int]:
+    """Each of `default`'s keys from `args` where given (not None), else from `quick` or
+    `default`."""
+    base = quick if is_quick else default
+    return {k: base[k] if getattr(args, k) is None else getattr(args, k) for k in default}
+
+
+# ---- a rank's clock ------------------------------------------------------------------------
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine spent in user and system mode since boot (all cores)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()  # cpu user nice system idle ...
+    except OSError:
+        return 0.0
+    return (int(fields[1]) + int(fields[2]) + int(fields[3])) / os.sysconf("SC_CLK_TCK")
+
+
+class Clock:
+    """A rank's stamps: the end of the warm-up and of the last step (system-wide monotonic
+    clock, comparable across the ranks), with the machine's busy and this process's CPU time
+    over that window."""
+
+    def __init__(self) -> None:
+        self.start = self.busy = self.cpu = 0.0
+
+    def warmed_up(self) -> None:
+        self.start, self.busy, self.cpu = time.perf_counter(), machine_busy_s(), time.process_time()
+
+    def done(self) -> dict[str, float]:
+        return {"start": self.start, "end": time.perf_counter(),
+                "busy_s": machine_busy_s() - self.busy, "cpu_s": time.process_time() - self.cpu}
+
+
+def window(ranks: Sequence[Mapping[str, Any]], samples: int) -> dict[str, float]:
+    """One run from every rank's `Clock.done()`: from the latest end of warm-up to the latest
+    end, as barriers would place it; `other_cores`: the CPU that processes other than the
+    ranks took meanwhile (the machine's busy time less the ranks' own), in cores."""
+    seconds = max(r["end"] for r in ranks) - max(r["start"] for r in ranks)
+    return {"samples_per_s": samples / seconds, "seconds": seconds,
+            "other_cores": other_cores(ranks, seconds)}
+
+
+def other_cores(ranks: Sequence[Mapping[str, Any]], seconds: float) -> float:
+    """Cores other processes took over `seconds`, from the ranks' `busy_s` and `cpu_s`."""
+    machine_s = sum(r["busy_s"] for r in ranks) / len(ranks)
+    return max(0.0, machine_s - sum(r["cpu_s"] for r in ranks)) / max(seconds, 1e-9)
+
+
+_STORE: list[Any] = []  # the launcher's store, kept past the default group's end
+
+
+def fresh_group(rank: int, world: int, index: int, backend: str = "gloo",
+                timeout_s: float = 60.0) -> None:
+    """In a launched rank: a process group of its own for run number `index` (a run that
+    fails on one rank must not leave the next a broken group), on the launcher's loopback
+    store under a prefix of its own."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not _STORE:
+        _STORE.append(distributed_c10d._get_default_store())
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(backend, store=dist.PrefixStore(f"run{index}", _STORE[0]),
+                            rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+RESULT = "BENCH_RESULT "  # a worker's result line, read back by `cluster_results`
+
+
+def print_result(value: Any) -> None:
+    """A worker process's result, as one line `cluster_results` finds in its output."""
+    print(RESULT + json.dumps(value), flush=True)
+
+
+def cluster_results(cluster: Any, argv: Sequence[str], timeout: float) -> list[dict[str, Any]]:
+    """Runs `argv` on every rank of a `netcluster.Cluster` (one thread each, unbuffered) and
+    returns each rank's `print_result` value."""
+    done = cluster.run(list(argv), timeout=timeout,
+                       env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    out = []
+    for r in done.ranks:
+        line = next((x for x in r.output.splitlines() if x.startswith(RESULT)), None)
+        if line is None:
+            raise RuntimeError(f"rank {r.rank} printed no result; its output:\n"
+                               f"{r.output[-3000:]}")
+        out.append(json.loads(line[len(RESULT):]))
+    return out
+
+
+# ---- notes ---------------------------------------------------------------------------------
+
 def machine() -> str:
     """One line on where and when it ran."""
     return (f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
             f"torch {torch.__version__}; {time.strftime('%Y-%m-%d')}")
+
+
+def device_line(device: torch.device) -> str:
+    """The device, CUDA and NCCL (on a GPU), torch and Python, in one line."""
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    cuda = f", CUDA {torch.version.cuda}" if torch.version.cuda else ""
+    nccl = ""
+    if device.type == "cuda":
+        try:
+            nccl = ", NCCL " + ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001 - a build without NCCL
+            pass
+    return f"{where}; torch {torch.__version__}{cuda}{nccl}; Python {platform.python_version()}"
+
+
+def machine_info(**extra: Any) -> dict[str, Any]:
+    """The machine's notes for a results JSON (and `extra`)."""
+    return {"cores": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "python": sys.version.split()[0],
+            "date": datetime.date.today().isoformat(), **extra}
+
+
+def machine_line(m: Mapping[str, Any], wall_s: float | None = None) -> str:
+    """`machine_info`'s notes as the results' "Date: ... Machine: ..." line."""
+    extra = "".join(f", {k} {v}" for k, v in m.items()
+                    if k not in ("cores", "processor", "torch", "python", "date"))
+    return (f"Date: {m['date']}. Machine: {m['cores']} cores, {m['processor']}, torch "
+            f"{m['torch']}{extra}, Python {m['python']}."
+            + ("" if wall_s is None else f" Whole run: {wall_s / 60:.1f} min."))
+
+
+def git(*args: str) -> str | None:
+    """`git args` in the checkout, its output stripped; None outside git."""
+    try:
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent.parent,
+                              capture_output=True, text=True, check=True, timeout=10
+                              ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def shorten(err: BaseException, limit: int = 240) -> str:
+    """The exception, then its cause after "<-", and so on, each as `Type: message` cut to
+    `limit` characters."""
+    chain: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and current not in chain and len(chain) < 6:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    parts = []
+    for e in chain:
+        text = " ".join(str(e).split())
+        parts.append(f"{type(e).__name__}: "
+                     + (text if len(text) <= limit else text[:limit - 3] + "..."))
+    return " <- ".join(parts)
 
 
 def command() -> str:
@@ -80,6 +245,17 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list
     return (["| " + " | ".join(header) + " |",
              "| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |"]
             + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def emit(out: str | os.PathLike[str] | None, text: str, data: Any = None) -> None:
+    """Prints the markdown `text`; with `out`, writes it there and `data` (if given) beside it
+    as JSON (same name, .json)."""
+    print(text)
+    if out:
+        Path(out).write_text(text)
+        if data is not None:
+            Path(out).with_suffix(".json").write_text(
+                json.dumps(data, indent=1, default=str) + "\n")
 
 
 def write_results(path: str | os.PathLike[str], title: str, intro: Sequence[str],

@@ -40,7 +40,6 @@ import math
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,6 +51,8 @@ from pipedream_fast.datasets import char_corpus
 from pipedream_fast.formats import Plan, StagePlan
 from pipedream_fast.models import build_charlm, loss_fn
 from pipedream_fast.pipeline import NonFiniteLoss, Pipeline
+
+import harness  # noqa: E402 - a sibling
 
 STAGES = 4  # one block per stage: embed, block1, block2, head
 METHODS: tuple[tuple[str, str, str | None], ...] = (
@@ -493,20 +494,11 @@ def report(args: argparse.Namespace, summary: dict[str, Any], grid_runs: dict[st
 def source_tree() -> str:
     """The commit the package comes from, and whether it had uncommitted changes: the corpus
     is its docstrings."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
-                              capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "pipedream_fast"],
-                               cwd=root, text=True, capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
+    head, dirty = harness.git("rev-parse", "--short", "HEAD"), harness.git(
+        "status", "--porcelain", "--", "pipedream_fast")
+    if head is None:
         return "not a git checkout"
-    return f"commit {head}" + (" with uncommitted changes in pipedream_fast/" if dirty.strip()
-                               else "")
-
-
-def date() -> str:
-    return time.strftime("%Y-%m-%d")
+    return f"commit {head}" + (" with uncommitted changes in pipedream_fast/" if dirty else "")
 
 
 def plot(args: argparse.Namespace, summary: dict[str, Any], path: Path) -> None:
@@ -570,21 +562,18 @@ def plot(args: argparse.Namespace, summary: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None,
+    parser.add_argument("--steps", type=harness.positive, default=None,
                         help="minibatches per run (default 160; 12 with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="a check that it runs: 12 steps, the fixed lr only, SGD only, "
                              "2 seeds; writes to /tmp unless --out")
     parser.add_argument("--optimizers", default=None,
                         help="comma-separated among sgd, adam (default both; sgd with --quick)")
-    parser.add_argument("--seeds", type=int, default=None,
+    parser.add_argument("--seeds", type=harness.positive, default=None,
                         help="seeds at the tuned lr, the grid's seed 0 included (default 3; "
                              "2 with --quick)")
     parser.add_argument("--microbatch", type=int, default=16, help="windows per microbatch")
     parser.add_argument("--chunks", type=int, default=4, help="microbatches per step")
-    parser.add_argument("--replot", action="store_true",
-                        help="no runs: rewrite the markdown and the plot from the JSON beside "
-                             "--out (after a change to the report)")
     parser.add_argument("--out", default=None,
                         help="markdown to write (default bench/results/staleness_lm.md; "
                              "/tmp/staleness_lm_quick.md with --quick); .png and .json beside it")
@@ -600,25 +589,16 @@ def main() -> int:
     if unknown:
         parser.error(f"--optimizers: unknown {', '.join(unknown)}; choose among "
                      f"{', '.join(GRIDS)}")
-    if args.steps < 1 or args.seeds < 1:
-        parser.error("--steps and --seeds must be >= 1")
     grids = {o: {label: grid_for(o, label, args.quick) for label, _, _ in METHODS}
              for o in opts}
-    script = Path(__file__).resolve()
-    shown = (os.path.relpath(script, Path.cwd()) if script.is_relative_to(Path.cwd())
-             else str(script))
-    command = " ".join(["python", shown, *sys.argv[1:]])
-
-    if args.replot:
-        return write(*load(Path(args.out).with_suffix(".json")), Path(args.out))
     batch = args.chunks * args.microbatch
     # The corpus is the package's docstrings, read from the working tree: read it once.
     train, test, _ = char_corpus()
     args.train_windows, args.test_windows = len(train), len(test)  # type: ignore[arg-type]
     args.source = source_tree()
     args.host = f"{os.cpu_count()} CPUs, {platform.machine()}, torch {torch.__version__}"
-    args.date = date()
-    args.command = command
+    args.date = time.strftime("%Y-%m-%d")
+    args.command = harness.command()
     data = {seed: make_data(train, test, args.steps, batch, seed) for seed in range(args.seeds)}
     held = data[0][1]
     total_runs = sum(len(g) for by in grids.values() for g in by.values()) \
@@ -688,23 +668,6 @@ def write(meta: dict[str, Any], grid_runs: dict[str, Any], repeats: dict[str, An
         print(f"\n{OPTIMIZER_NAMES[opt]}:")
         print("\n".join(verdict(opt, rows, args.chunks, args.seeds)))
     return 0
-
-
-def load(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """What `write` needs, back from its JSON (None: a non-finite number)."""
-    saved = json.loads(path.read_text())
-
-    def runs(r: dict[str, Any]) -> dict[str, Any]:
-        return {**r, "final": math.inf if r["final"] is None else r["final"],
-                "held_out": math.inf if r["held_out"] is None else r["held_out"],
-                "losses": [math.nan if v is None else v for v in r["losses"]]}
-
-    grid_runs = {o: {label: {g: runs(r) for g, r in by_lr.items()} for label, by_lr in by.items()}
-                 for o, by in saved["grid_runs"].items()}
-    repeats = {o: {label: [runs(r) for r in rs] for label, rs in by.items()}
-               for o, by in saved["repeats"].items()}
-    grids = {o: {label: tuple(g) for label, g in by.items()} for o, by in saved["grids"].items()}
-    return saved["meta"], grid_runs, repeats, grids
 
 
 if __name__ == "__main__":

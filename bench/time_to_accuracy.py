@@ -1,94 +1,45 @@
 """Time to a target test accuracy: pipedream_fast against DDP on an emulated slow 2-machine cluster.
 
-The PipeDream paper's measure is not samples/s but wall time to a target accuracy: a pipeline
-that moves fewer bytes per step must also converge in about as many steps for its speed to
-count. This bench trains a real task to a target test accuracy on the cluster of
-bench/netcluster.py (two ranks, each in a network namespace of its own, links shaped with tbf
-to each --rates value in both directions; one torch thread per rank, gloo), one contender
-after the other:
+The PipeDream paper's measure: wall time to a target accuracy, so that a pipeline that moves
+fewer bytes per step must also converge in about as many steps. Two ranks on the cluster of
+bench/netcluster.py (a network namespace each, links shaped with tbf to each --rates value),
+one torch thread per rank, gloo, one contender after the other:
 
-  DDP        DistributedDataParallel, 2 ranks, 16 samples per rank (global batch 32),
-             gradients all-reduced every step
-  pipedream  pipedream_fast Pipeline, schedule "pipedream", 2 stages, chunks=1 (one
-             32-sample microbatch and one update per step, weight stashing)
+  DDP        DistributedDataParallel, 16 samples per rank (global batch 32)
+  pipedream  Pipeline, schedule "pipedream", 2 stages, chunks=1 (one update per step)
 
-Task. scikit-learn's 8x8 digits (pipedream_fast.datasets.digits(): 1437 training and 360 test
-images, real data), flattened to 64 features. Model A (build_cnn, 3x32x32) was the first
-choice (digits upsampled to 32x32, 3 channels), but it is too slow here to train to a target
-within minutes: ~0.5 s per batch-32 step on one core when the machine is quiet, and with
-SGD (lr 0.01, momentum 0.9; no normalisation layers) still at chance accuracy after 135
-steps. So the model is a wide MLP with model A's character, parameters large against its
-compute:
+Task: scikit-learn's 8x8 digits (pipedream_fast.datasets.digits(), 1437 train / 360 test),
+flattened to 64 features, on a wide MLP with model A's character, parameters large against
+its compute (model A itself is too slow to train to a target here within minutes):
 
   fc1 Linear(64, 2048)+ReLU | fc2 Linear(2048, 2048)+ReLU || fc3 Linear(2048, 2048)+ReLU |
   fc4 Linear(2048, 10)
 
-8.55 M parameters (34.2 MB in fp32), 1.64 GFLOP per step of 32 samples (forward and
-backward; `model_facts()` computes these).
+The pipeline cuts before fc3 (||): 256 KiB of activation cross forward per step against the
+34.2 MB of gradients DDP all-reduces. Both use plain SGD lr 0.1 (chosen with --tune: TUNED
+below), the same initial weights (seed 0) and one stream of global batches (a seeded
+permutation per epoch; DDP rank r takes samples [16r, 16r+16)). pipedream updates stage 0
+with gradients one update old and drains at every evaluation (counted in its time).
 
-The pipeline cuts it before fc3 (||), where both stages hold one 2048x2048 layer (balanced
-compute) and one 32 x 2048 fp32 activation (256 KiB) crosses forward and its gradient
-crosses back per step; DDP all-reduces 34.2 MB of gradients per step instead. That is what
-makes DDP communication-bound at 1 and 0.1 Gbit/s, as it is with model A (139 MB of
-gradients against 512 KiB of activations at its conv|fc cut).
-
-Hyperparameters. Both contenders use the same plain SGD, lr 0.1 (LR, MOMENTUM below), chosen
-once with `--tune`: a grid of lr x momentum, each trained as the single-process reference
-below; kept, the fewest steps to reach 95% and stay there, among settings one grid step
-inside the edge of divergence (the grid, its figures and the reasons are in TUNED).
-
-Same initial weights (seed 0, built in every rank; DDP broadcasts rank 0's). Same data
-order: one infinite stream of global batches of 32 (a fresh permutation of the training set
-per epoch from a generator seeded 0 + epoch, the last partial batch dropped); DDP rank r
-takes samples [16r, 16r+16) of each, the pipeline's first stage reads it whole (and checks
-that it read exactly one batch per step). Differences that remain: DDP averages two
-16-sample mean gradients (= the 32-sample mean up to rounding, so it follows the reference
-step for step); pipedream updates stage 0 with gradients computed on weights one update old
-(weight stashing, PipeDream's asynchrony), and its pipeline drains at every evaluation,
-which resets that staleness and costs a fill and a drain per segment (counted in its time).
-
-Target: 95% test accuracy (--target). The reference crosses it at step 80 (1.8 epochs of
-44 steps) and stays above 94% from step 110; DDP, which follows the reference, reaches it at
-100mbit in ~250 s, inside the full run's cap. 90% comes too early (step ~40, mostly
-warm-up) to tell the contenders apart; 97% is first crossed only at steps 140-240 depending
-on lr, with curves oscillating around it, which would put DDP at 100mbit past 10 minutes.
-
-Reference. Before the cluster runs, the harness trains the same model with the same data
-order and hyperparameters in one process (one thread, no network) until the target: its
-steps to target are the basis of projections, and its curve is drawn for comparison.
-
-Clock. Training wall time only, measured on rank 0 (time.perf_counter() around each
-training segment, in both contenders rank 0 holds the first part of the work): each
-contender trains in segments of --eval-every steps, then evaluates test accuracy on all 360
-test images (excluded from the clock), and stops at the first evaluation that reaches the
-target, or when its training time reaches --cap-s (the last segment is shortened so the
-cap is overrun by less than one step). Set-up (process group, DDP's broadcast, the
-Pipeline's construction) is outside the clock; the first steps' warm-up is inside it. A
-contender that does not reach the target within the cap gets a *projection*: the
-reference's steps to target x its measured seconds per step (labelled as such).
+Clock: training time on rank 0, in segments of --eval-every steps, test accuracy evaluated
+between them outside the clock; a contender stops at the target or at --cap-s. One that
+misses gets a *projection*: the single-process reference's steps to target (trained here
+first, same data and hyperparameters) x its measured seconds per step.
 
     python bench/time_to_accuracy.py [--rates 1gbit,100mbit] [--target 0.95] [--cap-s 330]
                                      [--eval-every 10] [--quick] [--tune]
                                      [--out bench/results/time_to_accuracy.md]
 
-Writes --out (markdown), and the same stem with .json and .png beside it (the plot:
-accuracy against training wall time, one line per contender and rate; only when matplotlib
-is importable). `run(...) -> dict`, `markdown(result) -> str` and
-`plot(result, path)` are separate so that a suite runner can import them (with bench/ on
-sys.path). Needs what bench/netcluster.py needs (root, iproute2, network namespaces, tbf);
-where those are missing, it says so and skips (exit code 2, `run` returns a result with
-"skipped").
+Writes --out, and .json and .png beside it. Needs what bench/netcluster.py needs; where that
+is missing it says so and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
-import platform
-import re
 import sys
 import time
 from collections import OrderedDict
@@ -101,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 # Scripts next to this file (bench/ is on sys.path when this file runs as a script).
+import harness
 import netcluster
 from vs_ddp import DISTURBED, Snapshot, link_check, two_stage_plan
 
@@ -123,7 +75,6 @@ TEST_BATCH = 90      # 360 test images = 4 batches
 REFERENCE_MAX_STEPS = 3000
 CONTENDERS = ("ddp", "pipedream")
 LABELS = {"ddp": "DDP (gloo), 16 per rank", "pipedream": "pipedream_fast pipedream, 2 stages"}
-RESULT = "TTA_RESULT "
 MODEL_NAME = "wide_mlp"
 
 # How LR and MOMENTUM were chosen: `python bench/time_to_accuracy.py --tune --target 0.95`
@@ -445,19 +396,11 @@ def worker_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(SEED)  # the same initial weights in every rank and in the reference
     result = (ddp_rank if args.worker == "ddp" else pipedream_rank)(args)
-    print(RESULT + json.dumps(result), flush=True)
+    harness.print_result(result)
     return 0
 
 
 # ---- the harness ---------------------------------------------------------------------------
-
-def parse_result(output: str, rank: int) -> dict[str, Any]:
-    match = re.search(re.escape(RESULT) + r"(\{.*\})", output)
-    if match is None:
-        raise RuntimeError(f"rank {rank} printed no result; its output:\n{output[-3000:]}")
-    parsed: dict[str, Any] = json.loads(match.group(1))
-    return parsed
-
 
 def run_contender(cluster: netcluster.Cluster, contender: str, rate: str, target: float,
                   cap_s: float, eval_every: int, lr: float, momentum: float,
@@ -469,9 +412,7 @@ def run_contender(cluster: netcluster.Cluster, contender: str, rate: str, target
             "--lr", repr(lr), "--momentum", repr(momentum), "--max-steps", str(max_steps)]
     began = time.monotonic()
     # Evaluations and set-up run outside the clock: allow for them generously.
-    done = cluster.run(argv, timeout=cap_s * 3 + 300,
-                       env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    ranks = [parse_result(r.output, r.rank) for r in done.ranks]
+    ranks = harness.cluster_results(cluster, argv, cap_s * 3 + 300)
     lead = ranks[0]
     steps, train_s = lead["steps"], lead["train_s"]
     s_per_step = train_s / max(steps, 1)
@@ -481,8 +422,7 @@ def run_contender(cluster: netcluster.Cluster, contender: str, rate: str, target
            "reached_step": lead["reached_step"], "reached_s": lead["reached_s"],
            "final_accuracy": lead["points"][-1][2],
            "bytes_per_step": sum(r["tx_bytes"] for r in ranks) / max(steps, 1),
-           "other_cores": max(0.0, sum(r["busy_s"] for r in ranks) / len(ranks)
-                              - sum(r["cpu_s"] for r in ranks)) / max(train_s, 1e-9),
+           "other_cores": harness.other_cores(ranks, train_s),
            "wall_s": time.monotonic() - began, "projected_s": None}
     if row["reached_s"] is None and ref["reached_step"] is not None:
         row["projected_s"] = ref["reached_step"] * s_per_step
@@ -499,9 +439,7 @@ def run(rates: Sequence[str] = DEFAULT_RATES, target: float = DEFAULT_TARGET,
         "date": datetime.date.today().isoformat(), "rates": list(rates), "target": target,
         "cap_s": cap_s, "eval_every": eval_every, "lr": lr, "momentum": momentum,
         "batch": BATCH, "world": WORLD, "model": model_facts(), "split": SPLIT,
-        "machine": {"cores": os.cpu_count(),
-                    "processor": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "python": sys.version.split()[0]},
+        "machine": harness.machine_info(),
         "skipped": None, "reference": None, "links": {}, "rows": []}
     ok, why = netcluster.available()
     if not ok:
@@ -562,14 +500,11 @@ def markdown(result: dict[str, Any]) -> str:
         return f"{title}\n\nSkipped: {result['skipped']}.\n"
     facts, ref, target = result["model"], result["reference"], result["target"]
     rows: list[dict[str, Any]] = result["rows"]
-    machine = result["machine"]
     lines = [title, ""]
     if result.get("command"):
         lines += [f"Command: `{result['command']}`", ""]
     lines += [
-        f"Date: {result['date']}. Machine: {machine['cores']} cores, {machine['processor']}, "
-        f"torch {machine['torch']}, Python {machine['python']}. Whole run: "
-        f"{result.get('total_s', 0.0) / 60:.1f} min.", "",
+        harness.machine_line(result["machine"], result.get("total_s", 0.0)), "",
         f"- Task: scikit-learn digits (1437 train / 360 test images, 8x8 flattened to 64), "
         f"target **{target:.0%} test accuracy** on all 360 test images.",
         f"- Model: MLP 64-{WIDTH}-{WIDTH}-{WIDTH}-10, {facts['parameters'] / 1e6:.2f} M "
@@ -719,19 +654,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if result["skipped"]:
         print(f"time_to_accuracy: skipped: {result['skipped']}", file=sys.stderr)
         return 2
-    given = list(argv) if argv is not None else sys.argv[1:]
-    result["command"] = "python " + " ".join([os.path.relpath(__file__)] + given)
-    text = markdown(result)
-    print(text)
+    result["command"] = harness.command()
+    harness.emit(args.out, markdown(result), result)
     if args.out:
-        out = Path(args.out)
-        out.write_text(text)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        picture = out.with_suffix(".png")
-        if plot(result, picture):
-            print(f"wrote {out}, {out.with_suffix('.json')} and {picture}")
-        else:
-            print(f"wrote {out} and {out.with_suffix('.json')} (no plot: matplotlib missing)")
+        plot(result, Path(args.out).with_suffix(".png"))
     return 0
 
 

@@ -43,17 +43,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
-import platform
-import re
 import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -63,6 +59,7 @@ from pipedream_fast.formats import Plan, Profile, StagePlan
 from pipedream_fast.models import build_cnn
 
 # Scripts next to this file (bench/ is on sys.path when this file runs as a script).
+import harness
 import netcluster
 
 BATCH = 32
@@ -74,7 +71,6 @@ CONTENDERS = ("ddp", "pipedream", "2bw", "1f1b")
 # how close the runtime gets to the balanced-pipeline limit with the split the planner picks.
 BALANCED = "pipedream-balanced"
 CHUNKS = {"pipedream": 1, "2bw": 2, "1f1b": 2, BALANCED: 1}
-RESULT = "VS_DDP_RESULT "
 
 # (warm-up, measured) steps. DDP moves every gradient (140 MB for model A) per step, so its
 # step time grows tenfold per tenfold slower link: its count shrinks with the rate. Pipelines
@@ -127,14 +123,6 @@ def own_tx_bytes() -> int:
         return int(f.read())
 
 
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine spent in user and system mode since boot (all cores;
-    interrupt and softirq time, where the network stack's receive work goes, excluded)."""
-    with open("/proc/stat") as f:
-        fields = f.readline().split()  # cpu user nice system idle ...
-    return (int(fields[1]) + int(fields[2]) + int(fields[3])) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
 class Snapshot:
     time_s: float
@@ -144,7 +132,8 @@ class Snapshot:
 
     @classmethod
     def now(cls) -> Snapshot:
-        return cls(time.perf_counter(), own_tx_bytes(), machine_busy_s(), time.process_time())
+        return cls(time.perf_counter(), own_tx_bytes(), harness.machine_busy_s(),
+                   time.process_time())
 
 
 @dataclass
@@ -271,7 +260,7 @@ def worker_main(args: argparse.Namespace) -> int:
     else:
         schedule = "pipedream" if args.worker == BALANCED else args.worker
         window = pipeline_rank(args.model, schedule, args.split, args.warmup, args.measured)
-    print(RESULT + json.dumps(window.__dict__), flush=True)
+    harness.print_result(window.__dict__)
     return 0
 
 
@@ -372,9 +361,8 @@ def run_contender(cluster: netcluster.Cluster, model: str, contender: str, split
     argv = [sys.executable, os.path.abspath(__file__), "--worker", contender, "--model", model,
             "--split", str(split), "--warmup", str(warmup), "--measured", str(measured)]
     began = time.monotonic()
-    result = cluster.run(argv, timeout=TIMEOUT_S.get(rate, 600.0),
-                         env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    windows = [parse_window(r.output, r.rank) for r in result.ranks]
+    windows = [Window(**w) for w in harness.cluster_results(cluster, argv,
+                                                             TIMEOUT_S.get(rate, 600.0))]
     last = windows[-1]
     return Measurement(model, rate, contender, last.samples / last.seconds,
                        sum(w.tx_bytes for w in windows) / last.samples,
@@ -407,13 +395,6 @@ def measure(cluster: netcluster.Cluster, model: str, contender: str, split: int,
             best = again
     best.tries = tries
     return best
-
-
-def parse_window(output: str, rank: int) -> Window:
-    match = re.search(re.escape(RESULT) + r"(\{.*\})", output)
-    if match is None:
-        raise RuntimeError(f"rank {rank} printed no result; its output:\n{output[-3000:]}")
-    return Window(**json.loads(match.group(1)))
 
 
 def link_check(cluster: netcluster.Cluster) -> float:
@@ -470,9 +451,7 @@ def markdown(rows: list[Measurement], views: dict[tuple[str, str], PlannerView],
     retried = sum(r.tries > 1 for r in rows)
     lines = ["# pipedream_fast vs DistributedDataParallel on an emulated 2-machine cluster", "",
              f"Command: `{command}`", "",
-             f"Date: {datetime.date.today().isoformat()}. Machine: {os.cpu_count()} cores, "
-             f"{platform.processor() or platform.machine()}, torch {torch.__version__}, Python "
-             f"{sys.version.split()[0]}. Whole run: {total_s / 60:.1f} min.", "",
+             harness.machine_line(harness.machine_info(), total_s), "",
              "- Cluster: 2 ranks, each in a network namespace of its own, joined through a "
              "bridge by veth links shaped with `tc tbf` in both directions "
              "(bench/netcluster.py); one torch thread per rank, gloo. Link check, one TCP "
@@ -621,7 +600,7 @@ def main() -> int:
                         help=f"comma-separated models among {', '.join(MODELS)} (default a,convs)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply every measured step count (default 1)")
-    parser.add_argument("--retries", type=int, default=1,
+    parser.add_argument("--retries", type=int, default=1, choices=range(0, 100), metavar="N",
                         help=f"runs again a contender disturbed by other processes (more than "
                              f"{DISTURBED} cores taken) up to this many times (default 1)")
     parser.add_argument("--retry-budget-min", type=float, default=11.0,
@@ -646,8 +625,6 @@ def main() -> int:
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
         parser.error(f"unknown model(s) {unknown}; choose among {', '.join(MODELS)}")
-    if args.retries < 0:
-        parser.error(f"--retries must be >= 0, got {args.retries}")
     if not (args.scale > 0 and math.isfinite(args.scale)):
         parser.error(f"--scale must be a positive number, got {args.scale}")
     ok, why = netcluster.available()
@@ -657,17 +634,13 @@ def main() -> int:
     began = time.monotonic()
     rows, views, splits, links, alone = run_all(models, rates, args.scale, args.retries,
                                                 args.retry_budget_min * 60)
-    text = markdown(rows, views, splits, links, alone, "python " + " ".join(
-        [os.path.relpath(__file__)] + sys.argv[1:]), time.monotonic() - began)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-        Path(args.out).with_suffix(".json").write_text(json.dumps({
-            "rows": [row.__dict__ for row in rows], "links_mb_s": links, "splits": splits,
-            "one_rank_alone": [{"model": m, "rate": r, "samples_per_s": v}
-                               for (m, r), v in alone.items()],
-            "planner": [{"model": m, "rate": r, **view.__dict__}
-                        for (m, r), view in views.items()]}, indent=1) + "\n")
+    text = markdown(rows, views, splits, links, alone, harness.command(),
+                    time.monotonic() - began)
+    harness.emit(args.out, text, {
+        "rows": [row.__dict__ for row in rows], "links_mb_s": links, "splits": splits,
+        "one_rank_alone": [{"model": m, "rate": r, "samples_per_s": v}
+                           for (m, r), v in alone.items()],
+        "planner": [{"model": m, "rate": r, **view.__dict__} for (m, r), view in views.items()]})
     return 0
 
 

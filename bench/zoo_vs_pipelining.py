@@ -1,77 +1,45 @@
 """pipedream_fast against torch.distributed.pipelining on the zoo's transformers, unedited.
 
-The models are the test zoo's (tests/zoo: a nanoGPT-style GPT, Hugging Face Llama, GPT-2 and
-BERT, tiny configs built from seeded configs, no downloaded weights), called as a user's loop
-calls them: the model computes its loss from inputs that include the targets (nanoGPT
-`model(idx, targets)`, Hugging Face `model(input_ids=..., labels=...)`). For each model, 2
-ranks (processes, gloo on loopback, one intra-op thread each), 2 equal stages cut at the same
-block boundary (before the second transformer layer: `transformer.h.1`, `model.layers.1`,
-`bert.encoder.layer.1`), 1F1B, 2 microbatches of a batch of 8:
+The test zoo's models (tests/zoo: nanoGPT-style GPT, Hugging Face Llama, GPT-2 and BERT, tiny
+seeded configs) called as a user's loop calls them: each computes its loss from inputs that
+include the targets. 2 ranks (gloo on loopback, one intra-op thread each), 2 stages cut before
+the second transformer layer, 1F1B, 2 microbatches of a batch of 8, SGD lr 0.01 momentum 0.9:
 
-  torch    `torch.distributed.pipelining.pipeline(model, mb_args=(), mb_kwargs=<one
-           microbatch>, split_spec={"<layer>": SplitPoint.BEGINNING})`,
-           `pipe.build_stage(rank, cpu)`, `Schedule1F1B(stage, 2, loss_fn=...)`, SGD over the
-           stage's parameters
+  torch    `pipeline(model, mb_args=(), mb_kwargs=<one microbatch>, split_spec={"<layer>":
+           SplitPoint.BEGINNING})`, `pipe.build_stage(rank, cpu)`, `Schedule1F1B(stage, 2, ...)`
   ours     `Pipeline(model, loss_fn=None, optimizer=..., split_points=["<layer>"],
            schedule="1f1b", chunks=2)`
 
-(a) Does each library split and train the model as built?
-    torch, split: `pipeline()` on the model as built; on failure the message is recorded
-    (verbatim, shortened) and, for a Hugging Face model, `config.use_cache=False` is tried
-    (recorded as needed when that makes it split); the rest of that model's runs, both
-    sides, then use `use_cache=False`, so that both compute the same thing.
-    torch, train: one step of the model as its users call it (targets among the inputs, the
-    loss read from the output; inputs that a later stage consumes, the targets, passed to
-    that rank's `step()` under their placeholder name as torch documents for kwargs, since a
-    first stage given them fails). If that fails, torch's measured runs call the model
-    without its targets and compute the same loss in the schedule's `loss_fn` on the last
-    stage (mode "outside"; nanoGPT then needs an EDITED forward, `LossOutsideGPT`: called
-    without targets it computes the last position's logits only).
-    ours: the measured runs; where they set `use_cache=False`, one more run trains one step
-    of the model as built, its loss checked against the loop.
-(b) Samples/s over `--steps` steps after `--warmup` warm-up steps, each rank stamping a
-    system-wide monotonic clock at the end of the warm-up and of the last step (window: the
-    latest warm-up stamp to the latest end stamp). Both sides run in the same pair of
-    processes, `--repeats` times each, ours, torch, ours, torch, ..., each from a freshly
-    built model on a process group of its own: only ratios measured in one run mean anything
-    on a shared 2-core machine. The table gives the medians and the ratio of the medians, and
-    the set-up (build, split or capture, first step) of each side.
-(c) Losses: the first and last step's mean microbatch loss of each side against a
-    one-process loop (this process, after the ranks: same seed, same data, the same 2
-    microbatches with gradient accumulation, the same SGD). Tied weights (nanoGPT, Llama,
-    GPT-2 tie the embedding and the output head): after the warm-up and measured steps, the
-    embedding on the first stage's rank against the head on the last stage's rank, on each
-    side (torch.distributed.pipelining copies the tied weight into both stages and updates
-    each copy with its own stage's gradient only, so they drift apart; pipedream_fast sums
-    their gradients before each update), and each against the loop's single tied weight.
-
-SGD lr 0.01, momentum 0.9 (as tests/test_zoo.py), fresh data every step (the zoo's seeded
-batches), the same on both sides and in the loop.
+(a) Does each split and train the model as built? torch's `pipeline()` on the model as built,
+    else (Hugging Face) with `config.use_cache=False`, which both sides then use (ours also
+    trains one step of the model as built). torch trains one step of the model as called
+    (targets among the inputs, a later stage's inputs passed to its rank's `step()` by
+    placeholder name); where that fails its measured runs compute the loss in the schedule's
+    `loss_fn` (mode "outside"; nanoGPT then needs an EDITED forward, `LossOutsideGPT`).
+(b) Samples/s over `--steps` after `--warmup` steps (`harness.window`), both sides in one pair
+    of processes in interleaved rounds, each run from a fresh model on a process group of its
+    own; medians, the ratio of the medians, and each side's set-up (build to first step).
+(c) Losses: first and last step against a one-process loop (same seed, data, 2 microbatches
+    with gradient accumulation, SGD). Tied weights (nanoGPT, Llama, GPT-2): the embedding on
+    the first rank against the head on the last, each side, and each against the loop's.
 
     python bench/zoo_vs_pipelining.py [--warmup 3] [--steps 40] [--repeats 2] [--smoke]
                                       [--models nanogpt,llama,gpt2,bert]
                                       [--out bench/results/zoo_vs_pipelining.md]
-
---out writes the markdown there and the JSON beside it (.json). A suite runner can import
-`run(...) -> dict` and `markdown(result) -> str`. The reading under the tables in
-bench/results/zoo_vs_pipelining.md is written by hand after a run.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import inspect
-import json
-import os
-import platform
+import itertools
 import re
 import statistics
 import sys
 import time
 import traceback
-from datetime import timedelta
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +49,7 @@ from torch import nn
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-for _path in (str(ROOT / "tests"), str(ROOT), str(BENCH)):  # the zoo, the package, Clock
+for _path in (str(ROOT / "tests"), str(ROOT), str(BENCH)):  # the zoo, the package, harness
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
@@ -89,9 +57,9 @@ import zoo  # noqa: E402  (tests/zoo: declares torchvision's operators before tr
 
 zoo.import_torchvision()  # before transformers imports it (see its docstring)
 
-from pipedream_fast.launch import free_port, launch  # noqa: E402
+from pipedream_fast.launch import launch  # noqa: E402
 from pipedream_fast.training import model_loss, split_microbatches  # noqa: E402
-from vs_pipelining import Clock  # noqa: E402
+import harness  # noqa: E402
 
 MODELS = ("nanogpt", "llama", "gpt2", "bert")
 SPLIT = {"nanogpt": "transformer.h.1", "llama": "model.layers.1", "gpt2": "transformer.h.1",
@@ -109,7 +77,6 @@ SMOKE = {"warmup": 1, "steps": 2, "repeats": 1}
 FIRST_TOL = 1e-5  # relative, the first step's loss (initial weights: the forwards)
 LAST_TOL = 1e-4  # relative, the last step's (after every update before it)
 DRIFT_TOL = 1e-6  # relative to the weight's largest entry: "identical" up to float noise
-ERROR_CHARS = 240  # each exception of a failure's chain, shortened to this
 # A rank's error that only says its peer failed first: the table shows the peer's own.
 PEER_SYMPTOM = re.compile(r"Connection (closed|reset)|Read error|Timed out|timed out|"
                           r"Broken pipe")
@@ -133,22 +100,6 @@ def has_cache(name: str) -> bool:
 
 def batches(name: str, count: int) -> list[Any]:
     return zoo.ZOO[name].batches(count, 1)
-
-
-def shorten(err: BaseException) -> str:
-    """The exception, then its cause after "<-", and so on, each as `Type: message` cut to
-    ERROR_CHARS characters."""
-    chain: list[BaseException] = []
-    current: BaseException | None = err
-    while current is not None and current not in chain and len(chain) < 6:
-        chain.append(current)
-        current = current.__cause__ or current.__context__
-    parts = []
-    for e in chain:
-        text = " ".join(str(e).split())
-        text = text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS - 3] + "..."
-        parts.append(f"{type(e).__name__}: {text}")
-    return " <- ".join(parts)
 
 
 def named_inputs(model: nn.Module, item: Any) -> dict[str, Any]:
@@ -191,14 +142,14 @@ def torch_probe(name: str) -> dict[str, Any]:
         torch_split(name, model, item)
         out["as_built"] = "ok"
     except Exception as err:  # noqa: BLE001 - recorded
-        out["as_built"] = shorten(err)
+        out["as_built"] = harness.shorten(err)
     if out["as_built"] != "ok" and has_cache(name):
         model = build(name, no_cache=True)
         try:
             torch_split(name, model, item)
             out["use_cache_false"] = "ok"
         except Exception as err:  # noqa: BLE001 - recorded
-            out["use_cache_false"] = shorten(err)
+            out["use_cache_false"] = harness.shorten(err)
     return out
 
 
@@ -266,7 +217,7 @@ def torch_run(rank: int, name: str, items: list[Any], warmup: int, no_cache: boo
     last = rank == WORLD - 1
     sched = Schedule1F1B(stage, CHUNKS, loss_fn=loss_fn)
     opt = sgd(stage.submod.parameters())
-    clock = Clock()
+    clock = harness.Clock()
     losses: list[float] = []
     for step, item in enumerate(items):
         named = item if mode == "outside" else named_inputs(model, item)
@@ -305,7 +256,7 @@ def ours_run(rank: int, name: str, items: list[Any], warmup: int,
     pipe = Pipeline(model, loss_fn=None, optimizer=sgd, split_points=[SPLIT[name]],
                     schedule="1f1b", chunks=CHUNKS, timeout=TIMEOUT)
     last = rank == WORLD - 1
-    clock = Clock()
+    clock = harness.Clock()
     losses: list[float] = []
     for step, loss in enumerate(pipe.train(items, steps=len(items))):
         if last and loss is not None:
@@ -325,21 +276,12 @@ def ours_run(rank: int, name: str, items: list[Any], warmup: int,
     return result
 
 
-def fresh_group(rank: int, port: int) -> None:
-    """Each run on a process group of its own: a run that fails on one rank must not leave
-    the next one a broken group."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=TIMEOUT))
-
-
 def attempt(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     began = time.monotonic()
     try:
         result = fn(*args, **kwargs)
     except Exception as err:  # noqa: BLE001 - reported in the table
-        result = {"error": shorten(err), "traceback": traceback.format_exc()[-4000:]}
+        result = {"error": harness.shorten(err), "traceback": traceback.format_exc()[-4000:]}
     result["wall_s"] = time.monotonic() - began
     if args[0] == 0:  # rank 0 says what it ran and how long it took (set-up included)
         rank, name, items, _warmup, no_cache, *mode = args
@@ -350,27 +292,31 @@ def attempt(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return result
 
 
-def rank_main(rank: int, world: int, models: list[str], ports: list[int], warmup: int,
+def rank_main(rank: int, world: int, models: list[str], warmup: int,
               steps: int, repeats: int) -> dict[str, Any]:
     """Every model in turn: torch's split of the model as built (rank 0); where it needs
     use_cache=False, that for the rest, and ours on the model as built (one step); torch
     training the model as called (one step); then `repeats` x (ours, torch) measured runs."""
     torch.set_num_threads(1)
-    free = iter(ports)
+    numbers = itertools.count()
+
+    def fresh_group() -> None:
+        harness.fresh_group(rank, WORLD, next(numbers), timeout_s=TIMEOUT)
+
     out: dict[str, Any] = {}
     for name in models:
-        fresh_group(rank, next(free))
+        fresh_group()
         shared = [torch_probe(name) if rank == 0 else None]
         dist.broadcast_object_list(shared, src=0)
         record: dict[str, Any] = {"probe": shared[0]}
         no_cache = shared[0].get("use_cache_false") == "ok"
         record["no_cache"] = no_cache
         if no_cache:  # the measured runs set use_cache=False: ours on the model as built too
-            fresh_group(rank, next(free))
+            fresh_group()
             record["ours_as_built"] = attempt(ours_run, rank, name, batches(name, 1), 1, False)
         # torch on the model as its users call it: one step; if it fails, the measured runs
         # compute the loss outside the model
-        fresh_group(rank, next(free))
+        fresh_group()
         record["torch_inside"] = attempt(torch_run, rank, name, batches(name, 1), 1, no_cache)
         mode = "outside" if "error" in record["torch_inside"] else "inside"
         items = batches(name, warmup + steps)
@@ -379,7 +325,7 @@ def rank_main(rank: int, world: int, models: list[str], ports: list[int], warmup
             for side in ("ours", "torch"):
                 if runs[side] and "error" in runs[side][-1]:
                     continue  # it failed once: the same failure again says nothing new
-                fresh_group(rank, next(free))
+                fresh_group()
                 runs[side].append(
                     attempt(ours_run, rank, name, items, warmup, no_cache) if side == "ours"
                     else attempt(torch_run, rank, name, items, warmup, no_cache, mode))
@@ -432,15 +378,8 @@ def side_summary(name: str, ranks: list[dict[str, Any]], steps: int, want: list[
         own = [e for e in errors if not PEER_SYMPTOM.search(e)]
         tracebacks = [r.get("traceback", "") for r in ranks if "error" in r]
         return {"error": (own or errors)[0], "tracebacks": tracebacks}
-    seconds = max(r["end"] for r in ranks) - max(r["start"] for r in ranks)
-    own = sum(r["cpu_s"] for r in ranks)
-    machine = sum(r["busy_s"] for r in ranks) / len(ranks)
     losses = next(r["losses"] for r in ranks if r["losses"] is not None)
-    run: dict[str, Any] = {"samples_per_s": BATCH * steps / seconds, "seconds": seconds,
-                           "losses": losses,
-                           # cores that other processes took during the window (as
-                           # bench/vs_pipelining.py): the machine's busy time less the ranks'
-                           "other_cores": max(0.0, machine - own) / seconds,
+    run: dict[str, Any] = {**harness.window(ranks, BATCH * steps), "losses": losses,
                            # model built, split, set up and its first step, on the last rank
                            "first_step_s": max(r["first_step_s"] for r in ranks),
                            "first_loss_rel_diff": rel(losses[0], want[0]),
@@ -455,21 +394,10 @@ def side_summary(name: str, ranks: list[dict[str, Any]], steps: int, want: list[
     return run
 
 
-def run(smoke: bool = False, *, warmup: int | None = None, steps: int | None = None,
-        repeats: int | None = None, models: tuple[str, ...] = MODELS,
-        log: bool = True) -> dict[str, Any]:
-    base = SMOKE if smoke else DEFAULT
-    warmup = base["warmup"] if warmup is None else warmup
-    steps = base["steps"] if steps is None else steps
-    repeats = base["repeats"] if repeats is None else repeats
-    if warmup < 1 or steps < 1 or repeats < 1:
-        raise ValueError(f"warmup, steps and repeats must be >= 1, got {warmup}, {steps}, "
-                         f"{repeats}")
+def run(sz: dict[str, int], models: tuple[str, ...]) -> dict[str, Any]:
+    warmup, steps, repeats = sz["warmup"], sz["steps"], sz["repeats"]
     began = time.monotonic()
-    ports: set[int] = set()
-    while len(ports) < len(models) * (3 + 2 * repeats):
-        ports.add(free_port())
-    by_rank = launch(rank_main, WORLD, list(models), sorted(ports), warmup, steps, repeats,
+    by_rank = launch(rank_main, WORLD, list(models), warmup, steps, repeats,
                      timeout=TIMEOUT, threads_per_rank=1)
     torch.set_num_threads(1)
     rows = []
@@ -492,29 +420,15 @@ def run(smoke: bool = False, *, warmup: int | None = None, steps: int | None = N
         inside = one_step([rec["torch_inside"] for rec in records], name, want)
         rows.append(summarize(name, probe, as_built, inside, sides, want))
         rows[-1]["no_cache"] = records[0]["no_cache"]
-        if log:
-            r = rows[-1]
-            print(f"{name:8s} ours {fmt_rate(r, 'ours')}  torch {fmt_rate(r, 'torch')}  "
-                  f"ratio {r['ratio'] if r['ratio'] is None else round(r['ratio'], 2)}  "
-                  f"torch: {r['torch_split']}; {r['torch_trains']}", flush=True)
-    return {"settings": {"smoke": smoke, "warmup": warmup, "steps": steps, "repeats": repeats,
-                         "models": list(models), "batch": BATCH, "chunks": CHUNKS,
+        r = rows[-1]
+        print(f"{name:8s} ours {fmt_rate(r, 'ours')}  torch {fmt_rate(r, 'torch')}  "
+              f"ratio {r['ratio'] if r['ratio'] is None else round(r['ratio'], 2)}  "
+              f"torch: {r['torch_split']}; {r['torch_trains']}", flush=True)
+    return {"settings": {**sz, "models": list(models), "batch": BATCH, "chunks": CHUNKS,
                          "ranks": WORLD, "threads_per_rank": 1, "lr": LR,
                          "momentum": MOMENTUM, "split": {m: SPLIT[m] for m in models}},
-            "machine": {"cores": os.cpu_count(),
-                        "processor": platform.processor() or platform.machine(),
-                        "torch": torch.__version__, "python": sys.version.split()[0],
-                        "transformers": _version("transformers"),
-                        "date": datetime.date.today().isoformat()},
+            "machine": harness.machine_info(transformers=version("transformers")),
             "rows": rows, "wall_s": time.monotonic() - began}
-
-
-def _version(package: str) -> str | None:
-    try:
-        from importlib.metadata import version
-        return version(package)
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def fmt_rate(row: dict[str, Any], side: str) -> str:
@@ -602,20 +516,6 @@ def summarize(name: str, probe: dict[str, Any], as_built: dict[str, Any] | None,
 
 # ---- the report ----------------------------------------------------------------------------
 
-def command(result: dict[str, Any], out: str | None = None) -> str:
-    s = result["settings"]
-    parts = ["python bench/zoo_vs_pipelining.py"]
-    if s["smoke"]:
-        parts.append("--smoke")
-    base = SMOKE if s["smoke"] else DEFAULT
-    parts += [f"--{k} {s[k]}" for k in ("warmup", "steps", "repeats") if s[k] != base[k]]
-    if tuple(s["models"]) != MODELS:
-        parts.append("--models " + ",".join(s["models"]))
-    if out:
-        parts.append(f"--out {out}")
-    return " ".join(parts)
-
-
 def _e(value: float | None) -> str:
     return "-" if value is None else f"{value:.1e}"
 
@@ -632,14 +532,11 @@ def _pair(row: dict[str, Any], key: str) -> str:
     return f"{_e(row['ours_' + key])} / {_e(row['torch_' + key])}"
 
 
-def markdown(result: dict[str, Any], out: str | None = None) -> str:
+def markdown(result: dict[str, Any]) -> str:
     s, m = result["settings"], result["machine"]
     lines = ["# pipedream_fast vs torch.distributed.pipelining on the zoo's transformers, "
              "2 ranks, CPU", "",
-             f"Command: `{command(result, out)}`", "",
-             f"Date: {m['date']}. Machine: {m['cores']} cores, {m['processor']}, torch "
-             f"{m['torch']}, transformers {m['transformers']}, Python {m['python']}. Whole run: "
-             f"{result['wall_s'] / 60:.1f} min.", "",
+             f"Command: `{harness.command()}`", "", harness.machine_line(m, result["wall_s"]), "",
              f"- Models: the test zoo's (tests/zoo), tiny configs, seeded; each computes its own "
              f"loss from inputs that include the targets. Batch {s['batch']}, {s['chunks']} "
              f"microbatches, 1F1B, 2 stages cut before the second transformer layer on both "
@@ -730,37 +627,23 @@ def _md(text: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true",
-                        help=f"{SMOKE['warmup']}+{SMOKE['steps']} steps, {SMOKE['repeats']} run "
-                             f"of each side: does it run? (measures nothing worth keeping)")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help=f"warm-up steps (default {DEFAULT['warmup']})")
-    parser.add_argument("--steps", type=int, default=None,
-                        help=f"measured steps after the warm-up (default {DEFAULT['steps']})")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help=f"runs of each side per model (default {DEFAULT['repeats']})")
+                        help="1+2 steps, 1 run of each side: does it run? (measures nothing)")
+    for name, what in (("warmup", "warm-up steps"), ("steps", "measured steps after the warm-up"),
+                       ("repeats", "runs of each side per model")):
+        parser.add_argument(f"--{name}", type=harness.positive,
+                            help=f"{what} (default {DEFAULT[name]})")
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated, among {', '.join(MODELS)} (default all)")
-    parser.add_argument("--out", default=None,
-                        help="write the markdown here and the JSON beside it (.json)")
+    parser.add_argument("--out", help="write the markdown here and the JSON beside it (.json)")
     args = parser.parse_args()
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
         parser.error(f"--models: unknown {unknown}; choose among {', '.join(MODELS)}")
-    for name in ("steps", "warmup", "repeats"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name} must be >= 1, got {value}")
     torch.set_num_threads(1)
-    result = run(args.smoke, warmup=args.warmup, steps=args.steps, repeats=args.repeats,
-                 models=models)
-    result["command"] = command(result, args.out)
-    text = markdown(result, args.out)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-        Path(args.out).with_suffix(".json").write_text(
-            json.dumps(result, indent=1, default=str) + "\n")
+    result = run(harness.sizes(args, DEFAULT, SMOKE, args.smoke), models)
+    result["command"] = harness.command()
+    harness.emit(args.out, markdown(result), result)
     return 0
 
 
