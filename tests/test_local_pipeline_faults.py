@@ -265,14 +265,20 @@ def test_an_exception_in_the_callers_loop_propagates_and_stops_every_rank(error)
 
 
 def test_ctrl_c_while_train_waits_stops_every_rank():
+    # A job started in the background (`cmd &` without job control) inherits SIGINT ignored,
+    # and interrupt_main then does nothing: the test sets Python's own handler itself.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     pipe, _, last = make(timeout=30)
     last.sleep_s = 0.05
     timer = threading.Timer(0.5, _thread.interrupt_main)
     timer.start()
     start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        list(pipe.train(data(200), steps=200))
-    timer.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            list(pipe.train(data(200), steps=200))
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 2.0
     assert_clean(pipe)
 
