@@ -20,7 +20,7 @@ import torch
 
 from pipedream_fast.cli import main
 from pipedream_fast.formats import Plan, Profile, StagePlan
-from pipedream_fast.schedules import SCHEDULE_NAMES
+from pipedream_fast.schedules import SCHEDULE_NAMES, kind
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "torchrun_train.py"
@@ -379,10 +379,18 @@ def weight_norms(output: str) -> dict[str, str]:
     return dict(re.findall(r"(\S+): trained \d+ tensors, weight norm (\d+\.\d+)", output))
 
 
+# On the script's one stage per rank, a schedule planned for two stages per rank runs
+# another's order (zb-v, dualpipe-v and interleaved-zb zb-h1's): those are trained through
+# their own placements in test_new_schedules.py, so this end-to-end job leaves them out.
+ONE_STAGE_PER_RANK = [s for s in TRAINABLE
+                      if s == "interleaved-1f1b" or kind(s).planning.get("stages_per_rank") != 2]
+
+
 @pytest.mark.parametrize("layout", ["2-stage", "2+1"])
 def test_a_plain_torchrun_script_trains_the_cnn_with_every_schedule(layout):
     nproc, extra = (3, ["--replicate-first"]) if layout == "2+1" else (2, [])
-    schedules = REPLICABLE if layout == "2+1" else TRAINABLE
+    schedules = [s for s in (REPLICABLE if layout == "2+1" else TRAINABLE)
+                 if s in ONE_STAGE_PER_RANK]
     result = torchrun(nproc, str(EXAMPLE), "--model", "cnn", "--schedule", ",".join(schedules),
                       "--steps", "2", "--batch-size", "8", *extra)
     assert result.returncode == 0, result.stderr
