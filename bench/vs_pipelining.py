@@ -6,11 +6,17 @@ Model A (`build_cnn`, 9 blocks), batch 32, SGD lr 0.01, one fixed synthetic batc
   torch ScheduleGPipe             vs  gpipe             2 stages, 2 and 4 microbatches
   torch Schedule1F1B              vs  1f1b              2 stages, 2 and 4 microbatches
   torch ScheduleInterleaved1F1B   vs  interleaved-1f1b  4 stages (2 per rank), 4
+  torch ScheduleZBVZeroBubble     vs  zb-v              4 stages (V), 4 and 8
+  torch ScheduleDualPipeV         vs  dualpipe-v        4 stages (V), 4 and 8
+  torch ScheduleInterleavedZeroBubble vs interleaved-zb 4 stages (looped), 4 and 8
+  torch ScheduleLoopedBFS         vs  looped-bfs        4 stages (looped), 4 and 8
 
-2 stages [0, 6) | [6, 9) (conv | fc); 4 stages [0, 3) | [3, 6) | [6, 7) | [7, 9), stage k on
-rank k mod 2 (the planner's looped plan in bench/results/interleaved.md, fixed by hand). Both
-sides seed 0 and build the model, so the stages start from identical weights; the first and
-last step's mean microbatch loss are compared as a guard. Samples/s: steady state, from the
+2 stages [0, 6) | [6, 9) (conv | fc); 4 stages [0, 3) | [3, 6) | [6, 7) | [7, 9) (the
+planner's looped plan in bench/results/interleaved.md, fixed by hand), placed looped (stage k
+on rank k mod 2) or in a V (rank r holds stages r and 3 - r: stages 0 and 3 on rank 0, 1 and
+2 on rank 1), the same cut either way. Both sides seed 0 and build the model, so the stages
+start from identical weights; the first and last step's mean microbatch loss are compared as
+a guard. Samples/s: steady state, from the
 latest rank's end of warm-up to the latest end (`harness.window`). Each row runs in one pair
 of rank processes, the sides in interleaved rounds (`harness.alternate`), each run from a
 freshly built model; the report gives the medians and the ratio of the medians.
@@ -39,15 +45,29 @@ import harness  # noqa: E402 - a sibling
 
 BATCH, WORLD, LR = 32, 2, 0.01
 BOUNDS = {2: [(0, 6), (6, 9)], 4: [(0, 3), (3, 6), (6, 7), (7, 9)]}  # blocks [start, stop)
-# ours, torch's class, stages, microbatch counts per step
-PAIRS = (("gpipe", "ScheduleGPipe", 2, (2, 4)),
-         ("1f1b", "Schedule1F1B", 2, (2, 4)),
-         ("interleaved-1f1b", "ScheduleInterleaved1F1B", 4, (4,)))
+# ours, torch's class, stages, microbatch counts per step, placement of the stages on the ranks
+PAIRS = (("gpipe", "ScheduleGPipe", 2, (2, 4), "looped"),
+         ("1f1b", "Schedule1F1B", 2, (2, 4), "looped"),
+         ("interleaved-1f1b", "ScheduleInterleaved1F1B", 4, (4,), "looped"),
+         ("zb-v", "ScheduleZBVZeroBubble", 4, (4, 8), "v"),
+         ("dualpipe-v", "ScheduleDualPipeV", 4, (4, 8), "v"),
+         ("interleaved-zb", "ScheduleInterleavedZeroBubble", 4, (4, 8), "looped"),
+         ("looped-bfs", "ScheduleLoopedBFS", 4, (4, 8), "looped"))
 DEFAULT = {"warmup": 3, "steps": 12, "repeats": 5}
 QUICK = {"warmup": 2, "steps": 3, "repeats": 1}
 FIRST_LOSS_TOL = 1e-4  # float32, mean of a few microbatch losses near 2.3
 LAST_LOSS_TOL = 1e-3  # the same after a few SGD updates, accumulated in other orders
 GOAL = 1.2  # 1f1b against Schedule1F1B
+NEW_GOAL = 1.05  # issue 31: each of these against torch's, on the same stages and microbatches
+NEW = ("zb-v", "dualpipe-v", "interleaved-zb", "looped-bfs")
+
+
+def stage_rank(k: int, num_stages: int, placement: str) -> int:
+    """The rank holding stage k: looped, k mod WORLD; "v", rank r holds r and 2 WORLD - 1 - r
+    (on one stage per rank both are k)."""
+    if placement == "v" and num_stages == 2 * WORLD:
+        return k if k < WORLD else num_stages - 1 - k
+    return k % WORLD
 
 
 def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,13 +77,13 @@ def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def torch_rank(rank: int, schedule: str, stages: list[tuple[int, int]], chunks: int,
-               warmup: int, steps: int) -> dict[str, Any]:
+               warmup: int, steps: int, placement: str) -> dict[str, Any]:
     """torch.distributed.pipelining: this rank's stages of build_cnn(), `schedule`."""
     from torch.distributed import pipelining
 
     torch.manual_seed(0)
     children = list(build_cnn().children())
-    mine = [k for k in range(len(stages)) if k % WORLD == rank]
+    mine = [k for k in range(len(stages)) if stage_rank(k, len(stages), placement) == rank]
     parts = [pipelining.PipelineStage(nn.Sequential(*children[stages[k][0]:stages[k][1]]), k,
                                       len(stages), torch.device("cpu")) for k in mine]
     opt = torch.optim.SGD([p for s in parts for p in s.submod.parameters()], lr=LR)
@@ -87,18 +107,19 @@ def torch_rank(rank: int, schedule: str, stages: list[tuple[int, int]], chunks: 
 
 
 def ours_rank(rank: int, schedule: str, stages: list[tuple[int, int]], chunks: int,
-              warmup: int, steps: int) -> dict[str, Any]:
+              warmup: int, steps: int, placement: str) -> dict[str, Any]:
     """pipedream_fast's Pipeline on the same stages."""
     from pipedream_fast.pipeline import Pipeline
 
     torch.manual_seed(0)
+    n = len(stages)
     plan = Plan("cnn", BATCH, WORLD, schedule,
-                [StagePlan(a, b, 1, (k % WORLD,), 0.0) for k, (a, b) in enumerate(stages)],
-                1.0, 1.0)
+                [StagePlan(a, b, 1, (stage_rank(k, n, placement),), 0.0)
+                 for k, (a, b) in enumerate(stages)], 1.0, 1.0)
     pipe = Pipeline(build_cnn(), nn.functional.cross_entropy,
                     lambda ps: torch.optim.SGD(ps, lr=LR), plan=plan, schedule=schedule,
                     chunks=chunks)
-    last = (len(stages) - 1) % WORLD == rank
+    last = stage_rank(n - 1, n, placement) == rank
     clock, losses = harness.Clock(), []
     total = warmup + steps
     for step, loss in enumerate(pipe.train([fixed_batch()] * total, total)):
@@ -112,12 +133,13 @@ def ours_rank(rank: int, schedule: str, stages: list[tuple[int, int]], chunks: i
 
 
 def row_rank(rank: int, world: int, ours: str, theirs: str, stages: list[tuple[int, int]],
-             chunks: int, warmup: int, steps: int, repeats: int) -> dict[str, list[Any]]:
+             chunks: int, warmup: int, steps: int, repeats: int,
+             placement: str) -> dict[str, list[Any]]:
     """Both sides in interleaved rounds in this rank process, each run from a fresh model."""
     def side(fn: Any, schedule: str) -> Any:
         def one() -> dict[str, Any]:
             gc.collect()  # the last side's stages and optimizer go before the next is built
-            return fn(rank, schedule, stages, chunks, warmup, steps)
+            return fn(rank, schedule, stages, chunks, warmup, steps, placement)
         return one
 
     return harness.alternate({"ours": side(ours_rank, ours), "torch": side(torch_rank, theirs)},
@@ -125,9 +147,9 @@ def row_rank(rank: int, world: int, ours: str, theirs: str, stages: list[tuple[i
 
 
 def measure(ours: str, theirs: str, stages: list[tuple[int, int]], chunks: int,
-            sz: dict[str, int]) -> dict[str, Any]:
+            sz: dict[str, int], placement: str) -> dict[str, Any]:
     by_rank = launch(row_rank, WORLD, ours, theirs, stages, chunks, sz["warmup"], sz["steps"],
-                     sz["repeats"], threads_per_rank=1)
+                     sz["repeats"], placement, threads_per_rank=1)
     runs = {side: [{**harness.window(ranks, BATCH * sz["steps"]),
                     "losses": next(r["losses"] for r in ranks if r["losses"] is not None)}
                    for ranks in zip(*(r[side] for r in by_rank))] for side in ("ours", "torch")}
@@ -136,6 +158,8 @@ def measure(ours: str, theirs: str, stages: list[tuple[int, int]], chunks: int,
     first = max(abs(a["losses"][0] - b["losses"][0]) for a, b in pairs)
     last = max(abs(a["losses"][-1] - b["losses"][-1]) for a, b in pairs)
     return {"schedule": ours, "torch_schedule": theirs, "stages": len(stages), "bounds": stages,
+            "placement": placement if len(stages) > WORLD else "plain",
+            "ranks": [stage_rank(k, len(stages), placement) for k in range(len(stages))],
             "microbatches": chunks, "ours_samples_per_s": med["ours"],
             "torch_samples_per_s": med["torch"], "ratio": med["ours"] / med["torch"],
             "pair_ratios": [a["samples_per_s"] / b["samples_per_s"] for a, b in pairs],
@@ -148,30 +172,53 @@ def measure(ours: str, theirs: str, stages: list[tuple[int, int]], chunks: int,
 
 def run(sz: dict[str, int]) -> dict[str, Any]:
     began = time.monotonic()
-    rows = []
-    for ours, theirs, stages, counts in PAIRS:
+    rows: list[dict[str, Any]] = []
+    for ours, theirs, stages, counts, placement in PAIRS:
         for chunks in counts:
-            rows.append(r := measure(ours, theirs, BOUNDS[stages], chunks, sz))
+            try:
+                r = measure(ours, theirs, BOUNDS[stages], chunks, sz, placement)
+            except Exception as error:  # noqa: BLE001 - a side that cannot run is a result
+                rows.append({"schedule": ours, "torch_schedule": theirs, "stages": stages,
+                             "bounds": BOUNDS[stages], "placement": placement,
+                             "microbatches": chunks, "error": harness.shorten(error, 600)})
+                print(f"{ours:17s} {stages} stages {chunks} mb: FAILED {rows[-1]['error']}",
+                      flush=True)
+                continue
+            rows.append(r)
             print(f"{ours:17s} {stages} stages {chunks} mb: ours {r['ours_samples_per_s']:6.1f}"
                   f"  torch {r['torch_samples_per_s']:6.1f}  ratio {r['ratio']:.2f}x  first-step "
                   f"loss diff {r['first_loss_diff']:.1e}  last {r['last_loss_diff']:.1e}",
                   flush=True)
-    one = [r for r in rows if r["schedule"] == "1f1b"]
-    worst = min(r["ratio"] for r in one)
+    one = [r for r in rows if r["schedule"] == "1f1b" and "error" not in r]
+    worst = min((r["ratio"] for r in one), default=0.0)
+    new = [r for r in rows if r["schedule"] in NEW]
+    new_ok = [r for r in new if "error" not in r]
     return {"settings": {**sz, "batch": BATCH, "lr": LR, "ranks": WORLD,
                          "threads_per_rank": 1, "stages2": BOUNDS[2], "stages4": BOUNDS[4]},
             "machine": harness.machine_info(), "rows": rows,
             "goal": {"text": f"1f1b at least {GOAL}x Schedule1F1B on the same stages and "
                              f"microbatches", "met": worst >= GOAL, "worst_ratio": worst,
                      "ratios": {str(r["microbatches"]): r["ratio"] for r in one}},
-            "losses_agree": all(r["losses_agree"] for r in rows),
+            "new_goal": {"text": f"{', '.join(NEW)} each at least {NEW_GOAL}x torch's "
+                                 f"{', '.join(t for o, t, *_ in PAIRS if o in NEW)} on the "
+                                 f"same stages and microbatches, losses agreeing",
+                         "met": len(new_ok) == len(new) and all(
+                             r["ratio"] >= NEW_GOAL and r["losses_agree"] for r in new_ok),
+                         "worst_ratio": min((r["ratio"] for r in new_ok), default=0.0),
+                         "ratios": {f"{r['schedule']} {r['microbatches']}": r.get("ratio")
+                                    for r in new},
+                         "failed": [f"{r['schedule']} {r['microbatches']}" for r in new
+                                    if "error" in r]},
+            "losses_agree": all(r.get("losses_agree", False) for r in rows),
             "wall_s": time.monotonic() - began}
 
 
 def markdown(result: dict[str, Any]) -> str:
-    s, goal = result["settings"], result["goal"]
+    s, goal, new = result["settings"], result["goal"], result["new_goal"]
     measured = ", ".join(f"{ratio:.2f}x at {mb} microbatches"
                          for mb, ratio in goal["ratios"].items())
+    new_measured = ", ".join(f"{name}: " + ("failed" if ratio is None else f"{ratio:.2f}x")
+                             for name, ratio in new["ratios"].items())
     bounds = {k: " | ".join(f"[{a}, {b})" for a, b in s[f"stages{k}"]) for k in (2, 4)}
     lines = ["# pipedream_fast vs torch.distributed.pipelining, model A, 2 ranks, CPU", "",
              f"Command: `{harness.command()}`", "",
@@ -179,10 +226,11 @@ def markdown(result: dict[str, Any]) -> str:
              f"- Model A (`build_cnn`, 9 blocks), batch {s['batch']}, SGD lr {s['lr']}, one fixed "
              f"synthetic batch; {s['ranks']} ranks, gloo on loopback, {s['threads_per_rank']} "
              f"intra-op thread per rank.",
-             f"- Stages, blocks [start, stop): 2 stages {bounds[2]}; 4 stages {bounds[4]}, stage "
-             f"k on rank k mod 2 (set by hand: the planner's looped plan in "
-             f"bench/results/interleaved.md). Both sides run the very same stages and "
-             f"microbatches.",
+             f"- Stages, blocks [start, stop): 2 stages {bounds[2]}; 4 stages {bounds[4]} (set "
+             f"by hand: the planner's looped plan in bench/results/interleaved.md), placed "
+             f"looped (stage k on rank k mod 2: ranks 0, 1, 0, 1) or in a V (rank r holds "
+             f"stages r and 3 - r: ranks 0, 1, 1, 0), as each schedule needs; column \"ranks\". "
+             f"Both sides run the very same stages, placement and microbatches.",
              f"- Samples/s: steady state over {s['steps']} steps after {s['warmup']} warm-up "
              f"steps, from the latest rank's end of warm-up to the latest rank's end; "
              f"{s['repeats']} repeat(s) in interleaved rounds (ours, torch, then torch, ours, "
@@ -192,22 +240,40 @@ def markdown(result: dict[str, Any]) -> str:
              "and of the last step (after the same updates), ours against torch, largest "
              f"difference over the repeats; agreed if within {FIRST_LOSS_TOL:g} and "
              f"{LAST_LOSS_TOL:g}.", ""]
+    table, errors = [], []
+    for r in result["rows"]:
+        ranks = ", ".join(map(str, r.get("ranks", []))) or "-"
+        if "error" in r:
+            table.append([f"{r['schedule']} / {r['torch_schedule']}", r["stages"], ranks,
+                          r["microbatches"], "failed", "failed", "-", "-", "-", "-", "-", "-"])
+            errors.append(f"- {r['schedule']} / {r['torch_schedule']}, {r['microbatches']} "
+                          f"microbatches: `{r['error']}`")
+            continue
+        table.append([f"{r['schedule']} / {r['torch_schedule']}", r["stages"], ranks,
+                      r["microbatches"], f"{r['torch_samples_per_s']:.1f}",
+                      f"{r['ours_samples_per_s']:.1f}", f"{r['ratio']:.2f}x",
+                      f"{min(r['pair_ratios']):.2f}-{max(r['pair_ratios']):.2f}",
+                      f"{r['first_loss_diff']:.1e}", f"{r['last_loss_diff']:.1e}",
+                      "yes" if r["losses_agree"] else "**NO**", f"{r['other_cores_max']:.2f}"])
     lines += harness.markdown_table(
-        ["schedule (ours / torch)", "stages", "microbatches", "torch samples/s",
-         "ours samples/s", "ours/torch", "first-step loss diff", "last-step loss diff",
-         "others (cores)"],
-        [[f"{r['schedule']} / {r['torch_schedule']}", r["stages"], r["microbatches"],
-          f"{r['torch_samples_per_s']:.1f}", f"{r['ours_samples_per_s']:.1f}",
-          f"{r['ratio']:.2f}x", f"{r['first_loss_diff']:.1e}", f"{r['last_loss_diff']:.1e}",
-          f"{r['other_cores_max']:.2f}"] for r in result["rows"]])
+        ["schedule (ours / torch)", "stages", "ranks", "microbatches", "torch samples/s",
+         "ours samples/s", "ours/torch", "per round", "first-step loss diff", "last-step loss diff",
+         "losses agree", "others (cores)"], table)
+    if errors:
+        lines += ["", "Failed rows (the error, as raised):", "", *errors]
     lines += ["", f"Goal: {goal['text']}: **{'met' if goal['met'] else 'missed'}** "
                   f"(measured {measured}).", "",
+              f"Goal (issue 31): {new['text']}: **{'met' if new['met'] else 'missed'}** "
+              f"(measured {new_measured}).", "",
               "Losses: " + ("ours and torch agree on every pair." if result["losses_agree"] else
-                            "**ours and torch DISAGREE on at least one pair: the throughput "
-                            "figures may compare different computations.**"), "",
-              "Others (cores): the most CPU that processes other than the two ranks took during "
-              "any measured window of the pair (the machine's user+system time less the ranks' "
-              f"own; the machine has {result['machine']['cores']} cores)."]
+                            "**ours and torch DISAGREE (or a side failed) on at least one pair: "
+                            "those throughput figures may compare different computations.**"),
+              "", "Per round: the lowest and highest of the round-by-round ratios ours/torch "
+              "(each round one run of each side, back to back); a goal verdict whose ratio sits "
+              "inside this spread is within the run's noise.", "",
+              "Others (cores): the most CPU that processes other than the two ranks took "
+              "during any measured window of the pair (the machine's user+system time less the "
+              f"ranks' own; the machine has {result['machine']['cores']} cores)."]
     return "\n".join(lines) + "\n"
 
 
