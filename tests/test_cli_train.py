@@ -393,7 +393,8 @@ def test_a_plain_torchrun_script_trains_the_cnn_with_every_schedule(layout):
                  if s in ONE_STAGE_PER_RANK]
     result = torchrun(nproc, str(EXAMPLE), "--model", "cnn", "--schedule", ",".join(schedules),
                       "--steps", "2", "--batch-size", "8", *extra)
-    assert result.returncode == 0, result.stderr
+    # stdout's end too: which schedule a rank was in, should one fail
+    assert result.returncode == 0, result.stderr + "\n--- stdout (end):\n" + result.stdout[-3000:]
     assert set(weight_norms(result.stdout)) == set(schedules)
     for schedule in schedules:
         lines = re.findall(rf"^{schedule}: rank {nproc - 1} step \d loss", result.stdout, re.M)
