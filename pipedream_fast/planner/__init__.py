@@ -32,6 +32,7 @@ import numpy as np
 from pipedream_fast.formats import Plan, Profile, StagePlan
 from pipedream_fast.planner.baselines import BASELINES, balanced_partition, baseline_stages
 from pipedream_fast.planner.costs import SCHEDULES, Costs, MemoryModel
+from pipedream_fast.schedules import kind
 from pipedream_fast.planner.dp import HierarchicalDP, StageNode, data_parallel_tree
 from pipedream_fast.planner.flatten import (FlatStage, choose_recompute, flat_times, flatten,
                                             nested_times, stage_memory)
@@ -261,7 +262,11 @@ def interleaved_plan(profile: Profile, topology: Topology, stages_per_rank: int,
     rank_of = ((lambda k: k if k < workers else 2 * workers - 1 - k) if placement == "v"
                else (lambda k: k % workers))
     bounds = balanced_partition(np.diff(costs.compute[0]).tolist(), workers * v)
-    memory = _memory_model(schedule, topology.uniform_memory, topology.workers, recompute)
+    # The schedule's own rule for a stage of several per rank, where it declares one (its
+    # stages' share of the rank's peak at its default microbatches per step); else per stage.
+    memory = _memory_model(schedule, topology.uniform_memory,
+                           kind(schedule).default_chunks(workers), recompute,
+                           ranks=workers, stages_per_rank=v)
     stages = choose_recompute([FlatStage(a, b, (rank_of(k),))
                                for k, (a, b) in enumerate(zip(bounds, bounds[1:]))], costs, memory)
     times, cuts = flat_times(stages, costs, topology, memory)
@@ -380,9 +385,11 @@ def _where_it_goes(costs: Costs, topology: Topology, memory: MemoryModel, straig
     return f" (the fullest worker holds stage {index}, blocks {blocks}{how}: {kinds})"
 
 
-def _memory_model(schedule: str, limit: int | None, chunks: int, recompute: str) -> MemoryModel:
+def _memory_model(schedule: str, limit: int | None, chunks: int, recompute: str,
+                  ranks: int | None = None, stages_per_rank: int = 1) -> MemoryModel:
     try:
-        return MemoryModel(schedule, limit, chunks, recompute)
+        return MemoryModel(schedule, limit, chunks, recompute, ranks=ranks,
+                           stages_per_rank=stages_per_rank)
     except ValueError as err:
         raise PlanningError(str(err)) from None
 

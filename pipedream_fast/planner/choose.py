@@ -29,7 +29,11 @@ def plan_for(name: str, profile: Profile, topology: Topology, straight: bool = F
 
     spec = kind(name)
     options = {"straight": straight, **spec.planning, **overrides}
-    return make_plan(profile, topology, schedule=spec.plans_as or name, **options)
+    # A schedule with its own rule for a stage of several per rank plans under its own name
+    # (its memory counted by that rule); others under the schedule whose rules they share.
+    own = spec.stage_stashed is not None and options.get("stages_per_rank", 1) > 1
+    return make_plan(profile, topology, schedule=name if own else spec.plans_as or name,
+                     **options)
 
 
 def predict(profile: Profile, plan: Plan, name: str, steps: int = STEPS,

@@ -38,6 +38,14 @@ for a flushing schedule that never retains one, as the runtime allocates them)
     1f1b        1                 NOAM
     gpipe       1                 all M microbatches of a minibatch
 
+zb-v, dualpipe-v and interleaved-zb hold several stages per rank, and a rank's stages do not
+all peak at once: told the plan's ranks and stages per rank (`MemoryModel.ranks`), a stage
+counts its share of what its rank holds at the rank's peak, from the schedule's own order
+(`ScheduleKind.stage_stashed`; the rank's sum is the generator's `most_in_flight`: 2p on p
+ranks for zb-v and interleaved-zb over 2 stages per rank, 2p + 1 for dualpipe-v, at m >= 2p),
+and v weight-version slots for each of its v stages, as the runtime allocates them
+(`ScheduleKind.stage_versions`).
+
 Recomputation (`MemoryModel.recompute`) trades a stage's activations for one more forward: a
 recomputed stage keeps per microbatch only what enters each of its blocks and what leaves
 the last (`Costs.recomputed_activations`), plus, once, the largest block's activations while
@@ -193,6 +201,11 @@ class MemoryModel:
     limit: int | None = None
     chunks: int = 1  # microbatches per step (gpipe keeps them all in flight)
     recompute: str = "none"
+    # A plan of several stages per rank (one replica each) on its schedule's own placement:
+    # its ranks and stages per rank, for the schedules that count a stage's share of its
+    # rank's peak (`ScheduleKind.stage_stashed`); None: the per-stage rule (`stashed`).
+    ranks: int | None = None
+    stages_per_rank: int = 1
 
     def __post_init__(self) -> None:
         if self.schedule not in names():
@@ -213,11 +226,23 @@ class MemoryModel:
         return self.limit is not None and self.varies_with_noam
 
     # The rules themselves are declared with each schedule (`ScheduleKind`).
+    @property
+    def _by_rank(self) -> bool:
+        """Whether the rules of a plan of several stages per rank apply (`ranks`)."""
+        return self.ranks is not None and self.stages_per_rank > 1
+
     def versions(self, noam: int) -> int:
-        return kind(self.schedule).weight_versions(noam)
+        spec = kind(self.schedule)
+        if self._by_rank and spec.stage_versions is not None:
+            return spec.stage_versions(self.stages_per_rank)
+        return spec.weight_versions(noam)
 
     def in_flight(self, noam: int) -> int:
-        return kind(self.schedule).stashed(noam, self.chunks)
+        spec = kind(self.schedule)
+        if self._by_rank and spec.stage_stashed is not None:
+            assert self.ranks is not None
+            return spec.stage_stashed(self.ranks, self.stages_per_rank, noam, self.chunks)
+        return spec.stashed(noam, self.chunks)
 
     def parts(self, costs: Costs, start: int, stop: int, noam: int,
               recomputed: bool) -> dict[str, float]:

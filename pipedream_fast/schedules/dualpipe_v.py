@@ -53,7 +53,8 @@ from pipedream_fast.ir import Schedule
 from pipedream_fast.schedules.common import Config
 from pipedream_fast.schedules.layout import Layout
 from pipedream_fast.schedules.registry import Options, ScheduleKind, flush_options, register
-from pipedream_fast.schedules.zb_v import generate_v, is_v, v_placement, v_ranks
+from pipedream_fast.schedules.zb_v import (generate_v, is_v, v_placement, v_ranks,
+                                           v_stage_stashed)
 
 NAME = "dualpipe-v"
 
@@ -190,4 +191,5 @@ register(ScheduleKind(
     plans_as="1f1b", split_backward=True, planning={"stages_per_rank": 2, "placement": "v"},
     default_chunks=lambda workers: 2 * workers,  # its order needs at least 2p per step
     weight_versions=lambda noam: 1, stashed=lambda noam, microbatches: min(noam, microbatches),
-    placement=placement))
+    stage_stashed=v_stage_stashed(rank_order, "WB", least=lambda p: 2 * p),
+    stage_versions=lambda v: v, placement=placement))

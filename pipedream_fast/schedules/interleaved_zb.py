@@ -45,6 +45,7 @@ schedule, for the step's size and for a shorter last step, naming the rule.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -54,6 +55,7 @@ from pipedream_fast.schedules import zb_h1
 from pipedream_fast.schedules.common import Config, Program, build, ordered_steps
 from pipedream_fast.schedules.layout import Layout
 from pipedream_fast.schedules.registry import Options, ScheduleKind, flush_options, register
+from pipedream_fast.schedules.zb_v import held_at_peak
 
 NAME = "interleaved-zb"
 
@@ -121,6 +123,22 @@ def most_in_flight(p: int, v: int, rank: int, m: int) -> int:
     return peak
 
 
+def stage_stashed(ranks: int, stages_per_rank: int, noam: int, microbatches: int) -> int:
+    """`ScheduleKind.stage_stashed`: stage g of the looped p x v has NOAM pv - g and is chunk
+    g // p of rank g mod p; it counts its chunk's share of the rank's peak (`held_at_peak`).
+    Elsewhere (one stage per rank: ZB-H1; steps torch refuses), 1F1B's min(NOAM, m)."""
+    p, v, m = ranks, stages_per_rank, microbatches
+    if v < 2 or not 1 <= noam <= p * v or rounds_error(p, m) is not None:
+        return min(noam, m)
+    g = p * v - noam
+    return _split(p, v, g % p, m)[g // p]
+
+
+@functools.lru_cache(maxsize=256)
+def _split(p: int, v: int, rank: int, m: int) -> tuple[int, ...]:
+    return held_at_peak(rank_order(p, v, rank, m), v)
+
+
 def step_sizes(config: Config) -> set[int]:
     """The microbatches per step: `chunks`, and the last step's where it is shorter."""
     return {len(config.group(g)) for g in {0, config.num_groups() - 1}}
@@ -173,4 +191,5 @@ register(ScheduleKind(
     summary="interleaved zero bubble: v looped stages per rank, I and W split, W's put off "
             "into the bubbles, flushed every step",
     plans_as="1f1b", split_backward=True, planning={"stages_per_rank": 2},
-    weight_versions=lambda noam: 1, stashed=lambda noam, microbatches: min(noam, microbatches)))
+    weight_versions=lambda noam: 1, stashed=lambda noam, microbatches: min(noam, microbatches),
+    stage_stashed=stage_stashed, stage_versions=lambda v: v))

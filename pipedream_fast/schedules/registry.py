@@ -80,6 +80,15 @@ class ScheduleKind:
     plans_as: the schedule whose memory rules the planner uses for it (default: itself).
     weight_versions(noam) and stashed(noam, microbatches_per_step): the planner's memory
       rules per stage, with noam = ceil(workers from the stage on / its replicas).
+    stage_stashed(ranks, stages_per_rank, noam, microbatches_per_step): for a schedule that
+      holds several stages per rank on its own placement (`planning`), the microbatches in
+      flight the planner counts for the stage at this NOAM (its plan's stages one replica
+      each, so NOAM = stages from it on), split so that a rank's stages add up to the most
+      the rank holds at once (its generator's `most_in_flight`); `MemoryModel` uses it when
+      told the ranks and stages per rank, whatever `plans_as` says (default: `stashed`).
+    stage_versions(stages_per_rank): with `stage_stashed`, the weight-version slots of each
+      stage: the generator's `max_versions` of its rank, which the runtime allocates for
+      every stage of the rank (default: `weight_versions`).
     period(config): microbatches after which the steady state repeats (validation windows).
     split_backward: it splits backwards into input and weight parts (stages record the calls
       of their modules for that).
@@ -105,6 +114,8 @@ class ScheduleKind:
     # per worker fills a 1F1B pipeline; DualPipeV needs two per worker.
     default_chunks: Callable[[int], int] = field(default=lambda workers: workers)
     plans_as: str | None = None
+    stage_stashed: Callable[[int, int, int, int], int] | None = None
+    stage_versions: Callable[[int], int] | None = None
     split_backward: bool = False
     planning: Mapping[str, Any] = field(default_factory=dict)
     placement: Callable[[int, int], list[list[int]]] | None = None

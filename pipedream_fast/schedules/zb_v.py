@@ -28,6 +28,7 @@ zero-bubble schedule at the same memory (so every schedule runs on a plain pipel
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -119,6 +120,42 @@ def most_in_flight(p: int, rank: int, m: int) -> int:
     return peak
 
 
+def held_at_peak(order: Iterable[tuple[str, int, int]], chunks: int,
+                 releases: str = "W") -> tuple[int, ...]:
+    """Per chunk, the microbatches a rank holds (from a forward to its `releases` action) at
+    the moment it holds the most in all: the split of `most_in_flight` over its stages (of
+    the moments of that peak, the one that holds the most in the later chunks)."""
+    held, moments = [0] * chunks, [tuple([0] * chunks)]
+    for kind, chunk, _ in order:
+        held[chunk] += 1 if kind == "F" else -1 if kind in releases else 0
+        moments.append(tuple(held))
+    peak = max(sum(m) for m in moments)
+    return max((m for m in moments if sum(m) == peak), key=lambda m: m[::-1])
+
+
+def v_stage_stashed(order: Callable[[int, int, int], Iterable[tuple[str, int, int]]],
+                    releases: str, least: Callable[[int], int] = lambda p: 1
+                    ) -> Callable[[int, int, int, int], int]:
+    """`ScheduleKind.stage_stashed` of a schedule on the V placement (`order` as in
+    `generate_v`; steps of fewer than `least(p)` microbatches it refuses): stage g of 2p
+    has NOAM 2p - g and is chunk 0 of rank g (g < p) or chunk 1 of rank 2p - 1 - g; it counts
+    its chunk's share of the rank's peak (`held_at_peak`). Elsewhere, 1F1B's min(NOAM, m)."""
+    def rule(ranks: int, stages_per_rank: int, noam: int, microbatches: int) -> int:
+        p = ranks
+        if stages_per_rank != 2 or not 1 <= noam <= 2 * p or microbatches < least(p):
+            return min(noam, microbatches)
+        g = 2 * p - noam
+        rank, chunk = (g, 0) if g < p else (2 * p - 1 - g, 1)
+        return _split(order, releases, p, rank, microbatches)[chunk]
+    return rule
+
+
+@functools.lru_cache(maxsize=256)
+def _split(order: Callable[[int, int, int], Iterable[tuple[str, int, int]]], releases: str,
+           p: int, rank: int, m: int) -> tuple[int, ...]:
+    return held_at_peak(order(p, rank, m), 2, releases)
+
+
 def generate(config: Config) -> Schedule:
     return generate_v(config, NAME, rank_order, most_in_flight)
 
@@ -162,4 +199,5 @@ register(ScheduleKind(
             "flushed every step",
     plans_as="1f1b", split_backward=True, planning={"stages_per_rank": 2, "placement": "v"},
     weight_versions=lambda noam: 1, stashed=lambda noam, microbatches: min(noam, microbatches),
+    stage_stashed=v_stage_stashed(rank_order, "W"), stage_versions=lambda v: v,
     placement=v_placement))
