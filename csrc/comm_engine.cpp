@@ -1,6 +1,7 @@
 #include "comm_engine.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -384,7 +385,7 @@ struct CommEngine::Link {
     const int tag = message_tag(channel, stage, microbatch);
     const int rest_tag = overflow_tag(channel, stage, microbatch);
     Frame f;
-    std::vector<int64_t> head(kPrefixWords + kMetaWords, 0);
+    std::array<int64_t, kPrefixWords + kMetaWords> head{};  // on the stack: no allocation
     const int64_t meta_words = changed || !send_layout.packed
                                    ? encode_metas(metas, head.data() + kPrefixWords, what)
                                    : 0;

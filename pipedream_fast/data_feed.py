@@ -125,15 +125,16 @@ class MicrobatchFeed:
     """
 
     def __init__(self, batches: Iterator[Any], chunks: int, uses: Callable[[int], int],
-                 counts: bool = False) -> None:
+                 counts: bool = False, record_sizes: bool = False) -> None:
         self._batches = batches
         self._chunks = chunks
         self._uses = uses
         self._counts = counts
         self._cache: dict[int, tuple[Any, int]] = {}  # mb -> (value, takes left)
-        # mb -> the bytes of its inputs: a run's real sizes, which the simulator can replay
-        # (`sim.SizedCosts`) when shapes vary
-        self.input_bytes: dict[int, int] = {}
+        # mb -> the bytes of its inputs, with `record_sizes` (a traced run: one entry per
+        # microbatch would grow without bound over a long one): a run's real sizes, which the
+        # simulator can replay (`sim.SizedCosts`) when shapes vary
+        self.input_bytes: dict[int, int] | None = {} if record_sizes else None
         self._next_step = 0
         self._lock = threading.Lock()
 
@@ -153,9 +154,10 @@ class MicrobatchFeed:
                                     f"{type(batch).__name__}")
                 base = self._next_step * self._chunks
                 for i, part in enumerate(self._split(*batch)):
-                    self.input_bytes[base + i] = sum(
-                        t.nbytes for t in pytree.tree_leaves(part[0])
-                        if isinstance(t, torch.Tensor))
+                    if self.input_bytes is not None:
+                        self.input_bytes[base + i] = sum(
+                            t.nbytes for t in pytree.tree_leaves(part[0])
+                            if isinstance(t, torch.Tensor))
                     if uses := self._uses(base + i):
                         self._cache[base + i] = (part, uses)
                 self._next_step += 1

@@ -461,7 +461,7 @@ class Pipeline:
 
     @property
     def last_input_bytes(self) -> dict[int, int]:
-        """The bytes of each microbatch's inputs over the same run as `last_events` (by
+        """With `trace`, the bytes of each microbatch's inputs over the same run as `last_events` (by
         microbatch, from the ranks that feed the first stage): the run's real sizes, for the
         simulator to replay (`sim.SizedCosts`) when shapes vary."""
         if self._threads is not None:

@@ -267,7 +267,7 @@ def test_a_runs_real_sizes_are_recorded_and_replayed_by_the_simulator():
 
     pipe = Pipeline(build(), token_loss, lambda ps: torch.optim.SGD(ps, lr=0.01),
                     balance=[2, 3], schedule="1f1b", chunks=CHUNKS, ranks="threads",
-                    workers=2, timeout=60)
+                    workers=2, timeout=60, trace=True)
     try:
         list(pipe.train(sequences(), steps=len(LENGTHS)))
         sizes = pipe.last_input_bytes

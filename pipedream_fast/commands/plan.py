@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from pipedream_fast.cli import UsageError
-from pipedream_fast.commands import DEFAULT_BANDWIDTH
+from pipedream_fast.commands import DEFAULT_BANDWIDTH, add_straight
 from pipedream_fast.formats import Plan, Profile
 from pipedream_fast.options import byte_count
 from pipedream_fast.planner import STRATEGIES, evaluate_plan
@@ -44,10 +44,7 @@ def register(subparsers: Any) -> None:
                         help="auto (default): a stage recomputes its activations in the backward "
                              "(one more forward) only where keeping them does not fit "
                              "--memory-per-worker; none: never; all: every stage")
-    # The same flag, default and help as `train`'s: plan a profile as `train` would plan it.
-    parser.add_argument("--straight", action=argparse.BooleanOptionalAction, default=True,
-                        help="one rank per stage, a pipeline as deep as the workers "
-                             "(default); --no-straight lets the planner replicate stages")
+    add_straight(parser)  # train's flag: plan a profile as `train` would plan it
     # Every schedule: each is planned as `train` plans it (`plan_for`: its memory rules, or
     # those of the schedule it derives from, and the planning it needs, such as 2 stages per
     # rank for interleaved-1f1b), and the plan names it.

@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from pipedream_fast.cli import UsageError
+from pipedream_fast.commands import add_straight
 from pipedream_fast.commands.train_run import load_datasets, train_processes, train_threads
 from pipedream_fast.formats import Plan, Profile
 from pipedream_fast.models import (BUILTIN_MODELS, ModelSpecError, build_model, loss_fn)
@@ -116,9 +117,7 @@ def register(subparsers: Any) -> None:
                           help="profile JSON (`pipedream-fast profile`, at this run's "
                                "microbatch size) to plan and predict from instead of "
                                "profiling now; with --plan nothing is profiled or planned")
-    planning.add_argument("--straight", action=argparse.BooleanOptionalAction, default=True,
-                          help="one rank per stage, a pipeline as deep as the workers "
-                               "(default); --no-straight lets the planner replicate stages")
+    add_straight(planning)
     planning.add_argument("--stages-per-rank", type=int, default=None, metavar="V",
                           help="workers x V stages, looped over the ranks (default: the "
                                "schedule's, 2 for interleaved-1f1b, zb-v and looped-bfs, "

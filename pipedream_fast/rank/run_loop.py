@@ -47,7 +47,8 @@ class RunLoop:
     progress for `hang_report` seconds), `trace` (whether runs record their actions),
     `executor` (the last run's: what a stuck rank was doing), `last_stats` and `last_events` (the last run's
     statistics and, with `trace`, the first run of the last train() call's events),
-    `last_input_bytes` (that run's microbatches' input bytes, on a rank that feeds them), and
+    `last_input_bytes` (with `trace`, that run's microbatches' input bytes, on a rank that
+    feeds them), and
     `stop_request` (the driving thread's signal, under rank threads). Between the runs of a
     train() call it saves periodic checkpoints and calls `after_run` (the Pipeline hands
     `Moving.after_run` in: adapt's checks).
@@ -139,7 +140,8 @@ class RunLoop:
         inputs, kept, self._feed = None, None, None
         if batches is not None:
             self._feed = feed = MicrobatchFeed(batches, chunks, feed_uses(schedule, [self.ctx.rank]),
-                                  counts=True)  # each microbatch's loss weighs by its samples
+                                               counts=True,  # each microbatch's loss weighs by its samples
+                                               record_sizes=self.trace and self._first_run)
             inputs = data_source(feed, schedule, self.ctx.rank, self.stages.flatten, self.ctx.device)
             if inputs is not None and self.ctx.options.on_nan == "stop":
                 kept = KeptInputs(chunks)  # to tell a NaN in the data from a diverging run
@@ -276,7 +278,7 @@ class RunLoop:
         self.last_stats = executor.stats.to_dict()
         if self._first_run:  # a call's later runs (after a checkpoint, an adapt check)
             self.last_events = executor.events or []  # number their microbatches from 0 again
-            self.last_input_bytes = dict(self._feed.input_bytes) if self._feed else {}
+            self.last_input_bytes = dict(self._feed.input_bytes or {}) if self._feed else {}
             meter = self.stages.meter
             if meter is not None and meter.samples is not None:
                 self.last_memory = [MemorySample(self.ctx.rank, t, held)
