@@ -181,23 +181,51 @@ Layout layout_for(const std::vector<TensorMeta>& metas) {
   return layout;
 }
 
-// Views of `flat` from byte `offset` on, laid out as `metas` (the layout `pack_into` writes).
+// A tensor laid out as `meta` over `flat`'s memory from byte `offset` on. On the CPU it is made
+// directly over the buffer's storage: a narrow and two views go through the dispatcher (a
+// microsecond or more each), and with a copy they were most of the engine's own cost per
+// message. `offset` is a multiple of kPackAlign, so of every element size.
+at::Tensor tensor_at(const at::Tensor& flat, int64_t offset, const TensorMeta& meta) {
+  const int64_t bytes = meta_bytes(meta);
+  const int64_t item = static_cast<int64_t>(c10::elementSize(meta.dtype));
+  if (!flat.is_cpu() || (flat.storage_offset() + offset) % item != 0) {
+    return flat.narrow(0, offset, bytes).view(meta.dtype).view(meta.sizes);
+  }
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(flat.storage()), flat.key_set(), c10::scalarTypeToTypeMeta(meta.dtype));
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  impl->set_sizes_contiguous(meta.sizes);
+  impl->set_storage_offset((flat.storage_offset() + offset) / item);
+  return t;
+}
+
+// Tensors over `flat` from byte `offset` on, laid out as `metas` (the layout `pack_into` writes).
 std::vector<at::Tensor> unpack(const at::Tensor& flat, int64_t offset,
                                const std::vector<TensorMeta>& metas) {
   std::vector<at::Tensor> out;
   out.reserve(metas.size());
   for (const auto& meta : metas) {
-    const int64_t bytes = meta_bytes(meta);
-    out.push_back(flat.narrow(0, offset, bytes).view(meta.dtype).view(meta.sizes));
-    offset += aligned(bytes);
+    out.push_back(tensor_at(flat, offset, meta));
+    offset += aligned(meta_bytes(meta));
   }
   return out;
 }
 
+// Copies `tensors` into `flat` from byte `offset` on: a memcpy per tensor where both are CPU
+// memory and the tensor is contiguous, a copy through the dispatcher otherwise.
 void pack_into(const at::Tensor& flat, int64_t offset, const std::vector<at::Tensor>& tensors,
                const std::vector<TensorMeta>& metas) {
-  auto views = unpack(flat, offset, metas);
-  for (size_t i = 0; i < tensors.size(); ++i) views[i].copy_(tensors[i]);
+  auto* base = static_cast<char*>(flat.data_ptr());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    const int64_t bytes = meta_bytes(metas[i]);
+    if (flat.is_cpu() && t.is_cpu() && t.is_contiguous()) {
+      if (bytes > 0) std::memcpy(base + offset, t.const_data_ptr(), static_cast<size_t>(bytes));
+    } else {
+      tensor_at(flat, offset, metas[i]).copy_(t);
+    }
+    offset += aligned(bytes);
+  }
 }
 
 // A contiguous tensor's bytes, as a 1-d byte tensor over the same memory.
@@ -205,11 +233,16 @@ at::Tensor as_bytes(const at::Tensor& t) {
   return t.reshape({-1}).view(at::kByte);
 }
 
-// The first `words` int64 words of a byte buffer, readable on the CPU.
+// A handle of its own on a pooled byte buffer (another tensor over its storage, which the pool
+// counts as a user).
+at::Tensor own_handle(const at::Tensor& buffer) {
+  return tensor_at(buffer, 0, TensorMeta{buffer.scalar_type(), {buffer.numel()}});
+}
+
+// The first `words` int64 words of a byte buffer, readable on the CPU (a GPU one is copied).
 at::Tensor host_words(const at::Tensor& flat, int64_t words) {
-  at::Tensor head = flat.narrow(0, 0, words * 8);
-  if (!head.is_cpu()) head = head.cpu();
-  return head.contiguous().view(at::kLong);
+  if (flat.is_cpu()) return tensor_at(flat, 0, TensorMeta{at::kLong, {words}});
+  return flat.narrow(0, 0, words * 8).cpu().contiguous().view(at::kLong);
 }
 
 std::chrono::milliseconds millis(double seconds) {
@@ -606,7 +639,7 @@ struct CommEngine::Link {
       learn_header(header[0]);
     }
     std::vector<at::Tensor> buffers;
-    for (const auto& b : take_buffers()) buffers.push_back(b.detach());  // handles of our own
+    for (const auto& b : take_buffers()) buffers.push_back(own_handle(b));  // handles of our own
     for (auto& work : post_first_parts(buffers, microbatch)) {
       transfer(work, "receiving", microbatch);
     }
@@ -730,7 +763,7 @@ struct CommEngine::Link {
   void start_recv(Transfer& t) {
     // Handles of their own: the pool tells a buffer free by its storage's use count, which
     // counts tensors (not copies of one handle), so the transfer must hold its own.
-    for (const auto& buffer : take_buffers()) t.tensors.push_back(buffer.detach());
+    for (const auto& buffer : take_buffers()) t.tensors.push_back(own_handle(buffer));
     t.works = post_first_parts(t.tensors, t.microbatch);
   }
 
@@ -860,7 +893,10 @@ void CommEngine::send(int peer, Channel channel, int stage, int64_t microbatch,
   Link& l = link(peer, channel, stage);
   for (auto& t : tensors) {
     if (!t.defined()) throw std::invalid_argument(l.what + ": cannot send an undefined tensor");
-    t = t.detach().contiguous();
+    // Each a dispatcher call: only where needed (a graph kept alive by a send in flight; a
+    // strided tensor, which travels as its contiguous copy).
+    if (t.requires_grad()) t = t.detach();
+    if (!t.is_contiguous()) t = t.contiguous();
   }
   // Sizes and dtypes may change from message to message (see "Frames"); what a stage boundary
   // is made of may not: the number of tensors crossing it and their dimensions.

@@ -238,8 +238,8 @@ def feed_uses(schedule: Schedule, ranks: Sequence[int]) -> Callable[[int], int]:
 
 def to_device(value: Any, device: torch.device) -> Any:
     """Moves a tensor or a tuple/list/dict of tensors (asynchronously from pinned memory)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
+    if isinstance(value, torch.Tensor):  # already there: no call (a few us per tensor)
+        return value if value.device == device else value.to(device, non_blocking=True)
     if isinstance(value, (tuple, list)):
         return type(value)(to_device(v, device) for v in value)
     if isinstance(value, dict):
