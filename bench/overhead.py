@@ -32,6 +32,8 @@ from pipedream_fast.formats import Plan, StagePlan
 from pipedream_fast.ir import ActionKind as K
 from pipedream_fast.launch import launch
 from pipedream_fast.pipeline import Pipeline
+from pipedream_fast.runtime.transport import IO_PRIORITIES, set_io_priority
+from pipedream_fast.tuning import Tuning
 from pipedream_fast.training import build_schedule
 
 from harness import Spread, alternate, paired_ratio, write_results  # noqa: E402 - a sibling
@@ -52,11 +54,12 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(steps)]
 
 
-def executor_driver(steps: int) -> Any:
+def executor_driver(steps: int, io_priority: str = "normal") -> Any:
     """The Pipeline, and one 1f1b run of `steps` minibatches through `Pipeline.train`
     returning its us per action."""
     pipe = Pipeline(model(), nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.01),
-                    plan=PLAN, schedule="1f1b", chunks=CHUNKS)
+                    plan=PLAN, schedule="1f1b", chunks=CHUNKS,
+                    tuning=Tuning(io_priority=io_priority))
     batches = data(steps)
 
     def run() -> float:
@@ -132,11 +135,14 @@ def plain_driver(rank: int, world: int, steps: int) -> Any:
 
 
 def overhead_job(rank: int, world: int, steps: int, repeat: int,
-                 profile: bool = False) -> dict[str, Any]:
+                 profile: bool = False, io_priority: str = "normal") -> dict[str, Any]:
     """Both drivers on this rank, in alternating rounds; rank 0's figures matter. With
-    `profile`, one more executor run under cProfile: where rank 0's time per action goes."""
+    `profile`, one more executor run under cProfile: where rank 0's time per action goes.
+    `io_priority` applies to every gloo I/O thread of the process (the plain loop's too)."""
     torch.set_num_threads(1)
-    pipe, executor_run = executor_driver(steps)
+    pipe, executor_run = executor_driver(steps, io_priority)
+    executor_run()  # its transport (and its groups' I/O threads) exist from here
+    set_io_priority(io_priority)
     values = alternate({"plain torch.distributed": plain_driver(rank, world, steps),
                         "pipedream_fast executor": executor_run}, repeat)
     actions = int(pipe.last_stats["actions"])
@@ -171,6 +177,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", help="write the markdown table here")
+    parser.add_argument("--io-priority", choices=IO_PRIORITIES, default="normal",
+                        help="priority of every gloo I/O thread, both drivers alike "
+                             "(Tuning.io_priority)")
     parser.add_argument("--profile", metavar="MD",
                         help="also profile one executor run on rank 0 (cProfile) and write "
                              "where its time per action goes here")
@@ -178,7 +187,7 @@ def main() -> int:
     if args.steps < 1 or args.repeat < 1:
         parser.error("--steps and --repeat must be >= 1")
     results = launch(overhead_job, 2, args.steps, args.repeat, bool(args.profile),
-                     timeout=1200)
+                     args.io_priority, timeout=1200)
     result = results[0]
     if args.profile:
         rows = [{**r, "function": f"rank {rank}: {r['function']}"}
@@ -205,7 +214,8 @@ def main() -> int:
     if args.out:
         write_results(
             args.out, "Runtime overhead per action (near-empty stages)",
-            [f"Two ranks, gloo, 1 thread each; 1f1b, {args.steps} steps of {CHUNKS} "
+            [f"Two ranks, gloo, 1 thread each, gloo's I/O threads at priority "
+             f"{args.io_priority}; 1f1b, {args.steps} steps of {CHUNKS} "
              f"microbatches; Linear({WIDTH}, {WIDTH}) per stage. The two drivers alternate "
              f"in the same processes ({args.repeat} rounds after a warm-up, A B then B A); "
              f"medians with their range."],
@@ -214,7 +224,8 @@ def main() -> int:
               "1.00x" if name.startswith("plain") else f"{ratio.text(2)}x")
              for name, spread in spreads.items()],
             [f"The executor adds {overhead:+.1f} us per action over the plain loop."],
-            {"steps": args.steps, "rounds": args.repeat, "values_us_per_action": values,
+            {"steps": args.steps, "rounds": args.repeat, "io_priority": args.io_priority,
+             "values_us_per_action": values,
              "rows": [{"driver": name, "us_per_action": spread.median,
                        "actions": result["actions"]} for name, spread in spreads.items()],
              "actions": result["actions"], "ratio": ratio.median,

@@ -19,7 +19,7 @@ import torch
 
 from pipedream_fast import _C
 from pipedream_fast.runtime.buckets import DEFAULT_BUCKET_BYTES
-from pipedream_fast.runtime.transport import THREAD_QUEUE_DEPTH
+from pipedream_fast.runtime.transport import IO_PRIORITIES, THREAD_QUEUE_DEPTH
 
 MIB = 1024 * 1024
 
@@ -79,6 +79,18 @@ class Tuning:
     takes about 1.35x less without them: bench/pingpong.py). For a rank whose compute thread
     should never enter a send or a receive call. GPU runs always use link threads."""
 
+    io_priority: str = "normal"
+    """The scheduling priority of gloo's I/O threads in each rank process (CPU runs):
+    "normal", "low" (nice 19) or "idle" (Linux SCHED_IDLE: they run when a core has nothing
+    else to do). Each process group has one such thread; it reads every incoming message and
+    writes a send the peer was not yet ready for. It takes the link's lock from the rank's
+    own thread when it wakes, and where busy threads outnumber the cores (two ranks of one
+    thread each on two cores) it wakes in the middle of that thread's send, finds the lock
+    held and spins until the scheduler comes back, a whole time slice: "idle" ends that and
+    made a small message's step 1.7x faster there (`bench/results/hot_path.md`). Keep
+    "normal" where compute threads fill every core for long computes: there the I/O thread
+    would wait for a core, and a send the peer waits for with it."""
+
     def __post_init__(self) -> None:
         if self.queue_depth is not None and not _is_int_at_least(self.queue_depth, 1):
             raise TuningError("queue_depth", f"queue_depth must be an integer >= 1 (messages "
@@ -104,6 +116,10 @@ class Tuning:
         if not isinstance(self.link_threads, bool):
             raise TuningError("link_threads", f"link_threads must be True or False; got "
                                               f"{self.link_threads!r}")
+        if self.io_priority not in IO_PRIORITIES:
+            raise TuningError("io_priority", f"io_priority must be one of "
+                                             f"{', '.join(IO_PRIORITIES)}; got "
+                                             f"{self.io_priority!r}")
 
     @property
     def bucket_bytes(self) -> int:

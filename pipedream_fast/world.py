@@ -147,7 +147,8 @@ class ProcessWorld:
         transport = ProcessTransport(stage_ranks, self.timeout_s, device=device,
                                      group=group.group, depth=tuning.process_queue_depth,
                                      spin_us=tuning.spin_us, recv_pool=tuning.recv_pool,
-                                     link_threads=tuning.link_threads)
+                                     link_threads=tuning.link_threads,
+                                     io_priority=tuning.io_priority)
         self._transports.append(transport)
         return transport
 

@@ -7,6 +7,7 @@ in one 2-rank launch that trains every configuration it needs.
 from __future__ import annotations
 
 import dataclasses
+import os
 import json
 
 from typing import Any
@@ -70,7 +71,8 @@ def slots_needed(plan: Plan, schedule: str) -> int:
 def every_knob(plan: Plan, schedule: str) -> Tuning:
     """Every knob away from its default (offload_stash needs a GPU)."""
     return Tuning(queue_depth=1, spin_us=50.0, bucket_mb=0.01,
-                  weight_slots=slots_needed(plan, schedule) + 2, recv_pool=1, link_threads=True)
+                  weight_slots=slots_needed(plan, schedule) + 2, recv_pool=1, link_threads=True,
+                  io_priority="idle")
 
 
 def assert_same_run(got: tuple[list[float], dict], want: tuple[list[float], dict]) -> None:
@@ -95,6 +97,7 @@ def assert_same_run(got: tuple[list[float], dict], want: tuple[list[float], dict
     ("recv_pool", None, "recv_pool must be an integer >= 1"),
     ("offload_stash", "yes", "offload_stash must be True or False"),
     ("link_threads", 1, "link_threads must be True or False"),
+    ("io_priority", "high", "io_priority must be one of normal, low, idle"),
 ])
 def test_a_bad_value_is_refused_naming_the_knob_and_the_value(field, value, words):
     with pytest.raises(TuningError) as info:
@@ -109,6 +112,7 @@ def test_the_defaults_are_what_the_runtime_does_without_tuning():
     assert tuning.thread_queue_depth == transport.THREAD_QUEUE_DEPTH == 64
     assert (tuning.spin_us, tuning.weight_slots, tuning.offload_stash) == (0.0, None, False)
     assert tuning.link_threads is False
+    assert tuning.io_priority == "normal"
     assert tuning.bucket_bytes == DEFAULT_BUCKET_BYTES
     assert tuning.recv_pool == _C.CommEngine.DEFAULT_RECV_POOL == 64
     assert Tuning(bucket_mb=0.5).bucket_bytes == 512 * 1024
@@ -187,6 +191,16 @@ def test_fewer_weight_slots_than_the_schedule_keeps_are_refused():
 
 # --- processes ----------------------------------------------------------------------------------
 
+def io_policies() -> list[int]:
+    """The scheduling policies of this process's gloo I/O threads."""
+    found = set()
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().strip() == transport.GLOO_IO_THREAD:
+                found.add(os.sched_getscheduler(int(tid)))
+    return sorted(found)
+
+
 def process_job(rank: int, world: int) -> dict:
     """Each plan with the default knobs and with every knob changed: the losses, the weights
     and what reached the core; then the refused offload."""
@@ -200,6 +214,7 @@ def process_job(rank: int, world: int) -> dict:
             out[(schedule, label)] = {
                 "run": (losses, pipe.state_dict()),
                 "engine": (engine.depth, engine.spin_us, engine.recv_pool, engine.background),
+                "io": io_policies(),
                 "rings": {i: rt.ring.capacity for i, rt in pipe._stages.runtimes.items()},
                 "buckets": {i: rt.buckets.num_buckets for i, rt in pipe._stages.runtimes.items()
                             if rt.buckets}}
@@ -237,6 +252,9 @@ def test_every_knob_reaches_the_comm_engine_rings_and_buckets(process_runs, plan
         default, tuned = rank_out[(schedule, "default")], rank_out[(schedule, "tuned")]
         assert default["engine"] == (8, 0.0, 64, False)
         assert tuned["engine"] == (tuning.queue_depth, tuning.spin_us, tuning.recv_pool, True)
+        if schedule == "pipedream":  # the process's first run: no thread tuned before it
+            assert default["io"] == [os.SCHED_OTHER]
+        assert os.SCHED_IDLE in tuned["io"]  # the run's I/O threads, at least
         assert set(tuned["rings"].values()) == {tuning.weight_slots}
         if schedule == "data-parallel":  # the replicated stage's buckets
             assert default["buckets"] == {0: 1} and tuned["buckets"][0] > 1
@@ -251,9 +269,11 @@ def test_a_pipeline_on_the_cpu_refuses_offload_stash(process_runs):
 def test_the_tuning_flags_parse_into_the_tuning():
     args = build_parser().parse_args(["train", "--queue-depth", "2", "--spin-us", "50",
                                       "--bucket-mb", "0.5", "--weight-slots", "3",
-                                      "--recv-pool", "4", "--link-threads"])
+                                      "--recv-pool", "4", "--link-threads",
+                                      "--io-priority", "idle"])
     assert settings(args).tuning == Tuning(queue_depth=2, spin_us=50.0, bucket_mb=0.5,
-                                           weight_slots=3, recv_pool=4, link_threads=True)
+                                           weight_slots=3, recv_pool=4, link_threads=True,
+                                           io_priority="idle")
     assert settings(build_parser().parse_args(["train"])).tuning == Tuning()
 
 

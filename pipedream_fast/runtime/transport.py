@@ -18,6 +18,7 @@ in the order they were posted.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Protocol
@@ -32,6 +33,37 @@ ACTIVATION = _C.Channel.ACTIVATION
 GRADIENT = _C.Channel.GRADIENT
 # Messages queued per link between threads: cheap (tensors are handed over, not copied).
 THREAD_QUEUE_DEPTH = 64
+# `Tuning.io_priority`'s values, and the name gloo gives its I/O threads.
+IO_PRIORITIES = ("normal", "low", "idle")
+GLOO_IO_THREAD = "gloo_tcp_loop"
+
+
+def set_io_priority(priority: str) -> int:
+    """Gives every gloo I/O thread of this process `priority` ("normal", "low": nice 19,
+    "idle": SCHED_IDLE; see `Tuning.io_priority`); returns how many it changed. Threads
+    gloo starts later (a group made afterwards) keep the default: call it after making the
+    groups. Linux only (elsewhere a no-op)."""
+    tasks = "/proc/self/task"
+    if priority not in IO_PRIORITIES:
+        raise ValueError(f"io_priority must be one of {', '.join(IO_PRIORITIES)}, got "
+                         f"{priority!r}")
+    if not os.path.isdir(tasks):
+        return 0
+    changed = 0
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as f:
+                if f.read().strip() != GLOO_IO_THREAD:
+                    continue
+            if priority == "idle":
+                os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+            else:
+                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+                os.setpriority(os.PRIO_PROCESS, int(tid), 19 if priority == "low" else 0)
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended meanwhile
+        changed += 1
+    return changed
 
 
 class PendingReduce(Protocol):
@@ -90,14 +122,14 @@ class ProcessTransport:
                  device: torch.device | None = None, group: Any = None, *,
                  depth: int = _C.CommEngine.DEFAULT_DEPTH, spin_us: float = 0.0,
                  recv_pool: int = _C.CommEngine.DEFAULT_RECV_POOL,
-                 link_threads: bool = False) -> None:
+                 link_threads: bool = False, io_priority: str = "normal") -> None:
         """`group`: the process group of every rank that carries the point-to-point traffic
         (default: the default group). A link's first message fixes what crosses it (the
         number of tensors and their dimensions; sizes and dtypes may vary) and the size of
         its posted receive buffers, so traffic of another structure (evaluation) uses its own
         group.
-        `depth`, `spin_us`, `recv_pool`, `link_threads`: the engine's speed knobs (see
-        `Tuning`)."""
+        `depth`, `spin_us`, `recv_pool`, `link_threads`, `io_priority`: the engine's speed
+        knobs (see `Tuning`)."""
         if not dist.is_initialized():
             raise RuntimeError("ProcessTransport needs torch.distributed to be initialised "
                                "(run under torchrun or pipedream_fast.launch)")
@@ -114,6 +146,8 @@ class ProcessTransport:
             key = tuple(sorted(ranks))
             if len(key) > 1 and key not in self._groups:
                 self._groups[key] = dist.new_group(list(key))  # collective: all ranks, same order
+        if io_priority != "normal":  # after the groups: their I/O threads exist now
+            set_io_priority(io_priority)
 
     def send(self, peer: int, channel: _C.Channel, stage: int, microbatch: int,
              tensors: Sequence[torch.Tensor]) -> None:
