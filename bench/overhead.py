@@ -54,7 +54,7 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(steps)]
 
 
-def executor_driver(steps: int, io_priority: str = "normal") -> Any:
+def executor_driver(steps: int, io_priority: str = "auto") -> Any:
     """The Pipeline, and one 1f1b run of `steps` minibatches through `Pipeline.train`
     returning its us per action."""
     pipe = Pipeline(model(), nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.01),
@@ -135,7 +135,7 @@ def plain_driver(rank: int, world: int, steps: int) -> Any:
 
 
 def overhead_job(rank: int, world: int, steps: int, repeat: int,
-                 profile: bool = False, io_priority: str = "normal") -> dict[str, Any]:
+                 profile: bool = False, io_priority: str = "auto") -> dict[str, Any]:
     """Both drivers on this rank, in alternating rounds; rank 0's figures matter. With
     `profile`, one more executor run under cProfile: where rank 0's time per action goes.
     `io_priority` applies to every gloo I/O thread of the process (the plain loop's too)."""
@@ -177,7 +177,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", help="write the markdown table here")
-    parser.add_argument("--io-priority", choices=IO_PRIORITIES, default="normal",
+    parser.add_argument("--io-priority", choices=IO_PRIORITIES, default="auto",
                         help="priority of every gloo I/O thread, both drivers alike "
                              "(Tuning.io_priority)")
     parser.add_argument("--profile", metavar="MD",

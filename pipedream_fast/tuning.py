@@ -79,17 +79,18 @@ class Tuning:
     takes about 1.35x less without them: bench/pingpong.py). For a rank whose compute thread
     should never enter a send or a receive call. GPU runs always use link threads."""
 
-    io_priority: str = "normal"
+    io_priority: str = "auto"
     """The scheduling priority of gloo's I/O threads in each rank process (CPU runs):
-    "normal", "low" (nice 19) or "idle" (Linux SCHED_IDLE: they run when a core has nothing
-    else to do). Each process group has one such thread; it reads every incoming message and
-    writes a send the peer was not yet ready for. It takes the link's lock from the rank's
-    own thread when it wakes, and where busy threads outnumber the cores (two ranks of one
-    thread each on two cores) it wakes in the middle of that thread's send, finds the lock
-    held and spins until the scheduler comes back, a whole time slice: "idle" ends that and
-    made a small message's step 1.7x faster there (`bench/results/hot_path.md`). Keep
-    "normal" where compute threads fill every core for long computes: there the I/O thread
-    would wait for a core, and a send the peer waits for with it."""
+    "normal", "low" (nice 19), "idle" (Linux SCHED_IDLE: they run when a core has nothing
+    else to do) or "auto": "idle" when the process computes on one thread
+    (torch.get_num_threads() == 1), else "normal". Each process group has one such thread;
+    it reads every incoming message and writes a send the peer was not yet ready for. Where
+    busy threads outnumber the cores (two ranks of one thread each on two cores) it wakes in
+    the middle of the rank's send, preempts it with the link's lock held, and spins until the
+    scheduler comes back, a whole time slice; "idle" never preempts, and made a small
+    message's step 1.66x faster there (`bench/results/hot_path.md`). With compute threads
+    filling every core through long computes an idle I/O thread would wait for a core, and a
+    send the peer waits for with it: "auto" keeps "normal" for several compute threads."""
 
     def __post_init__(self) -> None:
         if self.queue_depth is not None and not _is_int_at_least(self.queue_depth, 1):

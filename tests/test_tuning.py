@@ -97,7 +97,7 @@ def assert_same_run(got: tuple[list[float], dict], want: tuple[list[float], dict
     ("recv_pool", None, "recv_pool must be an integer >= 1"),
     ("offload_stash", "yes", "offload_stash must be True or False"),
     ("link_threads", 1, "link_threads must be True or False"),
-    ("io_priority", "high", "io_priority must be one of normal, low, idle"),
+    ("io_priority", "high", "io_priority must be one of auto, normal, low, idle"),
 ])
 def test_a_bad_value_is_refused_naming_the_knob_and_the_value(field, value, words):
     with pytest.raises(TuningError) as info:
@@ -112,7 +112,7 @@ def test_the_defaults_are_what_the_runtime_does_without_tuning():
     assert tuning.thread_queue_depth == transport.THREAD_QUEUE_DEPTH == 64
     assert (tuning.spin_us, tuning.weight_slots, tuning.offload_stash) == (0.0, None, False)
     assert tuning.link_threads is False
-    assert tuning.io_priority == "normal"
+    assert tuning.io_priority == "auto"
     assert tuning.bucket_bytes == DEFAULT_BUCKET_BYTES
     assert tuning.recv_pool == _C.CommEngine.DEFAULT_RECV_POOL == 64
     assert Tuning(bucket_mb=0.5).bucket_bytes == 512 * 1024
@@ -214,7 +214,7 @@ def process_job(rank: int, world: int) -> dict:
             out[(schedule, label)] = {
                 "run": (losses, pipe.state_dict()),
                 "engine": (engine.depth, engine.spin_us, engine.recv_pool, engine.background),
-                "io": io_policies(),
+                "io": io_policies(), "threads": torch.get_num_threads(),
                 "rings": {i: rt.ring.capacity for i, rt in pipe._stages.runtimes.items()},
                 "buckets": {i: rt.buckets.num_buckets for i, rt in pipe._stages.runtimes.items()
                             if rt.buckets}}
@@ -253,7 +253,9 @@ def test_every_knob_reaches_the_comm_engine_rings_and_buckets(process_runs, plan
         assert default["engine"] == (8, 0.0, 64, False)
         assert tuned["engine"] == (tuning.queue_depth, tuning.spin_us, tuning.recv_pool, True)
         if schedule == "pipedream":  # the process's first run: no thread tuned before it
-            assert default["io"] == [os.SCHED_OTHER]
+            # auto: idle for a rank of one compute thread
+            assert default["io"] == [os.SCHED_IDLE if default["threads"] == 1
+                                     else os.SCHED_OTHER]
         assert os.SCHED_IDLE in tuned["io"]  # the run's I/O threads, at least
         assert set(tuned["rings"].values()) == {tuning.weight_slots}
         if schedule == "data-parallel":  # the replicated stage's buckets

@@ -155,9 +155,10 @@ def register(subparsers: Any) -> None:
     knobs.add_argument("--link-threads", action="store_true",
                        help="move CPU transfers on a send and a receive thread per link, as "
                             "on a GPU (default: issued on the rank's own thread)")
-    knobs.add_argument("--io-priority", choices=("normal", "low", "idle"), default="normal",
+    knobs.add_argument("--io-priority", choices=("auto", "normal", "low", "idle"),
+                       default="auto",
                        help="priority of gloo's I/O threads: idle where busy threads outnumber "
-                            "the cores (default: normal)")
+                            "the cores (default auto: idle for ranks of one compute thread)")
     knobs.add_argument("--offload-stash", action="store_true",
                        help="keep stashed weight versions in pinned host memory (GPU runs only)")
     out = parser.add_argument_group("output")

@@ -34,19 +34,28 @@ GRADIENT = _C.Channel.GRADIENT
 # Messages queued per link between threads: cheap (tensors are handed over, not copied).
 THREAD_QUEUE_DEPTH = 64
 # `Tuning.io_priority`'s values, and the name gloo gives its I/O threads.
-IO_PRIORITIES = ("normal", "low", "idle")
+IO_PRIORITIES = ("auto", "normal", "low", "idle")
 GLOO_IO_THREAD = "gloo_tcp_loop"
+
+
+def resolve_io_priority(priority: str) -> str:
+    """"auto": "idle" for a process that computes on one thread (its I/O threads then never
+    compete with compute threads of its own for the cores), else "normal"."""
+    if priority != "auto":
+        return priority
+    return "idle" if torch.get_num_threads() == 1 else "normal"
 
 
 def set_io_priority(priority: str) -> int:
     """Gives every gloo I/O thread of this process `priority` ("normal", "low": nice 19,
-    "idle": SCHED_IDLE; see `Tuning.io_priority`); returns how many it changed. Threads
-    gloo starts later (a group made afterwards) keep the default: call it after making the
-    groups. Linux only (elsewhere a no-op)."""
+    "idle": SCHED_IDLE, "auto": see `resolve_io_priority`; `Tuning.io_priority` says why);
+    returns how many it changed. Threads gloo starts later (a group made afterwards) keep the
+    default: call it after making the groups. Linux only (elsewhere a no-op)."""
     tasks = "/proc/self/task"
     if priority not in IO_PRIORITIES:
         raise ValueError(f"io_priority must be one of {', '.join(IO_PRIORITIES)}, got "
                          f"{priority!r}")
+    priority = resolve_io_priority(priority)
     if not os.path.isdir(tasks):
         return 0
     changed = 0
@@ -122,7 +131,7 @@ class ProcessTransport:
                  device: torch.device | None = None, group: Any = None, *,
                  depth: int = _C.CommEngine.DEFAULT_DEPTH, spin_us: float = 0.0,
                  recv_pool: int = _C.CommEngine.DEFAULT_RECV_POOL,
-                 link_threads: bool = False, io_priority: str = "normal") -> None:
+                 link_threads: bool = False, io_priority: str = "auto") -> None:
         """`group`: the process group of every rank that carries the point-to-point traffic
         (default: the default group). A link's first message fixes what crosses it (the
         number of tensors and their dimensions; sizes and dtypes may vary) and the size of
