@@ -1,39 +1,25 @@
 """Adaptive re-planning against a rank slowed part-way: static plan, adaptive run, hindsight best.
 
-Two ranks (processes, gloo, 1 torch thread each), schedule 1f1b, chunks 4, a straight 2-stage
-pipeline, batch 32 of a fixed synthetic batch (as bench/vs_ddp.py). Models:
+Two ranks (processes, gloo, 1 thread each), 1f1b, chunks 4, a straight 2-stage pipeline, batch
+32 of a fixed synthetic batch. Models: `a` (build_cnn, 9 blocks) and `convs` (vs_ddp's
+build_convs, 6 blocks). From step --slow-from on, rank 1 is --slow x slower: its StageRuntime
+compute methods sleep (slow - 1) x their own duration after running (the slowdown follows the
+rank, not the blocks). Contenders, each one launch per round:
 
-  a      pipedream_fast.models.build_cnn() (model A, 9 blocks)
-  convs  bench/vs_ddp.py's build_convs() (5 convolutions at 32x32 and a tiny head, 6 blocks)
-
-The slowdown: from step --slow-from of --steps on, rank 1 computes 1.5x slower. In rank 1's
-process only, StageRuntime's compute methods (forward, backward, backward_input,
-backward_weight) are wrapped so that, once the slowdown is on, every call sleeps 0.5x its own
-measured duration after running (--slow sets the factor). Rank 1 turns it on when its training
-loop has seen step --slow-from's loss (both ranks see each step's loss in lockstep). The
-slowdown follows the rank, not the blocks: blocks moved onto rank 1 are slowed too.
-
-Contenders, per model, each one launch:
-
-  static     the plan Pipeline(stages=2) makes (2 straight stages balanced by time), from a
-             profile of one microbatch (8 samples, the size the ranks compute) taken here
-             once, passed as plan=: the same plan in every repeat
+  static     the plan Pipeline(stages=2) makes from a profile of one microbatch taken here
   adaptive   the same plan with adapt=True, adapt_every=--adapt-every and profile= it
-  hindsight  the best static plan for the slowed machine, chosen with hindsight: the hetero
-             planner's split for speeds (1, 1/1.5) and its neighbours +-(--neighbours) blocks,
-             each run as plan= under the same slowdown; the best median counts
+  hindsight  the hetero planner's split for speeds (1, 1/slow) +-(--neighbours) blocks, each
+             run as plan= under the same slowdown; the best median counts
 
-Rate: rank 0's samples/s from the end of step slow_from + warm-up to the last step, the move
-included. recovery = (adaptive - static) / (hindsight - static). Rounds of contenders repeat
---repeats times, every other round reversed (`harness.alternate`'s order), medians taken; a
-run where other processes took more than DISTURBED cores runs again (--retries).
+Rate: rank 0's samples/s from step slow_from + warm-up to the last (the move included).
+recovery = (adaptive - static) / (hindsight - static). Rounds alternate their order; a run
+disturbed by other processes runs again (--retries).
 
     python bench/adaptive.py [--models a,convs] [--steps a=80,convs=80] [--slow-from 10] \
         [--slow 1.5] [--adapt-every 5] [--repeats 2] [--neighbours 1] [--retries 1] \
         [--out bench/results/adaptive.md]
 
-Writes --out, the same name .json (every run's step times, plans, moves and checks), .png
-(time per step, the slowdown and the moves marked) and _trace.json (Perfetto, rank 0's steps).
+Writes --out and beside it .json (every run), .png (time per step) and _trace.json (Perfetto).
 """
 
 from __future__ import annotations
@@ -58,6 +44,7 @@ from pipedream_fast.pipeline import Pipeline
 
 # Scripts next to this file (bench/ is on sys.path when this file runs as a script).
 import harness
+from harness import DISTURBED, fmt, say
 from vs_ddp import build_convs, fixed_batch
 
 BATCH = 32
@@ -67,9 +54,6 @@ LR = 0.01
 WARMUP = 3  # steps after the slowdown starts before the slowed window's clock starts
 MODELS = {"a": build_cnn, "convs": build_convs}
 TITLES = {"a": "model A (build_cnn)", "convs": "convs (vs_ddp.build_convs)"}
-# A run during which other processes took more than this many cores is run again (--retries).
-DISTURBED = 0.25
-# Steps per run: model A's steps take about 4x the convs' (0.6-0.9 s slowed, on 2 cores).
 DEFAULT_STEPS = {"a": 80, "convs": 80}
 COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
 
@@ -79,8 +63,8 @@ _SLOW: dict[str, Any] = {"on": False, "extra": 0.5, "calls": 0, "compute_s": 0.0
 
 
 def install_slowdown(extra: float) -> None:
-    """Wraps StageRuntime's compute methods (class-level, this process only): once
-    `_SLOW["on"]`, each call sleeps `extra` x its own duration after running."""
+    """Wraps StageRuntime's compute methods (this process only): once `_SLOW["on"]`, each
+    call sleeps `extra` x its own duration after running."""
     from pipedream_fast.runtime.stage import StageRuntime
 
     _SLOW["extra"] = extra
@@ -112,55 +96,38 @@ def describe(plan: Any) -> list[list[Any]]:
 def rank_main(rank: int, world: int, model_name: str, plan: Plan, steps: int,
               slow_from: int, slow: float, adapt: dict[str, Any] | None, profile: Any
               ) -> dict[str, Any]:
-    """One rank of one contender: `plan`; `adapt` the adapt options (None: static), which
-    re-plan from `profile`."""
+    """One rank of one contender: `plan`; `adapt` the adapt options (None: static)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     if rank == 1:
         install_slowdown(slow - 1.0)
-    model = MODELS[model_name]()
     kwargs: dict[str, Any] = {"plan": plan}
     if adapt is not None:
         kwargs.update(adapt=True, profile=profile, **adapt)
-    pipe = Pipeline(model, nn.functional.cross_entropy,
+    pipe = Pipeline(MODELS[model_name](), nn.functional.cross_entropy,
                     lambda ps: torch.optim.SGD(ps, lr=LR), schedule=SCHEDULE, chunks=CHUNKS,
                     timeout=600.0, **kwargs)
     began = time.perf_counter()
     ends: list[float] = []
     cpu: list[float] = []  # this process's CPU seconds at each step's end
     busy: list[float] = []  # the machine's busy CPU seconds at each step's end
-    first_plan = None
-    last = None
+    first_plan = last = None
     for loss in pipe.train([fixed_batch()] * steps, steps):
         ends.append(time.perf_counter())
         last = loss
         cpu.append(time.process_time())
         busy.append(harness.machine_busy_s())
-        if first_plan is None:
-            first_plan = describe(pipe.plan)
+        first_plan = first_plan or describe(pipe.plan)
         if len(ends) == slow_from and rank == 1:
             _SLOW["on"] = True
     out = {"rank": rank, "began": began, "ends": ends, "cpu": cpu, "busy": busy,
            "first_plan": first_plan, "final_plan": describe(pipe.plan),
-           "moves": _plain(list(getattr(pipe, "moves", []) or [])),
-           "checks": _plain(list(getattr(pipe, "adapt_checks", []) or [])),
+           "moves": harness.plain(list(getattr(pipe, "moves", []) or [])),
+           "checks": harness.plain(list(getattr(pipe, "adapt_checks", []) or [])),
            "slow": dict(_SLOW) if rank == 1 else None,
            "last_loss": float(last) if last is not None else None}
     pipe.close()
     return out
-
-
-def _plain(value: Any) -> Any:
-    """JSON-able copy (tuples to lists, tensors and other objects to numbers or strings)."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, (int, float, str, bool)) or value is None:
-        return value
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    return str(value)
 
 
 # ---- the parent: plans, runs, figures -------------------------------------------------------
@@ -176,22 +143,17 @@ def profile_of(model_name: str, batch: int) -> Any:
                          model_name=model_name)
 
 
-def equal_plan(profile: Any) -> Plan:
-    """The plan Pipeline(stages=2) makes from this profile: straight, balanced by time."""
+def plan_2(profile: Any, topology: str, **options: Any) -> Plan:
     from pipedream_fast.planner import make_plan
     from pipedream_fast.topology import Topology
 
-    return make_plan(profile, Topology.parse("2x1e9"), schedule=SCHEDULE, strategy="time",
-                     straight=True)
+    return make_plan(profile, Topology.parse(topology), schedule=SCHEDULE, straight=True,
+                     **options)
 
 
 def hetero_split(profile: Any, slow: float) -> int:
     """First block of stage 1 in the hetero planner's straight plan for speeds (1, 1/slow)."""
-    from pipedream_fast.planner import make_plan
-    from pipedream_fast.topology import Topology
-
-    plan = make_plan(profile, Topology.parse(f"2x1e9@speeds=1,{1 / slow:.4f}"),
-                     schedule=SCHEDULE, straight=True, chunks=CHUNKS)
+    plan = plan_2(profile, f"2x1e9@speeds=1,{1 / slow:.4f}", chunks=CHUNKS)
     if len(plan.stages) != 2:
         raise RuntimeError(f"the hetero planner chose {len(plan.stages)} stage(s) for "
                            f"{profile.model}: {describe(plan)}")
@@ -199,13 +161,11 @@ def hetero_split(profile: Any, slow: float) -> int:
 
 
 def split_plan(profile: Any, split: int) -> Plan:
-    """Two stages cut before block `split`, rank 0 then rank 1. An explicit Plan named after
-    the profile's model and batch, not balance=: a manual split's plan (model
-    'Sequential', batch 0) does not match the profile adapt re-plans from."""
-    blocks = len(profile.blocks)
+    """Two stages cut before block `split`, named after the profile's model and batch (so
+    that it matches the profile adapt re-plans from)."""
     return Plan(profile.model, profile.batch_size, 2, SCHEDULE,
-                [StagePlan(0, split, 1, (0,), 0.0), StagePlan(split, blocks, 1, (1,), 0.0)],
-                0.0, 0.0)
+                [StagePlan(0, split, 1, (0,), 0.0),
+                 StagePlan(split, len(profile.blocks), 1, (1,), 0.0)], 0.0, 0.0)
 
 
 def window_start(slow_from: int) -> int:
@@ -214,12 +174,11 @@ def window_start(slow_from: int) -> int:
 
 
 def rates(ends: list[float], slow_from: int) -> tuple[float, float]:
-    """(unslowed samples/s over the steps after WARMUP up to slow_from, slowed samples/s
-    from the end of step slow_from + WARMUP to the last), from rank 0's step end times."""
+    """(unslowed samples/s, steps WARMUP..slow_from; slowed samples/s, from the end of step
+    slow_from + WARMUP to the last), from rank 0's step end times."""
     before = BATCH * (slow_from - WARMUP) / (ends[slow_from - 1] - ends[WARMUP - 1])
     start = window_start(slow_from)
-    after = BATCH * (len(ends) - 1 - start) / (ends[-1] - ends[start])
-    return before, after
+    return before, BATCH * (len(ends) - 1 - start) / (ends[-1] - ends[start])
 
 
 def run_one(model_name: str, contender: str, plan: Plan, steps: int, profile: Any,
@@ -228,24 +187,22 @@ def run_one(model_name: str, contender: str, plan: Plan, steps: int, profile: An
     t0 = time.perf_counter()
     r0, r1 = launch(rank_main, 2, model_name, plan, steps, args.slow_from, args.slow, adapt,
                     profile, timeout=600, threads_per_rank=1)
-    split = r0["first_plan"][0][1]
     before, after = rates(r0["ends"], args.slow_from)
-    # What other processes took during the slowed window, in cores: the machine's busy CPU
-    # time less both ranks' own (each rank's at its own end of the same steps).
+    # Other processes' cores in the slowed window: the machine's busy time less both ranks'.
     w = window_start(args.slow_from)
-    seconds = r0["ends"][-1] - r0["ends"][w]
     others = ((r0["busy"][-1] - r0["busy"][w]) - (r0["cpu"][-1] - r0["cpu"][w])
-              - (r1["cpu"][-1] - r1["cpu"][w])) / seconds
+              - (r1["cpu"][-1] - r1["cpu"][w])) / (r0["ends"][-1] - r0["ends"][w])
     base = r0["ends"][0]
-    step_ms = [(b - a) * 1e3 for a, b in zip([r0["began"]] + r0["ends"][:-1], r0["ends"])]
     moves = r0["moves"]
     for m in moves:  # rank 0's perf_counter, relative to its first step's end
         m["started_rel_s"] = m.get("started", base) - base
         m["ended_rel_s"] = m.get("ended", base) - base
     slow = r1["slow"] or {}
-    row = {"model": model_name, "contender": contender, "split": split, "steps": steps,
-           "plan": r0["first_plan"], "final_plan": r0["final_plan"],
-           "unslowed": before, "slowed": after, "others_cores": others, "step_ms": step_ms,
+    row = {"model": model_name, "contender": contender, "split": r0["first_plan"][0][1],
+           "steps": steps, "plan": r0["first_plan"], "final_plan": r0["final_plan"],
+           "unslowed": before, "slowed": after, "others_cores": others,
+           "step_ms": [(b - a) * 1e3 for a, b in zip([r0["began"]] + r0["ends"][:-1],
+                                                     r0["ends"])],
            "ends_rel_s": [e - base for e in r0["ends"]], "moves": moves,
            "checks": r0["checks"], "last_loss": r0["last_loss"],
            "achieved_slowdown": (1 + slow["slept_s"] / slow["compute_s"]
@@ -254,16 +211,15 @@ def run_one(model_name: str, contender: str, plan: Plan, steps: int, profile: An
     move = (f"; {len(moves)} move(s): " + "; ".join(
         f"before step {m['step']} {m['from']} -> {m['to']} in {m['seconds']:.2f} s"
         for m in moves) if moves else "")
-    print(f"  {model_name:5s} {contender:9s} plan {row['plan']}  unslowed {before:6.1f}  "
-          f"slowed {after:6.1f} samples/s  (rank 1 x{row['achieved_slowdown'] or 0:.2f}, "
-          f"others {others:.2f} cores, {row['wall_s']:.0f} s){move}", flush=True)
+    say(f"  {model_name:5s} {contender:9s} plan {row['plan']}  unslowed {before:6.1f}  "
+        f"slowed {after:6.1f} samples/s  (rank 1 x{row['achieved_slowdown'] or 0:.2f}, "
+        f"others {others:.2f} cores, {row['wall_s']:.0f} s){move}")
     return row
 
 
-def contenders(static: Plan, candidates: list[int], profile: Any
-               ) -> list[tuple[str, Plan]]:
-    """The launches of one model's round. A candidate equal to the static split is the
-    static run itself (the same plan under the same slowdown): not launched twice."""
+def contenders(static: Plan, candidates: list[int], profile: Any) -> list[tuple[str, Plan]]:
+    """The launches of one model's round; a candidate equal to the static split is the
+    static run itself, not launched twice."""
     split = static.stages[0].stop
     return [("static", static), ("adaptive", static)] + [
         ("hindsight", split_plan(profile, s)) for s in candidates if s != split]
@@ -272,8 +228,7 @@ def contenders(static: Plan, candidates: list[int], profile: Any
 def summarise(model_name: str, runs: list[dict[str, Any]], candidates: list[int]
               ) -> dict[str, Any]:
     def med(rows: list[dict[str, Any]], key: str = "slowed") -> float | None:
-        values = [r[key] for r in rows]
-        return statistics.median(values) if values else None
+        return statistics.median([r[key] for r in rows]) if rows else None
 
     mine = [r for r in runs if r["model"] == model_name]
     static = [r for r in mine if r["contender"] == "static"]
@@ -284,32 +239,27 @@ def summarise(model_name: str, runs: list[dict[str, Any]], candidates: list[int]
     cand = {s: med(rows) for s, rows in by_split.items()}
     best = max(cand, key=lambda s: cand[s] or 0.0)
     out: dict[str, Any] = {
-        "static": med(static), "static_unslowed": med(static, "unslowed"),
         "static_split": static[0]["split"] if static else None,
         "static_plans": [r["plan"] for r in static],
-        "adaptive": med(adaptive), "adaptive_unslowed": med(adaptive, "unslowed"),
         "candidates": {str(s): {"median": v, "unslowed": med(by_split[s], "unslowed"),
                                 "others_cores": med(by_split[s], "others_cores"),
                                 "runs": [r["slowed"] for r in by_split[s]],
                                 "runs_others": [r["others_cores"] for r in by_split[s]],
                                 "is_static": bool(static) and s == static[0]["split"]}
                        for s, v in cand.items()},
-        "hindsight": cand[best], "hindsight_split": best,
-        "static_runs": [r["slowed"] for r in static],
-        "static_runs_others": [r["others_cores"] for r in static],
-        "static_others_cores": med(static, "others_cores"),
-        "adaptive_runs": [r["slowed"] for r in adaptive],
-        "adaptive_runs_others": [r["others_cores"] for r in adaptive],
-        "adaptive_others_cores": med(adaptive, "others_cores")}
+        "hindsight": cand[best], "hindsight_split": best}
+    for name, rows in (("static", static), ("adaptive", adaptive)):
+        out.update({name: med(rows), f"{name}_unslowed": med(rows, "unslowed"),
+                    f"{name}_runs": [r["slowed"] for r in rows],
+                    f"{name}_runs_others": [r["others_cores"] for r in rows],
+                    f"{name}_others_cores": med(rows, "others_cores")})
     gap = out["hindsight"] - out["static"]
-    out["gap"] = gap
-    out["gap_pct"] = gap / out["static"] * 100
+    out["gap"], out["gap_pct"] = gap, gap / out["static"] * 100
     if adaptive:
         out["recovery"] = (out["adaptive"] - out["static"]) / gap if gap > 0 else None
-        out["moves"] = [{"repeat": r.get("repeat"), "step": m.get("step"),
-                         "seconds": m.get("seconds"), "from": m.get("from"), "to": m.get("to"),
-                         "reason": m.get("reason"), "bytes": m.get("bytes")}
-                        for r in adaptive for m in r["moves"]]
+        out["moves"] = [{"repeat": r.get("repeat"), **{k: m.get(k) for k in (
+            "step", "seconds", "from", "to", "reason", "bytes")}}
+            for r in adaptive for m in r["moves"]]
         # per repeat: that round's adaptive against that round's static and best candidate
         per = []
         for i, a in enumerate(adaptive):
@@ -324,10 +274,6 @@ def summarise(model_name: str, runs: list[dict[str, Any]], candidates: list[int]
 
 # ---- outputs --------------------------------------------------------------------------------
 
-def fmt(v: float | None, spec: str = ".1f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def cores(v: float | None) -> str:
     """Other processes' cores (a small negative is measurement noise: shown as 0)."""
     return "-" if v is None else f"{max(v, 0.0):.2f}"
@@ -340,14 +286,6 @@ def marked(rates: list[float], others: list[float]) -> str:
 
 def markdown(summary: dict[str, Any], runs: list[dict[str, Any]], meta: dict[str, Any],
              args: argparse.Namespace) -> str:
-    static_how = ("the plan `Pipeline(stages=2)` makes (the planner balancing 2 straight "
-                  f"stages by time), from a profile of {BATCH // CHUNKS} samples taken once "
-                  "here before the runs, passed as `plan=` (and to the adaptive run "
-                  "`profile=`), so that static and adaptive start from the same plan in every "
-                  "repeat (rank 0's own profile in each run picks another split under this "
-                  "machine's load now and then); the profile is of the microbatch the ranks "
-                  "compute: model A's Linear 4096 blocks cost about 3x more per sample at 8 "
-                  "than at 32, so a batch-32 profile's split is unbalanced before any slowdown")
     lines = ["# Adaptive re-planning: one rank slowed part-way", "",
              f"Command: `{meta['command'].strip()}`", "",
              f"Machine: {meta['cores']} cores, {meta['cpu']}, torch {torch.__version__}, "
@@ -357,77 +295,73 @@ def markdown(summary: dict[str, Any], runs: list[dict[str, Any]], meta: dict[str
              f"2 ranks (processes, gloo, 1 thread each), {SCHEDULE}, chunks {CHUNKS}, batch "
              f"{BATCH}; steps per run: "
              f"{', '.join(f'{m} {n}' for m, n in meta['steps'].items())}; rank 1 slowed "
-             f"x{args.slow:g} from step "
-             f"{args.slow_from} (each compute call of StageRuntime sleeps {args.slow - 1:g}x its "
-             f"own duration after running; the slowdown stays with rank 1 whatever blocks it "
-             f"holds). Rates: rank 0's samples/s from the end of step "
-             f"{window_start(args.slow_from) + 1} to the last (the adaptive run's move "
+             f"x{args.slow:g} from step {args.slow_from} (each compute call of StageRuntime "
+             f"sleeps {args.slow - 1:g}x its own duration after running; the slowdown stays "
+             f"with rank 1 whatever blocks it holds). Rates: rank 0's samples/s from the end of "
+             f"step {window_start(args.slow_from) + 1} to the last (the adaptive run's move "
              f"included); unslowed: steps {WARMUP + 1}-{args.slow_from}. Medians of "
              f"{args.repeats} repeats, interleaved (every other round in reverse order). "
-             f"Static: {static_how}. Adaptive: the same plan with `adapt=True, "
-             f"adapt_every={args.adapt_every}`. Hindsight: the best measured of the "
-             f"candidate splits, the hetero planner's "
-             f"split for speeds (1, 1/{args.slow:g}) and +-{args.neighbours} blocks; a candidate "
-             f"that is the static split is the static runs themselves. \"others\": cores that "
-             f"other processes on the machine took during the slowed window (its busy CPU time "
-             f"less both ranks' own); a run where they took more than {DISTURBED} cores ran again "
-             f"(up to {args.retries} more times) and the least disturbed was kept; runs still "
-             f"over it are starred (\\*). Plans are [start, stop, ranks] per stage.", ""]
+             f"Static: the plan `Pipeline(stages=2)` makes (the planner balancing 2 straight "
+             f"stages by time), from a profile of {BATCH // CHUNKS} samples (the microbatch the "
+             f"ranks compute) taken once here before the runs, passed as `plan=` (and to the "
+             f"adaptive run `profile=`), so that static and adaptive start from the same plan "
+             f"in every repeat. Adaptive: the same plan with `adapt=True, "
+             f"adapt_every={args.adapt_every}`. Hindsight: the best measured of the candidate "
+             f"splits, the hetero planner's split for speeds (1, 1/{args.slow:g}) and "
+             f"+-{args.neighbours} blocks; a candidate that is the static split is the static "
+             f"runs themselves. \"others\": cores that other processes took during the slowed "
+             f"window (the machine's busy CPU time less both ranks' own); a run where they took "
+             f"more than {DISTURBED} cores ran again (up to {args.retries} more times) and the "
+             f"least disturbed was kept; runs still over it are starred (\\*). Plans are "
+             f"[start, stop, ranks] per stage.", ""]
     for model_name, s in summary.items():
         lines += [f"## {TITLES[model_name]}", "",
-                  f"Profiled block ms (forward + backward, 1 thread, batch "
-                  f"{BATCH // CHUNKS}): "
+                  f"Profiled block ms (forward + backward, 1 thread, batch {BATCH // CHUNKS}): "
                   f"{', '.join(f'{v:.1f}' for v in meta['profiles'][model_name])}. Equal-speed "
                   f"split: {meta['equal_splits'][model_name]}; hetero planner's split for the "
                   f"slowed machine: {meta['hetero_splits'][model_name]}.", "",
                   "| contender | plan | unslowed samples/s | slowed samples/s | runs | "
                   "others (cores) |", "| --- | --- | ---: | ---: | --- | ---: |"]
-        lines.append(f"| static | {s['static_plans'][0] if s['static_plans'] else '-'}"
-                     f" | {fmt(s['static_unslowed'])} | {fmt(s['static'])} | "
-                     f"{marked(s['static_runs'], s['static_runs_others'])} | "
-                     f"{cores(s['static_others_cores'])} |")
-        if s.get("adaptive") is not None:
-            finals = sorted({json.dumps(r["final_plan"]) for r in runs
-                             if r["model"] == model_name and r["contender"] == "adaptive"})
-            lines.append(f"| adaptive | ends as {' or '.join(finals)} | "
-                         f"{fmt(s['adaptive_unslowed'])} | {fmt(s['adaptive'])} | "
-                         f"{marked(s['adaptive_runs'], s['adaptive_runs_others'])} | "
-                         f"{cores(s['adaptive_others_cores'])} |")
+        mine = [r for r in runs if r["model"] == model_name and r["contender"] == "adaptive"]
+        finals = " or ".join(sorted({json.dumps(r["final_plan"]) for r in mine}))
+        named = [("static", s["static_plans"][0] if s["static_plans"] else "-")] + (
+            [("adaptive", f"ends as {finals}")] if s.get("adaptive") is not None else [])
+        for name, plan in named:
+            lines.append(f"| {name} | {plan} | {fmt(s[f'{name}_unslowed'])} | {fmt(s[name])} | "
+                         f"{marked(s[f'{name}_runs'], s[f'{name}_runs_others'])} | "
+                         f"{cores(s[f'{name}_others_cores'])} |")
         for split, c in s["candidates"].items():
             mark = (" (the static runs)" if c["is_static"] else "") + (
                 " **hindsight**" if int(split) == s["hindsight_split"] else "")
-            rest = meta["blocks"][model_name] - int(split)
-            lines.append(f"| split {split}{mark} | {split} + {rest} blocks | "
+            lines.append(f"| split {split}{mark} | {split} + "
+                         f"{meta['blocks'][model_name] - int(split)} blocks | "
                          f"{fmt(c['unslowed'])} | {fmt(c['median'])} | "
-                         f"{marked(c['runs'], c['runs_others'])} | "
-                         f"{cores(c['others_cores'])} |")
+                         f"{marked(c['runs'], c['runs_others'])} | {cores(c['others_cores'])} |")
         lines += ["", f"Gap hindsight - static: {fmt(s['gap'])} samples/s "
                       f"({fmt(s['gap_pct'], '+.1f')}% of static)."]
-        if s.get("adaptive") is not None:
-            rec = s.get("recovery")
-            each = ", ".join(fmt(None if v is None else v * 100, ".0f") + "%"
-                             for v in s["recovery_by_repeat"])
-            lines.append(f"**Recovery** (adaptive - static) / (hindsight - static): "
-                         f"**{fmt(None if rec is None else rec * 100, '.0f')}%** (by repeat: "
-                         f"{each}): the issue's mark of 80% is "
-                         f"{'met' if rec is not None and rec >= 0.8 else '**not met**'}.")
-            for m in s.get("moves", []):
-                lines.append(f"- repeat {m['repeat'] + 1}: move before step {m['step']} "
-                             f"(the slowdown began at step {args.slow_from}), "
-                             f"{m['from']} -> {m['to']}, {fmt(m['seconds'], '.2f')} s, "
-                             f"{m['bytes']} bytes as the runtime counts them ({m['reason']})")
-            if not s.get("moves"):
-                lines.append("The adaptive runs made no move.")
-            for run in (r for r in runs if r["model"] == model_name
-                        and r["contender"] == "adaptive"):
-                if not run["checks"]:
-                    continue
-                lines += ["", f"Checks of the adaptive run of repeat {run['repeat'] + 1} "
-                              f"(speeds: rank 0, rank 1, the fastest 1):", ""]
-                lines += [f"- step {c.get('step')}: speeds "
-                          f"{'-' if not c.get('speeds') else ', '.join(f'{v:.2f}' for v in c['speeds'])}"
-                          f"; {'**moved**' if c.get('moved') else 'stayed'}: {c.get('reason')}"
-                          for c in run["checks"]]
+        if s.get("adaptive") is None:
+            lines.append("")
+            continue
+        rec = s.get("recovery")
+        each = ", ".join(fmt(None if v is None else v * 100, ".0f") + "%"
+                         for v in s["recovery_by_repeat"])
+        lines.append(f"**Recovery** (adaptive - static) / (hindsight - static): "
+                     f"**{fmt(None if rec is None else rec * 100, '.0f')}%** (by repeat: "
+                     f"{each}): the issue's mark of 80% is "
+                     f"{'met' if rec is not None and rec >= 0.8 else '**not met**'}.")
+        lines += [f"- repeat {m['repeat'] + 1}: move before step {m['step']} (the slowdown "
+                  f"began at step {args.slow_from}), {m['from']} -> {m['to']}, "
+                  f"{fmt(m['seconds'], '.2f')} s, {m['bytes']} bytes as the runtime counts "
+                  f"them ({m['reason']})" for m in s.get("moves", [])]
+        if not s.get("moves"):
+            lines.append("The adaptive runs made no move.")
+        for run in (r for r in mine if r["checks"]):
+            lines += ["", f"Checks of the adaptive run of repeat {run['repeat'] + 1} "
+                          f"(speeds: rank 0, rank 1, the fastest 1):", ""]
+            lines += [f"- step {c.get('step')}: speeds "
+                      f"{', '.join(f'{v:.2f}' for v in c['speeds']) if c.get('speeds') else '-'}"
+                      f"; {'**moved**' if c.get('moved') else 'stayed'}: {c.get('reason')}"
+                      for c in run["checks"]]
         lines.append("")
     lines += [f"Per-step times: {meta['png']}; rank 0's steps of every run as a Chrome / "
               f"Perfetto trace, moves as spans: {meta['trace']}; every figure: "
@@ -437,54 +371,44 @@ def markdown(summary: dict[str, Any], runs: list[dict[str, Any]], meta: dict[str
 
 def plot(runs: list[dict[str, Any]], summary: dict[str, Any], args: argparse.Namespace,
          path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(summary)
-    fig, axes = plt.subplots(len(models), 1, figsize=(10, 4 * len(models)), squeeze=False)
-    for ax, model_name in zip(axes[:, 0], models):
-        s = summary[model_name]
-        mine = [r for r in runs if r["model"] == model_name]
-        top = 0.0
-        picks = [("static", None, "tab:red"), ("adaptive", None, "tab:blue"),
-                 ("hindsight", s["hindsight_split"], "tab:green")]
-        for contender, split, colour in picks:
-            rows = [r for r in mine if r["contender"] == contender
-                    and (split is None or r["split"] == split)]
-            if not rows and contender == "hindsight":  # the static plan was the best
-                rows = [r for r in mine if r["contender"] == "static" and r["split"] == split]
-            if not rows:
-                continue
-            styles = ("-", "--", ":", "-.")
-            for row in sorted(rows, key=lambda r: r.get("repeat", 0)):
-                repeat = row.get("repeat", 0)
-                label = (f"{contender}" + (f" (split {split})" if split is not None else "")
-                         + f", repeat {repeat + 1}: {row['slowed']:.1f} samples/s")
-                steps = len(row["step_ms"])
-                ax.plot(range(1, steps + 1), row["step_ms"], color=colour, label=label, lw=1,
-                        ls=styles[repeat % len(styles)])
-                top = max(top, max(row["step_ms"][1:]))
-                for m in row["moves"]:
-                    step = m["step"] + 1  # the move happens before step index m["step"] runs
-                    ax.axvspan(step - 0.5, step + 0.5, color=colour, alpha=0.25)
-                    right = step > 0.6 * steps  # the note on the span's left near the end
-                    ax.text(step + (-0.8 if right else 0.8), 0.97 - 0.06 * repeat,
-                            f"repeat {repeat + 1}: move {m['from']} -> {m['to']}, "
-                            f"{m['seconds']:.2f} s", color=colour, fontsize=7,
-                            ha="right" if right else "left", va="top",
-                            transform=ax.get_xaxis_transform())
-        ax.axvline(args.slow_from + 0.5, color="k", ls="--", lw=1, label="rank 1 slowed")
-        ax.axvline(window_start(args.slow_from) + 1.5, color="grey", ls=":", lw=1,
-                   label="slowed window's clock starts")
-        ax.set_ylim(0, top * 1.25)
-        ax.set_title(f"{TITLES[model_name]}: rank 0's time per step")
-        ax.set_xlabel("step")
-        ax.set_ylabel("ms per step")
-        ax.legend(fontsize=7, loc="lower right", ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    styles = ("-", "--", ":", "-.")
+    with harness.figure(path, len(summary), 1, (10, 4 * len(summary))) as (_, axes):
+        for ax, (model_name, s) in zip(axes[:, 0], summary.items()):
+            mine = [r for r in runs if r["model"] == model_name]
+            top = 0.0
+            for contender, split, colour in (("static", None, "tab:red"),
+                                             ("adaptive", None, "tab:blue"),
+                                             ("hindsight", s["hindsight_split"], "tab:green")):
+                rows = [r for r in mine if r["contender"] == contender
+                        and (split is None or r["split"] == split)]
+                if not rows and contender == "hindsight":  # the static plan was the best
+                    rows = [r for r in mine if r["contender"] == "static"
+                            and r["split"] == split]
+                for row in sorted(rows, key=lambda r: r.get("repeat", 0)):
+                    repeat = row.get("repeat", 0)
+                    steps = len(row["step_ms"])
+                    ax.plot(range(1, steps + 1), row["step_ms"], color=colour, lw=1,
+                            ls=styles[repeat % len(styles)],
+                            label=f"{contender}" + (f" (split {split})" if split is not None
+                                                    else "")
+                            + f", repeat {repeat + 1}: {row['slowed']:.1f} samples/s")
+                    top = max(top, max(row["step_ms"][1:]))
+                    for m in row["moves"]:
+                        step = m["step"] + 1  # the move happens before step index m["step"]
+                        ax.axvspan(step - 0.5, step + 0.5, color=colour, alpha=0.25)
+                        right = step > 0.6 * steps  # the note on the span's left near the end
+                        ax.text(step + (-0.8 if right else 0.8), 0.97 - 0.06 * repeat,
+                                f"repeat {repeat + 1}: move {m['from']} -> {m['to']}, "
+                                f"{m['seconds']:.2f} s", color=colour, fontsize=7,
+                                ha="right" if right else "left", va="top",
+                                transform=ax.get_xaxis_transform())
+            ax.axvline(args.slow_from + 0.5, color="k", ls="--", lw=1, label="rank 1 slowed")
+            ax.axvline(window_start(args.slow_from) + 1.5, color="grey", ls=":", lw=1,
+                       label="slowed window's clock starts")
+            ax.set_ylim(0, top * 1.25)
+            harness.axes_text(ax, f"{TITLES[model_name]}: rank 0's time per step", "step",
+                              "ms per step", {"fontsize": 7, "loc": "lower right", "ncol": 2},
+                              grid=None)
 
 
 def chrome_trace(runs: list[dict[str, Any]], path: Path) -> None:
@@ -501,12 +425,11 @@ def chrome_trace(runs: list[dict[str, Any]], path: Path) -> None:
                            "ts": prev * 1e6, "dur": (end - prev) * 1e6,
                            "args": {"ms": (end - prev) * 1e3}})
             prev = end
-        for m in r["moves"]:
-            events.append({"ph": "X", "name": "move", "pid": 0, "tid": i, "cat": "move",
-                           "ts": m["started_rel_s"] * 1e6,
-                           "dur": (m["ended_rel_s"] - m["started_rel_s"]) * 1e6,
-                           "args": {k: m.get(k) for k in ("step", "from", "to", "reason",
-                                                          "bytes", "seconds")}})
+        events += [{"ph": "X", "name": "move", "pid": 0, "tid": i, "cat": "move",
+                    "ts": m["started_rel_s"] * 1e6,
+                    "dur": (m["ended_rel_s"] - m["started_rel_s"]) * 1e6,
+                    "args": {k: m.get(k) for k in ("step", "from", "to", "reason", "bytes",
+                                                   "seconds")}} for m in r["moves"]]
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
@@ -536,8 +459,7 @@ def main() -> int:
                         help="hindsight candidates: the hetero split +- this many blocks")
     parser.add_argument("--retries", type=int, default=1,
                         help=f"runs again a run during which other processes took more than "
-                             f"{DISTURBED} cores, up to this many times, keeping the least "
-                             f"disturbed (default 1)")
+                             f"{DISTURBED} cores, up to this many times (default 1)")
     parser.add_argument("--out", default="bench/results/adaptive.md")
     args = parser.parse_args()
     models = args.models.split(",")
@@ -560,48 +482,31 @@ def main() -> int:
     load_before = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     profiles, profile_ms, equal, hetero, blocks, candidates = {}, {}, {}, {}, {}, {}
     for m in models:
-        print(f"profiling {m} (1 thread, batch {BATCH // CHUNKS}) ...", flush=True)
+        say(f"profiling {m} (1 thread, batch {BATCH // CHUNKS}) ...")
         profiles[m] = profile_of(m, BATCH // CHUNKS)
         profile_ms[m] = [b.forward_ms + b.backward_ms for b in profiles[m].blocks]
         blocks[m] = len(profiles[m].blocks)
-        equal[m] = equal_plan(profiles[m])
+        equal[m] = plan_2(profiles[m], "2x1e9", strategy="time")  # as Pipeline(stages=2)
         hetero[m] = hetero_split(profiles[m], args.slow)
         candidates[m] = [s for s in range(hetero[m] - args.neighbours,
                                           hetero[m] + args.neighbours + 1)
                          if 1 <= s <= blocks[m] - 1]
-        print(f"  block ms {', '.join(f'{v:.1f}' for v in profile_ms[m])}; equal-speed split "
-              f"{equal[m].stages[0].stop}; hetero split {hetero[m]}; candidates {candidates[m]}", flush=True)
+        say(f"  block ms {', '.join(f'{v:.1f}' for v in profile_ms[m])}; equal-speed split "
+            f"{equal[m].stages[0].stop}; hetero split {hetero[m]}; candidates {candidates[m]}")
+    keep = ("slowed", "unslowed", "others_cores")
     runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
-        print(f"round {repeat + 1} of {args.repeats}", flush=True)
+        say(f"round {repeat + 1} of {args.repeats}")
         for m in models:
             order = contenders(equal[m], candidates[m], profiles[m])
-            if repeat % 2:
-                order.reverse()
-            for contender, plan in order:
-                row = run_one(m, contender, plan, steps[m], profiles[m], args)
-                for _ in range(args.retries):
-                    if row["others_cores"] <= DISTURBED:
-                        break
-                    print(f"    other processes took {row['others_cores']:.2f} cores: again",
-                          flush=True)
-                    again = run_one(m, contender, plan, steps[m], profiles[m], args)
-                    again["disturbed_runs"] = row.get("disturbed_runs", []) + [
-                        {k: row[k] for k in ("slowed", "unslowed", "others_cores")}]
-                    row = again if again["others_cores"] < row["others_cores"] else {
-                        **row, "disturbed_runs": row.get("disturbed_runs", []) + [
-                            {k: again[k] for k in ("slowed", "unslowed", "others_cores")}]}
+            for contender, plan in (order[::-1] if repeat % 2 else order):
+                row, rest = harness.least_disturbed(
+                    functools.partial(run_one, m, contender, plan, steps[m], profiles[m], args),
+                    lambda r: r["others_cores"], args.retries, say)
+                if rest:
+                    row["disturbed_runs"] = [{k: r[k] for k in keep} for r in rest]
                 row["repeat"] = repeat
                 runs.append(row)
-    summary = {m: summarise(m, runs, candidates[m]) for m in models}
-    for m, s in summary.items():
-        print(f"{m}: static {s['static']:.1f}  hindsight {s['hindsight']:.1f} (split "
-              f"{s['hindsight_split']})  gap {s['gap_pct']:+.1f}%"
-              + ("" if s.get("adaptive") is None else
-                 f"  adaptive {s['adaptive']:.1f}  recovery "
-                 f"{fmt(None if s['recovery'] is None else s['recovery'] * 100, '.0f')}%"),
-              flush=True)
-    out = Path(args.out)
     meta = {"command": harness.command(),
             "cores": os.cpu_count(), "cpu": harness.machine_info()["processor"],
             "date": time.strftime("%Y-%m-%d %H:%M"), "commit": harness.git("rev-parse", "HEAD"),
@@ -609,25 +514,25 @@ def main() -> int:
             "wall_s": time.perf_counter() - began, "profiles": profile_ms, "steps": steps,
             "equal_splits": {m: p.stages[0].stop for m, p in equal.items()},
             "hetero_splits": hetero, "blocks": blocks, "candidates": candidates}
-    write(out, meta, args, runs)
-    print(f"({time.perf_counter() - began:.0f} s)", flush=True)
-    return 0
-
-
-def write(out: Path, meta: dict[str, Any], args: argparse.Namespace,
-          runs: list[dict[str, Any]]) -> None:
-    """The report (--out), the JSON beside it, the plot and the trace."""
+    out = Path(args.out)
     png, data, trace = (out.with_suffix(".png"), out.with_suffix(".json"),
                         out.with_name(out.stem + "_trace.json"))
     meta.update(png=png.name, json=data.name, trace=trace.name)
-    summary = {m: summarise(m, runs, meta["candidates"][m]) for m in meta["candidates"]}
+    summary = {m: summarise(m, runs, candidates[m]) for m in models}
+    for m, s in summary.items():
+        say(f"{m}: static {s['static']:.1f}  hindsight {s['hindsight']:.1f} (split "
+            f"{s['hindsight_split']})  gap {s['gap_pct']:+.1f}%"
+            + ("" if s.get("adaptive") is None else
+               f"  adaptive {s['adaptive']:.1f}  recovery "
+               f"{fmt(None if s['recovery'] is None else s['recovery'] * 100, '.0f')}%"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(markdown(summary, runs, meta, args))
-    data.write_text(json.dumps({"meta": meta, "args": vars(args), "summary": summary,
-                                "runs": runs}, indent=1))
+    harness.write_json(data, {"meta": meta, "args": vars(args), "summary": summary,
+                              "runs": runs})
     plot(runs, summary, args, png)
     chrome_trace(runs, trace)
-    print(f"wrote {out}, {data}, {png}, {trace}", flush=True)
+    say(f"wrote {out}, {data}, {png}, {trace} ({time.perf_counter() - began:.0f} s)")
+    return 0
 
 
 if __name__ == "__main__":

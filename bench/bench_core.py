@@ -1,21 +1,11 @@
-"""pytest-benchmark runs of the core microbenchmarks (issue 2), grouped for comparison.
+"""pytest-benchmark runs of the core microbenchmarks (issue 2); no assertions on speed.
 
-Run: `python -m pytest bench/bench_core.py --benchmark-only`
+    python -m pytest bench/bench_core.py --benchmark-only
 
-Groups (each compares the core with its baseline; bench/handoff.py and bench/ring.py give
-the interleaved, pooled figures recorded in bench/results/core.md):
-
-* `pingpong`: one round trip between two Python threads, through two ActivationQueues,
-  two bare threading.Locks (the floor) and two queue.Queues; with the threads pinned to
-  different CPUs (`split`) and to one CPU (`same`), see bench/handoff.py for why.
-* `snapshot`: WeightRing.snapshot() of a 200-tensor, 52 MB stage, a flat copy_ of the same
-  bytes, and the state_dict clone stash.
-* `handoff`: runs of 100 paced hand-offs from a producer thread to a blocked consumer; the
-  timing is dominated by the 200 µs pacing, so the latency median of each run (the figure
-  that matters) is stored in `extra_info["median_latency_us"]` (see the JSON or
-  `--benchmark-verbose`).
-
-There are no assertions on speed here: goals are judged in the results note.
+Groups: `pingpong` (a round trip between two threads: two ActivationQueues, two Locks, the
+floor, and two queue.Queues; threads pinned `split` or `same`, see bench/handoff.py);
+`snapshot` (bench/ring.py's variants); `handoff` (runs of 100 paced hand-offs; each run's
+latency median in `extra_info["median_latency_us"]`).
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """PipeDream's steady-state weight delay against the number of stages, with unit costs.
 
-The PipeDream theory paper ("Demystifying Pipeline Parallelism: First Theory for PipeDream")
-proves that the delay of steady-state PipeDream grows as S^2 - S/2 + O(1) for S stages. This
-script simulates pipedream (1F1B with weight stashing, one stage per rank) with unit costs
-(forward = backward = 1, updates and transfers 0) for S = 2..max-S, measures the delays with
-`pipedream_fast.staleness.weight_delays` (its docstring has the definition and the derivation
-of the closed form) and writes a table and a plot:
+The PipeDream theory paper proves the delay of steady-state PipeDream grows as S^2 - S/2 + O(1)
+for S stages. This simulates pipedream (one stage per rank) with unit costs for S = 2..max-S,
+N = 2S + 2 microbatches, measures the delays with `pipedream_fast.staleness.weight_delays` and
+writes a table and a plot (same name, .png):
 
     python bench/delay_law.py [--max-s 64] [--out bench/results/delay_law.md]
-
-Each S runs N = 2S + 2 microbatches: the steady state (S <= m < N - S) is then two
-microbatches, and it does not depend on N (tests/test_staleness.py). The plot goes next to
-the table, with the same name and .png.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +18,8 @@ from pathlib import Path
 from pipedream_fast.schedules import make_schedule
 from pipedream_fast.sim import UnitCosts, simulate
 from pipedream_fast.staleness import pipedream_unit_law
+
+import harness  # noqa: E402 - a sibling
 
 
 def measure(max_s: int) -> list[dict[str, float]]:
@@ -68,31 +63,20 @@ def table(rows: list[dict[str, float]], seconds: float) -> str:
 
 
 def plot(rows: list[dict[str, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     s = [r["S"] for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(s, [r["max"] for r in rows], "o", markersize=3, label="max delay (simulated)")
-    left.plot(s, [r["mean"] for r in rows], "s", markersize=3, label="mean delay (simulated)")
-    left.plot(s, [r["paper"] for r in rows], "-", linewidth=1, label="S² − S/2 (paper)")
-    left.plot(s, [r["law_mean"] for r in rows], "--", linewidth=1,
-              label="S²/2 + S/4 − 1/2 − (S mod 2)/(4S)")
-    left.set_xlabel("stages S")
-    left.set_ylabel("steady-state delay (updates)")
-    left.legend(fontsize=8)
-    left.grid(alpha=0.3)
-    right.plot(s, [r["max"] - r["paper"] for r in rows], "o", markersize=3)
-    right.set_xlabel("stages S")
-    right.set_ylabel("max delay − (S² − S/2)")
-    right.set_ylim(-1, 0.5)
-    right.grid(alpha=0.3)
-    fig.suptitle("PipeDream, unit costs: steady-state weight delay against depth")
-    fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=100)
-    plt.close(fig)
+    with harness.figure(path, 1, 2, (11, 4), dpi=100) as (fig, axes):
+        left, right = axes[0]
+        left.plot(s, [r["max"] for r in rows], "o", markersize=3, label="max delay (simulated)")
+        left.plot(s, [r["mean"] for r in rows], "s", markersize=3, label="mean delay (simulated)")
+        left.plot(s, [r["paper"] for r in rows], "-", linewidth=1, label="S² − S/2 (paper)")
+        left.plot(s, [r["law_mean"] for r in rows], "--", linewidth=1,
+                  label="S²/2 + S/4 − 1/2 − (S mod 2)/(4S)")
+        harness.axes_text(left, None, "stages S", "steady-state delay (updates)",
+                          {"fontsize": 8})
+        right.plot(s, [r["max"] - r["paper"] for r in rows], "o", markersize=3)
+        right.set_ylim(-1, 0.5)
+        harness.axes_text(right, None, "stages S", "max delay − (S² − S/2)")
+        fig.suptitle("PipeDream, unit costs: steady-state weight delay against depth")
 
 
 def main() -> int:

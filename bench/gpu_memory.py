@@ -1,14 +1,11 @@
 """Memory on the GPU: measured at the tensors, by the CUDA caching allocator, and predicted
 (issue 28, item 5; a step of bench/gpu_check.sh).
 
-Model A (cnn) and the char LM, 2 stages cut evenly by blocks, as two rank threads of one
-process on one device (NCCL refuses two ranks on one GPU): for 1f1b and gpipe with 4
-microbatches and pipedream with 1, every rank's peak as `measure_memory` counts it (the
-storages its stages hold), the simulator's prediction from a profile at the microbatch
-(`sim_memory`), and the allocator's peak for the whole device (`max_memory_allocated`, both
-ranks together: it also sees temporaries, workspaces and the re-runs of recomputation, which
-the tensor count does not). Fails when a rank's prediction is more than 10% off the tensor
-count, or the allocator's peak is below the tensors counted (it cannot be: it holds them).
+Model A and the char LM, 2 stages cut evenly, two rank threads on one device: every rank's
+peak as `measure_memory` counts it, the simulator's prediction (`sim_memory`), and the
+allocator's peak for the device (`max_memory_allocated`, both ranks; it also sees temporaries
+and workspaces). Fails when a prediction is more than 10% off the tensor count, or the
+allocator's peak is below the tensors counted.
 
     python bench/gpu_memory.py [--device cuda] [--out gpu_memory.md]
 """

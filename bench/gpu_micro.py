@@ -1,45 +1,19 @@
 """GPU microbenchmarks of the C++ core: weight-version offload and the queue's stream hand-off.
 
-Step 'micro' of bench/gpu_check.sh on a machine with one CUDA GPU (bench/ring.py and bench/handoff.py
-measure the CPU paths only). Needs a CUDA build of pipedream_fast (`_C.cuda_enabled`).
-
-(a) Weight versions of a ~256 MB stage (`--stage-mb`; Linear(1024, 1024) layers, float32):
-
-    WeightRing(offload=True).snapshot()   device -> pinned host on the ring's side stream, the
-                                          current stream waiting on an event (then release)
-    WeightRing(offload=True).tensors(v)   pinned host -> device, the fetch before a backward
-    host pageable .copy_(device)          a plain copy into ordinary (pageable) host memory
-    host pinned .copy_(device)            the same into page-locked memory
-    device .copy_(pinned host)            the way back, plain
-    WeightRing(offload=False).snapshot()  a stash on the device (device -> device), reference
-    flat device dst.copy_(src)            the device's own copy bandwidth, same bytes
-
-    Every call is timed alone: synchronize, host clock, the call, synchronize, host clock;
-    variants interleaved in `--rounds` rounds of `--reps` calls after a warm-up; medians.
-    Bandwidth: bytes copied per second, one direction (a device-to-device copy reads and
-    writes each byte, so the memory traffic is twice that).
-
-(b) Hand-off of an activation from a producer stream to a consumer stream, per hand-off:
-
-    ActivationQueue push/pop   the producer's kernel writes `out`, push([out]) records an event;
-                               pop() makes the consumer's stream wait on it; no copy
-    wait_stream + copy_        consumer.wait_stream(producer), then a copy into a buffer the
-                               consumer owns (what a hand-off without the queue would do)
-    wait_stream, no copy       consumer.wait_stream(producer), nothing else: the floor
-
-    Each variant ends with `record_stream(consumer)` on what crossed (the producer drops `out`
-    after the round). Each round: the producer stream runs `out = src * k` (k = 1, 2, ...),
-    the hand-off, the consumer stream runs `acc += received`; one thread, `--handoffs` rounds
-    per run, timed on the host with a synchronize at both ends; median of `--repeats` runs per
-    variant; sizes `--sizes-kib` (default 512 KiB, model A's 32 x 4096 activation, and 64 MiB).
-    Every run checks `acc` (a new k each round, so a stale or early read shows).
+Step 'micro' of bench/gpu_check.sh (needs a CUDA build: `_C.cuda_enabled`).
+(a) Weight versions of a `--stage-mb` stage (Linear(1024, 1024) layers): WeightRing(offload=True)
+    snapshot (device -> pinned host) and tensors(v) (the fetch back), against plain copies into
+    pageable and pinned host memory and back, an on-device ring and a flat device copy; each
+    call timed alone between synchronizes, variants in `--rounds` rounds of `--reps`; medians.
+(b) An activation from a producer stream to a consumer stream: ActivationQueue push/pop (an
+    event, no copy) against wait_stream + copy_ and wait_stream alone (the floor), each ending
+    with record_stream; `--handoffs` rounds of `out = src * k`, hand-off, `acc += received`
+    (checked) per run, median of `--repeats` runs, per size in `--sizes-kib`.
 
     python bench/gpu_micro.py [--out FILE.md]
     python bench/gpu_micro.py --device cpu --stage-mb 8 --sizes-kib 64   # smoke test, no GPU
 
-On the CPU (`--device cpu`) the CUDA-only rows are left out and streams are no-ops: only the
-harness and the calls are exercised. Each part stays well under a minute on one H200 with
-the defaults. Exit status: 0, 1 when a check failed, 2 when the device is not there.
+Exit status: 0, 1 when a check failed, 2 when the device is not there.
 """
 
 from __future__ import annotations

@@ -1,40 +1,20 @@
 """Model A as a 2-stage pipeline on one device, against a single-process reference.
 
-Step 'pipeline' of bench/gpu_check.sh on a machine with one CUDA GPU. It runs on the CPU too
-(`--device cpu`, tiny sizes), so the comparison logic can be tried on any machine first.
+Step 'pipeline' of bench/gpu_check.sh; `--device cpu` (tiny sizes) tries it anywhere. Model A
+(`build_cnn`) cut at block 6, SGD lr 0.01, `--schedule` 1f1b, `--chunks` microbatches, over two
+transports (`--transports`): `threads` (LocalPipeline: both ranks as threads, activation queues)
+and `procs` (`pipedream-fast run --nproc 2`: NCCL on cuda, gloo on cpu; NCCL refusing two ranks
+on one GPU is reported 'refused', not a failure).
 
-Model A is `pipedream_fast.models.build_cnn()` (6 convolutions, 3 linear layers, 35 M
-parameters), cut at block 6 (convolutions | linear layers, as bench/model_a.py), trained with
-SGD lr 0.01 under the `1f1b` schedule (`--schedule`), `--chunks` microbatches per minibatch.
-Two transports carry the pipeline (`--transports`, default both, threads first):
-
-  procs    two rank processes (`pipedream-fast run --nproc 2`), both on `--device`: NCCL on
-           cuda, gloo on cpu. With one GPU both ranks share cuda:0, which NCCL refuses
-           (ncclInvalidUsage, "Duplicate GPU detected"): that outcome is reported as
-           'refused', not as a failure. gloo is not tried with CUDA tensors: its send/recv
-           hand the tensor's raw pointer to its TCP transport (no CUDA point-to-point).
-  threads  `LocalPipeline`: both ranks as threads of this process; tensors are handed over
-           on the C++ activation queues (on CUDA: an event per hand-off, no copy).
-           LocalPipeline takes no device and moves the first stage's inputs to the CPU; this
-           script binds its data source to `--device` (`local_inputs_on`).
-
-Correctness: each transport trains `--check-steps` minibatches from the same initial weights;
-1f1b is exactly minibatch SGD with gradient accumulation, so the final weights must equal
-single-process training with the same accumulation, within the test suite's tolerance (atol
-2e-5, rtol 1e-4). cuDNN runs deterministic and TF32 is off for this part; the weights must
-also have moved by far more than the tolerance (a check with teeth).
-
-Throughput: `--steps` minibatches of `--batch` samples, the clock started after `--warmup`
-steps, default numerics (TF32 as torch sets it): a single process on the whole minibatch, a
-single process with the same gradient accumulation, and each pipeline transport that ran
-(the last stage's clock). The minibatch starts on the host in every contender (one host-to-
-device copy per minibatch or microbatch), as a data loader's would.
+Correctness: after `--check-steps` minibatches the weights must equal single-process training
+with the same gradient accumulation (atol 2e-5, rtol 1e-4; deterministic cuDNN, no TF32), and
+must have moved by far more than that. Throughput: samples/s after `--warmup` of `--steps`
+minibatches (host-side data), single process whole and accumulated, and each transport.
 
     python bench/gpu_pipeline.py [--device cuda] [--transports threads,procs] [--out FILE.md]
     python bench/gpu_pipeline.py --device cpu --batch 8 --check-steps 2 --steps 3 --warmup 1
 
-Exit status: 0 when every transport that ran matched the reference and at least one ran;
-1 when one differed or failed; 2 when the device is not there.
+Exit status: 0 when every transport that ran matched and one ran; 1 otherwise; 2: no device.
 """
 
 from __future__ import annotations
@@ -170,37 +150,49 @@ def timed(steps_done: Iterator[Any], batch: int, steps: int, warmup: int,
     return batch * (steps - warmup) / (time.perf_counter() - start)
 
 
-# ---- transport 'threads': LocalPipeline ---------------------------------------------------------
+# ---- the transports ----------------------------------------------------------------------------
+
+def check_then_time(make: Callable[[], Any], args: argparse.Namespace, device: torch.device,
+                    close: bool) -> dict[str, Any]:
+    """The check run (strict numerics: losses, weights) and the timed run, each on a fresh
+    pipeline from `make`."""
+    numerics(device, strict=True)
+    pipe = make()
+    out: dict[str, Any] = {"losses": [
+        float(loss) for loss in pipe.train(check_batches(args.batch, args.check_steps),
+                                           steps=args.check_steps) if loss is not None]}
+    state = pipe.state_dict()  # Pipeline: collective, the whole model on rank 0
+    if state is not None:
+        out["state"] = cpu_state(state)
+    if close:
+        pipe.close()
+    numerics(device, strict=False)
+    pipe = make()
+    out["rate"] = timed(pipe.train(timing_batches(args.batch, args.steps), steps=args.steps),
+                        args.batch, args.steps, args.warmup, device)
+    if close:
+        pipe.close()
+    return out
+
 
 def run_threads(args: argparse.Namespace, device: torch.device) -> Outcome:
+    """LocalPipeline, both rank threads on `device` (PipelineOptions.device)."""
     from pipedream_fast.local_pipeline import LocalPipeline
 
     outcome = Outcome("threads", "LocalPipeline: 2 ranks as threads of one process, "
                                  "activation queues, both stages on " + str(device))
-    # Both rank threads on `device` (PipelineOptions.device).
-    numerics(device, strict=True)
-    pipe = LocalPipeline(model_a().to(device), loss_fn, sgd, plan_for(args.batch, args.schedule),
-                         schedule=args.schedule, chunks=args.chunks, timeout=args.timeout,
-                         device=str(device))
-    outcome.losses = [float(loss) for loss in
-                      pipe.train(check_batches(args.batch, args.check_steps),
-                                 steps=args.check_steps)]
-    outcome.state = cpu_state(pipe.state_dict())
-    numerics(device, strict=False)
-    pipe = LocalPipeline(model_a().to(device), loss_fn, sgd, plan_for(args.batch, args.schedule),
-                         schedule=args.schedule, chunks=args.chunks, timeout=args.timeout,
-                         device=str(device))
-    outcome.rate = timed(pipe.train(timing_batches(args.batch, args.steps), steps=args.steps),
-                         args.batch, args.steps, args.warmup, device)
+    got = check_then_time(lambda: LocalPipeline(
+        model_a().to(device), loss_fn, sgd, plan_for(args.batch, args.schedule),
+        schedule=args.schedule, chunks=args.chunks, timeout=args.timeout, device=str(device)),
+        args, device, close=False)
+    outcome.losses, outcome.state, outcome.rate = got["losses"], got.get("state"), got["rate"]
     outcome.status = "ran"
     return outcome
 
 
-# ---- transport 'procs': two rank processes ------------------------------------------------------
-
 def rank_main(args: argparse.Namespace) -> int:
-    """One rank under `pipedream-fast run` (RANK, WORLD_SIZE, MASTER_* set): trains the check
-    run and the timed run, writes its results to --result-dir/rank<N>.pt."""
+    """One rank under `pipedream-fast run`: the check and timed runs, its results written to
+    --result-dir/rank<N>.pt."""
     import torch.distributed as dist
 
     from pipedream_fast.pipeline import Pipeline
@@ -214,27 +206,12 @@ def rank_main(args: argparse.Namespace) -> int:
     backend = "nccl" if device.type == "cuda" else "gloo"
     print(f"rank {rank}: {backend} on {device}", flush=True)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
-    result: dict[str, Any] = {"backend": backend}
     try:
-        numerics(device, strict=True)
-        pipe = Pipeline(model_a(), loss_fn, sgd, plan=plan_for(args.batch, args.schedule),
-                        schedule=args.schedule, chunks=args.chunks, timeout=args.timeout,
-                        device=device)
-        result["losses"] = [float(loss) for loss in
-                            pipe.train(check_batches(args.batch, args.check_steps),
-                                       steps=args.check_steps) if loss is not None]
-        state = pipe.state_dict()  # collective: the whole model on rank 0
-        if state is not None:
-            result["state"] = cpu_state(state)
-        pipe.close()
-        numerics(device, strict=False)
-        pipe = Pipeline(model_a(), loss_fn, sgd, plan=plan_for(args.batch, args.schedule),
-                        schedule=args.schedule, chunks=args.chunks, timeout=args.timeout,
-                        device=device)
-        result["rate"] = timed(pipe.train(timing_batches(args.batch, args.steps), steps=args.steps),
-                               args.batch, args.steps, args.warmup, device)
-        pipe.close()
-        torch.save(result, Path(args.result_dir) / f"rank{rank}.pt")
+        result = check_then_time(lambda: Pipeline(
+            model_a(), loss_fn, sgd, plan=plan_for(args.batch, args.schedule),
+            schedule=args.schedule, chunks=args.chunks, timeout=args.timeout, device=device),
+            args, device, close=True)
+        torch.save({"backend": backend, **result}, Path(args.result_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
     return 0
@@ -251,9 +228,7 @@ def run_procs(args: argparse.Namespace, device: torch.device) -> Outcome:
                    PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [
                        os.environ.get("PYTHONPATH")] if p]))
         print("$ " + " ".join(cmd), flush=True)
-        # Same process group as this script (a `timeout` around it reaches the ranks too). On
-        # our own timeout, SIGTERM: the launcher forwards it to the ranks and kills them after
-        # its grace period; the ranks die with the launcher in any case (PR_SET_PDEATHSIG).
+        # On our timeout, SIGTERM: the launcher forwards it to the ranks (PR_SET_PDEATHSIG).
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env, cwd=ROOT)
         try:
@@ -284,7 +259,7 @@ def run_procs(args: argparse.Namespace, device: torch.device) -> Outcome:
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     outcome.state = ranks[0].get("state")
     outcome.losses = ranks[-1].get("losses", [])
-    outcome.rate = ranks[-1]["rate"]  # the last stage's clock, as bench/model_a.py
+    outcome.rate = ranks[-1]["rate"]  # the last stage's clock
     outcome.status = "ran"
     return outcome
 

@@ -1,49 +1,21 @@
 """The zoo's transformers through `Pipeline` on a CUDA GPU with NCCL, against a one-process loop.
 
-Step 'zoo' of bench/gpu_check.sh. The models are the test zoo's (tests/zoo: a nanoGPT-style
-GPT, Hugging Face Llama, GPT-2 and BERT, tiny configs, no downloaded weights), unedited, each
-computing its own loss (`loss_fn=None`): `Pipeline(model, loss_fn=None, optimizer=SGD(lr 0.01,
-momentum 0.9), split_points=["<second layer>"], schedule="1f1b", chunks=2)` on 2 rank
-processes, `--steps` minibatches of 8; every step's loss must equal the same model trained
-by a one-process loop on the same device with the same 2-way gradient accumulation (relative
-difference within --rtol), and the tied embedding (first stage) and head (last stage) must
-still be one weight (identical on both ranks) at the end.
+Step 'zoo' of bench/gpu_check.sh. The test zoo's models (tests/zoo: nanoGPT, Hugging Face Llama,
+GPT-2, BERT; tiny configs), unedited, `loss_fn=None`, split before the second layer, 1f1b, 2
+microbatches, SGD lr 0.01 momentum 0.9, on 2 rank processes for `--steps` minibatches of 8:
+every step's loss must equal the one-process loop's on the same device with the same gradient
+accumulation (relative, within RTOL), and the tied embedding and head must stay one weight.
 
-Where the ranks go (`--device cuda`):
-
-  >= 2 GPUs  one rank per GPU, NCCL, Pipeline's default device (cuda:LOCAL_RANK): layout
-             'pipeline', the check.
-  1 GPU      NCCL allows one rank per GPU: with both ranks on cuda:0 it refuses the
-             communicator ("Duplicate GPU detected : rank 1 and rank 0 both on CUDA device
-             ..."); and with the default device, rank 1's is cuda:1, which does not exist.
-             What one GPU does allow carries the check, first:
-               'one-rank'        1 rank, NCCL, cuda:0, stages=1 (the model captured and
-                                 trained by the executor on the GPU; no cut, no transfers),
-                                 its losses against the loop;
-             then both two-rank set-ups are tried and reported as what Pipeline does there:
-               'pipeline'        2 ranks, NCCL, device="cuda:0" on both: expected to be
-                                 refused by NCCL (reported 'refused', not a failure; were
-                                 it to run, it is checked like the rest)
-               'default-device'  2 ranks, NCCL, device left to Pipeline (LOCAL_RANK):
-                                 expected to fail on rank 1 (no cuda:1); informational, one
-                                 model, a short --probe-timeout, its message recorded.
-             Each layout's job is stopped after --layout-timeout (a rank stuck in NCCL's
-             set-up ends only that way); the report is rewritten after each layout.
-  --device cpu   the same 'pipeline' check with gloo on the CPU (to try this script
-                 anywhere; the tolerance is then 1e-5).
-
-Every layout is a job of its own (`pipedream_fast.launch`), every model on a fresh process
-group, so a failure of one does not hide the others. Models whose packages are missing
-(transformers; torchvision, which the zoo imports first) are reported as skipped: nanoGPT
-then runs from tests/zoo/gpt.py alone.
+Layouts: >= 2 GPUs, 'pipeline' (one rank per GPU). 1 GPU: 'one-rank' (1 rank, stages=1: the
+check), then 'pipeline' (both ranks on cuda:0: NCCL refuses it, reported 'refused') and
+'default-device' (informational: rank 1 has no cuda:1). `--device cpu`: 'pipeline' on gloo.
+Each layout is a job of its own, stopped after --layout-timeout; models whose packages are
+missing are skipped (nanoGPT then runs from tests/zoo/gpt.py alone).
 
     python bench/gpu_zoo.py [--device cuda] [--models nanogpt,llama,gpt2,bert] [--steps 3]
                             [--timeout 60] [--out FILE.md]
-    python bench/gpu_zoo.py --device cpu
 
-Exit status: 0 when every layout that ran matched the loop on every model it ran, a check
-layout ('pipeline' or, on one GPU, 'one-rank') ran at least one model, and no model failed;
-1 otherwise; 2 when the device is not there.
+Exit status: 0 when every check layout matched the loop and one ran; 1 otherwise; 2: no device.
 """
 
 from __future__ import annotations
@@ -376,14 +348,13 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, device: torch
              f"within {rtol:g} (relative) of the loop on {device} with the same gradient "
              f"accumulation (no TF32), and the tied embedding and head identical on both ranks "
              f"(within {TIED_TOL:g}).", "",
-             "Layouts: " + "; ".join(f"'{lay.name}' = {lay.what}" for lay in layouts) + ".", "",
-             "| layout | model | outcome | max loss rel diff | tied drift | time | note |",
-             "| --- | --- | --- | ---: | ---: | --- | --- |"]
-    for r in rows:
-        lines.append(f"| {r.layout} | {r.model} | {r.outcome} | "
-                     f"{'' if r.loss_rel_diff is None else f'{r.loss_rel_diff:.1e}'} | "
-                     f"{'' if r.tied_rel_diff is None else f'{r.tied_rel_diff:.1e}'} | "
-                     f"{r.timing} | {r.note.replace('|', '/')} |")
+             "Layouts: " + "; ".join(f"'{lay.name}' = {lay.what}" for lay in layouts) + ".", ""]
+    lines += harness.markdown_table(
+        ["layout", "model", "outcome", "max loss rel diff", "tied drift", "time", "note"],
+        [(r.layout, r.model, r.outcome, harness.fmt(r.loss_rel_diff, ".1e", ""),
+          harness.fmt(r.tied_rel_diff, ".1e", ""), r.timing, r.note.replace("|", "/"))
+         for r in rows], left=3)
+    lines[-len(rows) - 1] = "| --- | --- | --- | ---: | ---: | --- | --- |"
     lines += ["", f"Result: {'PASS' if passed else 'FAIL'}" if final else
               "Result: (incomplete: the run did not finish)"]
     report = "\n".join(lines) + "\n"

@@ -1,31 +1,17 @@
-"""Hand-off benchmarks of the activation queue (issue 2), side by side with Python's own tools.
+"""Hand-off benchmarks of the activation queue (issue 2), against Python's own tools.
 
-Two questions, each against the baseline the issue names:
+(a) Latency from a native producer thread (`ThreadedProducer`, bench/native_ext.py's bench-only
+    extension, one bundle every `interval_us`) to a Python consumer blocked in `pop`, against
+    `queue.Queue` fed by a Python thread; both stamps on CLOCK_MONOTONIC (`check_clocks`).
+    Goal: median at most half of queue.Queue's. A split run divides the queue's latency into
+    the consumer's wake-up (`stats()['pop_wait_s']`) and what follows (mutex, GIL, Bundle).
+(b) Round trip between two Python threads through two ActivationQueues, against two bare
+    `threading.Lock`s (the floor) and two `queue.Queue`s. Goal: within 10% of the Lock floor.
 
-(a) Latency from a native producer thread (what the communication engine will be) to a
-    Python consumer already blocked in `pop`: `ThreadedProducer` (bench/csrc, a bench-only
-    extension that bench/native_ext.py builds on first use) pushes one bundle every
-    `interval_us`, the consumer takes `_C.now_ns()` when `pop` returns and subtracts the
-    bundle's `enqueued_ns`. Baseline: `queue.Queue` fed by a Python thread that sleeps the
-    same interval and stamps `time.monotonic_ns()` right before `put`. Both stamps come from
-    CLOCK_MONOTONIC (`_C.now_ns` is std::chrono::steady_clock); `check_clocks()` verifies it.
-    Goal: median at most half of queue.Queue's.
-(b) Round trip between two Python threads through two ActivationQueues, against the floor
-    of two bare `threading.Lock`s handed back and forth, and against two `queue.Queue`s.
-    Goal: within 10% of the Lock floor.
-
-Where the two threads run decides most of the figure on a small VM (a wake-up across
-vCPUs costs tens of µs, one on the same vCPU a few), so each comparison is made under three
-placements: `split` (the two threads pinned to different CPUs: the production case of a
-communication thread feeding a compute thread), `same` (both pinned to one CPU) and `free`
-(the scheduler decides). The variants run interleaved, `repeats` times each, and samples
-are pooled, so load from other processes hits all of them alike. For (a) the script also
-splits the queue's latency into the consumer's wake-up (from `stats()['pop_wait_s']`) and
-what follows it (mutex, GIL, the Bundle's conversion to Python), which is what the result
-note discusses.
-
-Run: `python bench/handoff.py` (writes its section of bench/results/core.md; `--no-write`
-only prints). `write_results_section` is shared with bench/ring.py.
+Each under three placements of the two threads (a wake-up across vCPUs costs tens of µs):
+`split` (pinned to different CPUs), `same` (one CPU), `free`; variants interleaved, `repeats`
+times each, samples pooled. `python bench/handoff.py` writes its section of
+bench/results/core.md (`--no-write`: print only).
 """
 
 from __future__ import annotations
@@ -41,14 +27,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pipedream_fast import _C
 
-# A script next to this one: bench/ is on sys.path when run as `python bench/handoff.py`.
+import harness  # noqa: E402 - siblings
 import native_ext  # the bench-only extension with ThreadedProducer, built on first use
 
 RESULTS = Path(__file__).resolve().parent / "results" / "core.md"
@@ -57,18 +43,12 @@ RESULTS = Path(__file__).resolve().parent / "results" / "core.md"
 # ---- clocks ----------------------------------------------------------------------------------
 
 def check_clocks(samples: int = 1000) -> int:
-    """Checks that `_C.now_ns()` reads the same clock as `time.monotonic_ns()`.
-
-    Returns the largest gap seen between a `now_ns()` reading and the monotonic readings
-    that bracket it (0 when it always lies between them). Raises if the clocks disagree.
-    """
+    """The largest gap between a `_C.now_ns()` reading and the `time.monotonic_ns()` readings
+    that bracket it (0: always between them); raises if the two clocks disagree."""
     worst = 0
     for _ in range(samples):
-        before = time.monotonic_ns()
-        native = _C.now_ns()
-        after = time.monotonic_ns()
-        gap = max(before - native, native - after, 0)
-        worst = max(worst, gap)
+        before, native, after = time.monotonic_ns(), _C.now_ns(), time.monotonic_ns()
+        worst = max(worst, before - native, native - after)
     if worst > 1_000_000:
         raise RuntimeError(f"_C.now_ns() is not time.monotonic_ns(): off by {worst} ns; "
                            "latency across the two clocks would be meaningless")
@@ -87,13 +67,9 @@ def _nothing() -> None:
 
 @contextlib.contextmanager
 def placement(kind: str) -> Iterator[Started]:
-    """Pins this thread and the partner thread it starts inside the block.
-
-    A new thread (Python or native) inherits the CPU mask of the thread that creates it. In
-    the block this thread first runs on CPU b, so the partner it starts lands on b; calling
-    the yielded function after the start moves this thread to CPU a (`split`) or leaves it
-    on b (`same`). `free`, or a machine with one CPU, pins nothing.
-    """
+    """Pins this thread and the partner it starts in the block: a new thread inherits its
+    creator's CPU mask, so the partner lands on CPU b; the yielded function, called after the
+    start, moves this thread to CPU a (`split`) or leaves it on b (`same`)."""
     cpus = sorted(os.sched_getaffinity(0))
     if kind == "free" or len(cpus) < 2:
         yield _nothing
@@ -145,14 +121,8 @@ def python_to_python_queue(count: int, interval_us: int, payload: list[torch.Ten
 
 def split_native_latency(count: int, interval_us: int, payload: list[torch.Tensor],
                          started: Started = _nothing) -> tuple[list[int], list[int]]:
-    """Splits each native hand-off into (wake-up, after wake-up) in ns.
-
-    The queue's pop_wait counter grows by the time a pop spent blocked, measured in C++ from
-    the start of the wait to the return of the condition-variable wait. The consumer notes
-    `now_ns()` before `pop`, so `start + waited` is when the wait ended: wake-up is that
-    minus `enqueued_ns`, the rest is releasing the mutex, taking the GIL and converting the
-    Bundle. Hand-offs that found the queue non-empty (no wait) are left out.
-    """
+    """Each native hand-off as (wake-up, after wake-up) in ns: the pop's blocked time (its
+    pop_wait growth) ends the wait at `start + waited`; hand-offs without a wait are left out."""
     q = _C.ActivationQueue(4, "split")
     producer = native_ext.load().ThreadedProducer(q, payload, count, interval_us)
     started()
@@ -241,18 +211,9 @@ def summary_us(samples: list[int]) -> dict[str, float]:
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__} "
-            f"({torch.get_num_threads()} intra-op threads), load average at start {load}")
+    return (f"{harness.machine()}, {platform.system()} {platform.release()}, "
+            f"{torch.get_num_threads()} intra-op threads, load average at start {load}")
 
 
 def write_results_section(key: str, markdown: str, path: Path = RESULTS) -> None:
@@ -271,12 +232,10 @@ def write_results_section(key: str, markdown: str, path: Path = RESULTS) -> None
 
 
 def table(rows: list[tuple[str, dict[str, float]]]) -> str:
-    lines = ["| variant | median µs | p10 µs | p90 µs | samples |",
-             "| --- | ---: | ---: | ---: | ---: |"]
-    for name, s in rows:
-        lines.append(f"| {name} | {s['median']:.1f} | {s['p10']:.1f} | {s['p90']:.1f} "
-                     f"| {int(s['n'])} |")
-    return "\n".join(lines)
+    return "\n".join(harness.markdown_table(
+        ["variant", "median µs", "p10 µs", "p90 µs", "samples"],
+        [(n, f"{s['median']:.1f}", f"{s['p10']:.1f}", f"{s['p90']:.1f}", int(s["n"]))
+         for n, s in rows]))
 
 
 def measure(count: int, interval_us: int, rounds: int, repeats: int,
@@ -327,63 +286,47 @@ def verdicts(s: dict[str, dict[str, float]], spin: bool = False) -> tuple[float,
 
 def run(count: int, interval_us: int, rounds: int, repeats: int, spin_us: float) -> str:
     """Measures everything and returns the markdown section."""
-    clock_gap = check_clocks()
-    setting = machine()
+    clock_gap, setting = check_clocks(), machine()
     placements = PLACEMENTS if len(os.sched_getaffinity(0)) >= 2 else ("free",)
     pooled = measure(count, interval_us, rounds, repeats, placements, spin_us)
     stats = {pl: {k: summary_us(v) for k, v in got.items()} for pl, got in pooled.items()}
-
-    summary = [("| placement | (a) ActivationQueue µs | (a) queue.Queue µs "
-                "| (a) ratio, goal <= 0.50 | (b) ActivationQueue µs | (b) Lock floor µs "
-                "| (b) queue.Queue µs | (b) ratio, goal <= 1.10 "
-                f"| (a) spin {spin_us:g} µs | (a) ratio | (b) spin {spin_us:g} µs | (b) ratio |"),
-               "| --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | --- | ---: | --- |"]
-    details = []
+    spin = f"spin {spin_us:g} µs"
+    summary, details = [], []
     for pl, s in stats.items():
-        ratio_a, goal_a, ratio_b, goal_b = verdicts(s)
-        spin_a, spin_goal_a, spin_b, spin_goal_b = verdicts(s, spin=True)
-        summary.append(f"| {pl} | {s['native']['median']:.1f} | {s['queue']['median']:.1f} "
-                       f"| **{ratio_a:.2f}** {goal_a} | {s['aq']['median']:.1f} "
-                       f"| {s['lock']['median']:.1f} | {s['pyq']['median']:.1f} "
-                       f"| **{ratio_b:.2f}** {goal_b} | {s['native_spin']['median']:.1f} "
-                       f"| **{spin_a:.2f}** {spin_goal_a} | {s['aq_spin']['median']:.1f} "
-                       f"| **{spin_b:.2f}** {spin_goal_b} |")
-        details += [
-            f"#### placement `{pl}`",
-            "",
-            table([
-                ("(a) ActivationQueue, C++ ThreadedProducer", s["native"]),
-                ("(a) queue.Queue, Python producer thread", s["queue"]),
-                ("(a) split run: consumer wake-up (C++ side)", s["wake"]),
-                ("(a) split run: after wake-up (mutex, GIL, Bundle to Python)", s["after"]),
-                ("(b) round trip, two ActivationQueues", s["aq"]),
-                ("(b) round trip, two threading.Lock (floor)", s["lock"]),
-                ("(b) round trip, two queue.Queue", s["pyq"]),
-                (f"(a) ActivationQueue with spin_us={spin_us:g}", s["native_spin"]),
-                (f"(b) round trip, two ActivationQueues with spin_us={spin_us:g}", s["aq_spin"]),
-            ]),
-            "",
-        ]
-    command = (f"python bench/handoff.py --count {count} --interval-us {interval_us} "
-               f"--rounds {rounds} --repeats {repeats} --spin-us {spin_us:g}")
+        ra, ga, rb, gb = verdicts(s)
+        sa, sga, sb, sgb = verdicts(s, spin=True)
+        med = {k: f"{v['median']:.1f}" for k, v in s.items()}
+        summary.append([pl, med["native"], med["queue"], f"**{ra:.2f}** {ga}", med["aq"],
+                        med["lock"], med["pyq"], f"**{rb:.2f}** {gb}", med["native_spin"],
+                        f"**{sa:.2f}** {sga}", med["aq_spin"], f"**{sb:.2f}** {sgb}"])
+        details += [f"#### placement `{pl}`", "", table([(label, s[key]) for label, key in (
+            ("(a) ActivationQueue, C++ ThreadedProducer", "native"),
+            ("(a) queue.Queue, Python producer thread", "queue"),
+            ("(a) split run: consumer wake-up (C++ side)", "wake"),
+            ("(a) split run: after wake-up (mutex, GIL, Bundle to Python)", "after"),
+            ("(b) round trip, two ActivationQueues", "aq"),
+            ("(b) round trip, two threading.Lock (floor)", "lock"),
+            ("(b) round trip, two queue.Queue", "pyq"),
+            (f"(a) ActivationQueue with spin_us={spin_us:g}", "native_spin"),
+            (f"(b) round trip, two ActivationQueues with spin_us={spin_us:g}", "aq_spin"))]), ""]
+    header = ["placement", "(a) ActivationQueue µs", "(a) queue.Queue µs",
+              "(a) ratio, goal <= 0.50", "(b) ActivationQueue µs", "(b) Lock floor µs",
+              "(b) queue.Queue µs", "(b) ratio, goal <= 1.10", f"(a) {spin}", "(a) ratio",
+              f"(b) {spin}", "(b) ratio"]
+    table_lines = harness.markdown_table(header, summary)
+    table_lines[1] = "| --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | --- | ---: | --- |"
     return "\n".join([
-        "## Queue hand-off (bench/handoff.py)",
-        "",
-        f"Command: `{command}`  ",
+        "## Queue hand-off (bench/handoff.py)", "",
+        f"Command: `python bench/handoff.py --count {count} --interval-us {interval_us} "
+        f"--rounds {rounds} --repeats {repeats} --spin-us {spin_us:g}`  ",
         f"Machine: {setting}  ",
-        (f"Clock check: `_C.now_ns()` always lay within {clock_gap} ns of the bracketing "
-         "`time.monotonic_ns()` readings (same CLOCK_MONOTONIC).  "),
-        (f"(a): one-way latency, producer thread -> Python consumer blocked in pop, "
-         f"{interval_us} µs between pushes, payload one 64x64 float tensor. "
-         "(b): round trip between two Python threads. Placements: `split` = the two threads "
-         "pinned to different CPUs, `same` = both on one CPU, `free` = unpinned."),
-        "",
-        "\n".join(summary),
-        "",
-        "### Distributions",
-        "",
-        *details,
-    ]).rstrip()
+        f"Clock check: `_C.now_ns()` always lay within {clock_gap} ns of the bracketing "
+        "`time.monotonic_ns()` readings (same CLOCK_MONOTONIC).  ",
+        f"(a): one-way latency, producer thread -> Python consumer blocked in pop, "
+        f"{interval_us} µs between pushes, payload one 64x64 float tensor. "
+        "(b): round trip between two Python threads. Placements: `split` = the two threads "
+        "pinned to different CPUs, `same` = both on one CPU, `free` = unpinned.", "",
+        *table_lines, "", "### Distributions", "", *details]).rstrip()
 
 
 def publish(key: str, section: str, write: bool) -> None:

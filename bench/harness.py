@@ -1,26 +1,27 @@
 """What every benchmark here shares: interleaved repeats, medians with their spread, a rank's
-clock and the other processes' share of the machine, the machine's notes, and the results files.
+clock and the other processes' share of the machine, the machine's notes, and the results files
+(markdown tables, JSON, plots).
 
-Only ratios measured side by side mean anything on a shared machine (one thread trained the
-same model at 61 samples/s on one machine and 106 on another, and a machine's speed drifts
-within minutes). So drivers are never run one after the other in blocks: `alternate` runs
-them in rounds, A B then B A then A B ..., each round's first driver swapping, after a
-warm-up round that is not counted, and the ratio of two drivers is taken round by round
-(`paired_ratio`), so a slow minute slows both sides of the ratios it touches.
+Only ratios measured side by side mean anything on a shared machine (its speed drifts within
+minutes). So drivers are never run in blocks: `alternate` runs them in rounds, A B then B A ...,
+after a warm-up round that is not counted, and `paired_ratio` takes ratios round by round, so a
+slow minute slows both sides of the ratios it touches.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -240,10 +241,11 @@ def command() -> str:
     return "python " + " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]])
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    """A markdown table's lines: the first column left, the others right."""
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]],
+                   left: int = 1) -> list[str]:
+    """A markdown table's lines: the first `left` columns left-aligned, the others right."""
     return (["| " + " | ".join(header) + " |",
-             "| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |"]
+             "| " + " | ".join(["---"] * left + ["---:"] * (len(header) - left)) + " |"]
             + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
@@ -269,4 +271,88 @@ def write_results(path: str | os.PathLike[str], title: str, intro: Sequence[str]
     lines += ["", *outro] if outro else []
     Path(path).write_text("\n".join(lines) + "\n")
     if data is not None:
-        Path(path).with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+        write_json(Path(path).with_suffix(".json"), data)
+
+
+def write_json(path: str | os.PathLike[str], data: Any, indent: int | None = 1) -> None:
+    """`data` as JSON at `path` (its folder made), non-finite floats as null."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(plain(data), indent=indent) + "\n")
+
+
+def plain(value: Any) -> Any:
+    """A JSON-able copy: tuples as lists, keys as strings, non-finite floats as None, a
+    one-element tensor as its number, any other object as its string."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (int, str, bool)) or value is None:
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return str(value)
+
+
+@contextlib.contextmanager
+def figure(path: str | os.PathLike[str], rows: int = 1, cols: int = 1,
+           size: tuple[float, float] = (8, 5), dpi: int = 110) -> Iterator[Any]:
+    """matplotlib (Agg) axes, `rows` x `cols` (a 2-D array), saved to `path` on leaving."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        fig.savefig(os.fspath(path), dpi=dpi)
+    finally:
+        plt.close(fig)
+
+
+def axes_text(ax: Any, title: str | None, xlabel: str, ylabel: str, legend: Any = None,
+              grid: float | None = 0.3) -> None:
+    """An axes' title, labels, legend (`legend`: its keyword arguments; None: none) and grid."""
+    if title is not None:
+        ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if legend is not None:
+        ax.legend(**legend)
+    if grid is not None:
+        ax.grid(True, alpha=grid)
+
+
+# ---- runs disturbed by other processes -----------------------------------------------------
+
+DISTURBED = 0.25  # cores other processes took during a run beyond which it is run again
+
+
+def least_disturbed(run: Callable[[], T], others: Callable[[T], float], retries: int,
+                    say: Callable[[str], None] = print, deadline: float | None = None
+                    ) -> tuple[T, list[T]]:
+    """`run()`, and again while other processes took more than DISTURBED cores during it (up
+    to `retries` more times, and before the monotonic `deadline`): the least disturbed run
+    and the others."""
+    best, rest = run(), []
+    for _ in range(retries):
+        if others(best) <= DISTURBED or (deadline is not None and time.monotonic() >= deadline):
+            break
+        say(f"    other processes took {others(best):.2f} cores: again")
+        again = run()
+        best, worse = (again, best) if others(again) < others(best) else (best, again)
+        rest.append(worse)
+    return best, rest
+
+
+def say(*parts: Any) -> None:
+    """print, flushed (a benchmark's progress shows as it runs)."""
+    print(*parts, flush=True)
+
+
+def fmt(value: float | None, spec: str = ".1f", none: str = "-") -> str:
+    """`value` formatted by `spec`, or `none`."""
+    return none if value is None else format(value, spec)

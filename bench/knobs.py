@@ -1,38 +1,31 @@
 """The core's speed knobs (`pipedream_fast.Tuning`) on model A, one knob at a time.
 
-Model A (`pipedream_fast.models.build_cnn`), batch 32, 2 ranks of one torch thread each, gloo
-on loopback. queue_depth, spin_us, recv_pool and weight_slots are swept with schedule
-`pipedream` on 2 stages cut conv | fc (block 6, bench/vs_ddp.py's MODEL_A_SPLIT), one 32-sample
-microbatch per step; bucket_mb with `data-parallel` (the whole model replicated on both ranks,
-chunks=2: 16 samples per rank and step), the only configuration that has buckets.
-offload_stash needs GPUs: it is measured (pipedream on 2 GPUs, NCCL) only where there are 2
-GPUs and a CUDA build of the core; otherwise its row says so.
-
-Every configuration runs in the same two processes, in rounds: each round runs every value of
-every knob once, the values of one knob side by side, so a drift of a shared machine hits
-them alike. A figure is the median over the rounds of steady-state samples/s (the clock starts
-after the warm-up steps; the slower rank's clock), with its ratio to the knob's default.
+Model A, batch 32, 2 ranks of one torch thread, gloo on loopback. queue_depth, spin_us,
+recv_pool and weight_slots are swept with `pipedream` on 2 stages cut conv | fc (one 32-sample
+microbatch per step); bucket_mb with `data-parallel` (chunks=2), the only configuration with
+buckets; offload_stash only where there are 2 GPUs and a CUDA build. All configurations run in
+the same two processes in rounds (each round every value of every knob once); a figure is the
+median over the rounds of steady-state samples/s (the slower rank's clock after the warm-up),
+with its ratio to the knob's default.
 
     python bench/knobs.py [--steps 20] [--rounds 3] [--quick] [--out bench/results/knobs.md]
 
---quick: 6 measured steps, 2 rounds and at most 3 values per knob (the whole sweep in under
-4 minutes on 2 cores). --out writes the table there and the figures to knobs.json beside it.
+--quick: 6 measured steps, 2 rounds, at most 3 values per knob. --out writes the table there
+and the figures to knobs.json beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -42,6 +35,9 @@ from pipedream_fast.formats import Plan, StagePlan
 from pipedream_fast.launch import launch
 from pipedream_fast.models import build_cnn
 from pipedream_fast.training import build_schedule
+
+import harness  # noqa: E402 - a sibling
+from vs_ddp import fixed_batch  # noqa: E402 - a sibling (the same batch of 32)
 
 BATCH = 32
 WARMUP = 3
@@ -100,11 +96,6 @@ def describe(knob: Knob, value: Any, steps: int) -> str:
 
 # ---- the ranks -------------------------------------------------------------------------------
 
-def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
-
-
 def timed_run(schedule: str, tuning: Tuning, steps: int) -> float:
     """Seconds this rank took for `steps` steps after the warm-up, under `tuning`."""
     from pipedream_fast.pipeline import Pipeline
@@ -130,26 +121,13 @@ def rank_job(rank: int, world: int, runs: list[tuple[str, str, Any]], steps: int
 
 # ---- the sweep -------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def cpu_only() -> Iterator[None]:
-    """Ranks started inside see no GPU: `launch` then picks gloo and the CPU."""
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
-
-
 def sweep(knobs: list[Knob], quick: bool, rounds: int, steps: int, on_gpus: bool
           ) -> dict[tuple[str, Any], list[float]]:
     """(field, value) -> samples/s of each round."""
     runs = [(knob.schedule, knob.field, value) for _ in range(rounds) for knob in knobs
             for value in (knob.quick if quick else knob.values)]
-    with contextlib.nullcontext() if on_gpus else cpu_only():
+    # Ranks that see no GPU: `launch` then picks gloo and the CPU.
+    with contextlib.nullcontext() if on_gpus else mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": ""}):
         seconds = launch(rank_job, 2, runs, steps, timeout=600.0, threads_per_rank=1)
     samples: dict[tuple[str, Any], list[float]] = {}
     for (_, field, value), *per_rank in zip(runs, *seconds):
@@ -186,31 +164,29 @@ def rows_of(knobs: list[Knob], samples: dict[tuple[str, Any], list[float]], quic
 
 
 def markdown(rows: list[Row], command: str, steps: int, rounds: int) -> str:
-    lines = ["# The core's speed knobs on model A", "",
-             f"Command: `{command}`", "",
-             f"Machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
-             f"torch {torch.__version__}, Python {sys.version.split()[0]}. Model A, batch "
-             f"{BATCH}, 2 ranks of 1 thread, gloo on loopback; {steps} measured steps after "
-             f"{WARMUP} warm-up, median of {rounds} interleaved rounds.", "",
-             "| knob | flag | schedule | value | samples/s | vs default |",
-             "| --- | --- | --- | --- | ---: | ---: |"]
-    for row in rows:
-        rate = f"{row.samples_per_s:.1f}" if row.samples_per_s is not None else GPU_ONLY
-        ratio = f"{row.ratio:.2f}x" if row.ratio is not None else "-"
-        lines.append(f"| {row.knob.field} | `{row.knob.flag}` | {row.knob.schedule} | "
-                     f"{row.label} | {rate} | {ratio} |")
+    m = harness.machine_info()
+    lines = ["# The core's speed knobs on model A", "", f"Command: `{command}`", "",
+             f"Machine: {m['cores']} cores, {m['processor']}, torch {m['torch']}, Python "
+             f"{m['python']}. Model A, "
+             f"batch {BATCH}, 2 ranks of 1 thread, gloo on loopback; {steps} measured steps "
+             f"after {WARMUP} warm-up, median of {rounds} interleaved rounds.", ""]
+    lines += harness.markdown_table(
+        ["knob", "flag", "schedule", "value", "samples/s", "vs default"],
+        [[r.knob.field, f"`{r.knob.flag}`", r.knob.schedule, r.label,
+          harness.fmt(r.samples_per_s, ".1f", GPU_ONLY),
+          "-" if r.ratio is None else f"{r.ratio:.2f}x"] for r in rows], left=4)
     return "\n".join(lines) + "\n"
 
 
 def write(out: Path, rows: list[Row], command: str, steps: int, rounds: int) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(markdown(rows, command, steps, rounds))
-    figures = {"command": command, "batch": BATCH, "warmup": WARMUP, "steps": steps,
-               "rounds": rounds, "cores": os.cpu_count(), "torch": torch.__version__,
-               "rows": [{"knob": r.knob.field, "flag": r.knob.flag, "schedule": r.knob.schedule,
-                         "value": r.value, "label": r.label, "samples_per_s": r.samples_per_s,
-                         "rounds": r.rounds, "vs_default": r.ratio} for r in rows]}
-    out.with_suffix(".json").write_text(json.dumps(figures, indent=2) + "\n")
+    harness.write_json(out.with_suffix(".json"), {
+        "command": command, "batch": BATCH, "warmup": WARMUP, "steps": steps,
+        "rounds": rounds, "cores": os.cpu_count(), "torch": torch.__version__,
+        "rows": [{"knob": r.knob.field, "flag": r.knob.flag, "schedule": r.knob.schedule,
+                  "value": r.value, "label": r.label, "samples_per_s": r.samples_per_s,
+                  "rounds": r.rounds, "vs_default": r.ratio} for r in rows]}, indent=2)
 
 
 def main() -> int:
@@ -228,7 +204,7 @@ def main() -> int:
     rounds = args.rounds or (2 if args.quick else 3)
     if steps < 1 or rounds < 1:
         parser.error("--steps and --rounds must be >= 1")
-    command = " ".join(["python bench/knobs.py", *sys.argv[1:]])
+    command = harness.command()
     began = time.perf_counter()
     knobs = cpu_knobs(WARMUP + steps)
     rows = rows_of(knobs, sweep(knobs, args.quick, rounds, steps, on_gpus=False), args.quick,

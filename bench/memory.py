@@ -1,22 +1,13 @@
 """Memory, predicted against measured, per rank, for every schedule, and plans under a memory
 cap (issue 28, items 1-2, 4-5).
 
-The matrix: for each model, schedule and pipeline depth, one run on rank processes (gloo, 1
-thread each) measures what every rank holds (`measure_memory=True`: weights, stashed
-versions, gradients, optimizer state, and the activations of microbatches in flight, counted
-at their tensors; `runtime/memory.py`), and the simulator predicts it from a profile of the
-model at the microbatch size and the schedule alone (`sim_memory.predict_memory`). The table
-gives each rank's measured peak and the prediction's error, for the whole peak and for the
-activations. Models: cnn (model A), charlm, bert (Hugging Face's BertForSequenceClassification
-built from a small config, as the test zoo has it: unedited model code).
-
-The cap: the planner's dynamic program plans the char LM as a straight pipeline for 2 ranks
-(1f1b) three ways, run side by side in interleaved rounds: with no limit, under a memory cap
-that no plan keeping every activation fits (half-way between the smallest requirement with
-recomputation and without; the planner picks what recomputes), and with every stage
-recomputing (what peers give by default). Each run's measured peak per rank against the cap,
-its samples/s against the unlimited plan's, and the simulator's predicted ratio for the same
-plans.
+The matrix: for each model (cnn, charlm, the test zoo's small BERT), schedule and depth, one
+run on rank processes (gloo, 1 thread) measures what every rank holds (`measure_memory=True`,
+counted at the tensors) and the simulator predicts it from a profile at the microbatch
+(`sim_memory.predict_memory`). The cap: the char LM planned as a straight 2-rank 1f1b pipeline
+with no limit, under a cap no plan keeping every activation fits (the planner picks what
+recomputes), and recomputing every stage, run in interleaved rounds: peaks against the cap,
+samples/s against the unlimited plan's, and the simulator's predicted ratio.
 
     python bench/memory.py [--models cnn,charlm,bert] [--ranks 2,4] [--cap-rounds 3]
                            [--out bench/results/memory.md]

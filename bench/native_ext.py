@@ -1,14 +1,8 @@
-"""The bench-only C++ extension `pipedream_fast_bench`, built on first use.
-
-It holds what only the benchmarks and the tests need from C++ (`ThreadedProducer`, a native
-thread pushing into a `pipedream_fast._C.ActivationQueue`), so that none of it ships in the
-installed library. `load()` compiles bench/csrc/*.cpp with csrc/activation_queue.cpp through
-`torch.utils.cpp_extension.load` (ninja) into build/bench_ext/ at the repository root and
-caches it there: later calls, and later processes, reuse the build until a source changes.
-
-Import it from a script in bench/ (`import native_ext`) or, elsewhere, with bench/ on sys.path.
-`missing_tools()` says what stops a build on this machine (no C++ compiler, no ninja), for
-tests that skip rather than fail there.
+"""The bench-only C++ extension `pipedream_fast_bench` (`ThreadedProducer`, a native thread
+pushing into a `pipedream_fast._C.ActivationQueue`), built on first use so none of it ships in
+the library: `load()` compiles bench/csrc/*.cpp with csrc/activation_queue.cpp through
+`torch.utils.cpp_extension.load` into build/bench_ext/ and reuses that build until a source
+changes. `missing_tools()` says what stops a build here (no C++ compiler, no ninja).
 """
 
 from __future__ import annotations

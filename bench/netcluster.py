@@ -1,41 +1,18 @@
 """An emulated bandwidth-limited cluster on one Linux machine: K network namespaces on a bridge.
 
-    root namespace:            bridge <P>br
-                          ┌───────┼────────┐ ...
-    host side veth        <P>h0   <P>h1        tbf (egress: traffic towards the rank)
-                            │       │
-    namespace side veth   <P>n0   <P>n1        tbf (egress: traffic from the rank)
-    namespace             <P>s0   <P>s1        10.231.0.1, 10.231.0.2, ... /24
-
-Every rank gets a namespace of its own, joined to the others by a veth pair on a bridge in the
-root namespace; both ends of every veth are shaped by `tc ... tbf`, so each direction of each
-link is limited to the rate (full duplex, as a switched Ethernet port is). One rank's process
-runs in each namespace with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR =
-rank 0's address, MASTER_PORT) and GLOO_SOCKET_IFNAME = its veth, so gloo's traffic between
-ranks crosses the shaped links and nothing else does (a rank has no other way out).
+Each rank gets a namespace joined to a bridge in the root namespace by a veth pair; both ends
+of every veth are shaped by `tc tbf`, so each direction of each link is limited to the rate. A
+rank's process runs in its namespace with torchrun's environment (MASTER_ADDR = rank 0) and
+GLOO_SOCKET_IFNAME = its veth, so gloo's traffic crosses the shaped links and nothing else.
 
     with Cluster(world=2, rate="1gbit") as cluster:
         result = cluster.run([sys.executable, "train.py"], timeout=600)
-        print(result.elapsed_s, result.tx_bytes, [r.output for r in result.ranks])
 
-Needs root, `ip` and `tc` (iproute2), network namespaces, veth, bridge and the tbf qdisc;
-`available()` says whether this machine has them and why not. Standard library only.
-
-Token bucket sizing. tbf sends at most `burst` bytes at once above the rate, and a packet larger
-than the burst is split in software (or dropped). Veth hands TCP packets of up to ~64 KiB
-(GSO, headers per segment included), so the burst is max(1 ms at the rate, 128 KiB): 1 ms keeps
-the kernel timer from capping high rates, and 128 KiB lets a whole GSO packet through; at
-100mbit that is 10 ms of line rate, 1-2% of a multi-megabyte transfer. The queue holds
-`latency` (default 20 ms) at the rate beyond the burst; TCP sees drops past that, as on a
-switch with a small buffer.
-
-Cleanup. Everything is named `pdn<harness pid><letter>...` (interface names have at most 15
-characters): bridge `<P>br`, veths `<P>h<i>`/`<P>n<i>`, namespaces `<P>s<i>`. Leaving the
-`with` block (normally, by an exception, or by SIGINT/SIGTERM, which raise inside it) kills
-every rank still running (its whole process group) and deletes the namespaces, veths and the
-bridge. A harness killed with SIGKILL cannot clean up: its ranks die with it (parent-death
-signal) and `remove_stale()` (also run before every new cluster) deletes what is named after a
-PID that no longer exists.
+Needs root, iproute2 (`ip`, `tc`), network namespaces, veth, bridge and tbf; `available()` says
+why not. The tbf burst is max(1 ms at the rate, 128 KiB): enough for a 64 KiB GSO packet. Names
+are `pdn<pid><letter>...`; leaving the `with` block (also by SIGINT/SIGTERM) kills the ranks and
+deletes everything; after a SIGKILL, `remove_stale()` (run before every new cluster) deletes
+what is named after a dead PID.
 
     python bench/netcluster.py --rate 100mbit        # self-test: measure a TCP transfer
     python bench/netcluster.py --remove-stale        # delete what dead harnesses left
@@ -63,7 +40,7 @@ from typing import IO, Any
 
 PREFIX = "pdn"
 SUBNET = "10.231.0"  # rank i is SUBNET.(i + 1)/24; each bridge is its own L2 domain
-MASTER_PORT = 29500  # every namespace has its own port space: no clash with anything
+MASTER_PORT = 29500  # every namespace has its own port space
 MIN_BURST = 128 * 1024
 DEFAULT_LATENCY_MS = 20.0
 FAIL_GRACE_S = 5.0  # after one rank fails, how long the others get to exit on their own
@@ -97,20 +74,16 @@ class RunTimeout(ClusterError):
 
 
 class Interrupted(BaseException):
-    """SIGTERM received inside a `Cluster` block (SIGINT raises KeyboardInterrupt): raised so
-    that the block is left and cleaned up. Not an `Exception`, so `except Exception` in the
-    caller's code does not swallow it."""
+    """SIGTERM inside a `Cluster` block, raised so the block is left and cleaned up (not an
+    `Exception`: `except Exception` does not swallow it)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
         self.signum = signum
 
 
-# ---- rates -------------------------------------------------------------------------------------
-
 def parse_rate(rate: str | float | None) -> int | None:
-    """Bits per second from 10e9, "1e9", "100mbit", "2.5gbit", ...; None, "none" or
-    "unlimited": no shaping (None)."""
+    """Bits per second from 1e9, "1e9", "100mbit", "2.5gbit"...; None/"none"/"unlimited": None."""
     if rate is None or (isinstance(rate, str) and rate.strip().lower() in ("none", "unlimited")):
         return None
     if isinstance(rate, bool):
@@ -142,11 +115,9 @@ def format_rate(bits: int | None) -> str:
 
 
 def burst_bytes(rate_bits: int) -> int:
-    """tbf burst for a rate: max(1 ms at the rate, 128 KiB); see the module docstring."""
+    """tbf burst for a rate: max(1 ms at the rate, 128 KiB)."""
     return max(rate_bits // 8 // 1000, MIN_BURST)
 
-
-# ---- commands ----------------------------------------------------------------------------------
 
 def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run an iproute2 command; a failure names the command and quotes its error."""
@@ -159,8 +130,8 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 @functools.lru_cache(maxsize=1)
 def available() -> tuple[bool, str]:
-    """(True, "") when clusters can be built here, else (False, why). Probes in a throwaway
-    namespace: a veth pair, a bridge and a tbf qdisc, all deleted with the namespace."""
+    """(True, "") when clusters can be built here, else (False, why): probes a veth, a bridge
+    and a tbf qdisc in a throwaway namespace."""
     if sys.platform != "linux":
         return False, f"network namespaces need Linux, this is {sys.platform}"
     if os.geteuid() != 0:
@@ -184,10 +155,9 @@ def available() -> tuple[bool, str]:
 
 
 def _die_with_parent() -> None:
-    """In a rank, before exec: SIGKILL it when the harness dies, even by SIGKILL (Linux's
-    parent-death signal, which survives the exec of `ip netns exec` and of the command)."""
+    """In a rank, before exec: SIGKILL it when the harness dies (PR_SET_PDEATHSIG)."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         pass
 
@@ -199,10 +169,9 @@ def _kill_group(process: subprocess.Popen[bytes], grace: float = KILL_GRACE_S) -
             break
         try:
             os.killpg(process.pid, signum)
+            process.wait(wait)
         except ProcessLookupError:
             break
-        try:
-            process.wait(wait)
         except subprocess.TimeoutExpired:
             continue
     try:
@@ -216,26 +185,13 @@ def _pids_in(namespace: str) -> list[int]:
     return [int(p) for p in done.stdout.split() if p.isdigit()]
 
 
-def _kill_namespace_processes(namespace: str) -> None:
-    """SIGKILL everything still inside the namespace: a namespace with processes in it
-    outlives `ip netns del`, and so would its veth."""
-    for pid in _pids_in(namespace):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def _our_names() -> tuple[list[str], list[str]]:
     """(namespaces, links) in the root namespace whose names start with PREFIX."""
     namespaces = [line.split()[0] for line in _sh("ip", "netns", "list").stdout.splitlines()
                   if line.startswith(PREFIX)]
-    links = []
-    for line in _sh("ip", "-o", "link", "show").stdout.splitlines():
-        name = line.split(":", 2)[1].strip().split("@")[0]
-        if name.startswith(PREFIX):
-            links.append(name)
-    return namespaces, links
+    links = [line.split(":", 2)[1].strip().split("@")[0]
+             for line in _sh("ip", "-o", "link", "show").stdout.splitlines()]
+    return namespaces, [n for n in links if n.startswith(PREFIX)]
 
 
 def leftovers(prefix: str = PREFIX) -> list[str]:
@@ -255,10 +211,14 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _delete(namespaces: Sequence[str], links: Sequence[str]) -> None:
-    """Kill what runs in the namespaces, delete them (their veths go with them, and so do the
-    veths' peers), then the links left in the root namespace (bridges, unpaired veths)."""
+    """Kill what runs in the namespaces (a namespace with processes outlives `ip netns del`),
+    delete them (their veths go with them), then the links left in the root namespace."""
     for namespace in namespaces:
-        _kill_namespace_processes(namespace)
+        for pid in _pids_in(namespace):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     for namespace in namespaces:
         _sh("ip", "netns", "del", namespace, check=False)
     present = set(_our_names()[1])
@@ -268,27 +228,22 @@ def _delete(namespaces: Sequence[str], links: Sequence[str]) -> None:
 
 
 def remove_stale() -> list[str]:
-    """Delete namespaces and links left by harnesses whose PID no longer runs (killed with
-    SIGKILL, or a machine crash). Returns the names removed. A stale name whose PID was
-    reused by a live process is kept (it cannot be told apart from a live cluster)."""
+    """Delete (and return) the namespaces and links named after PIDs that no longer run."""
     namespaces, links = _our_names()
 
     def stale(name: str) -> bool:
         match = _NAME.match(name)
         return match is not None and not _pid_alive(int(match.group(1)))
 
-    dead_namespaces = [n for n in namespaces if stale(n)]
-    dead_links = [n for n in links if stale(n)]
-    _delete(dead_namespaces, dead_links)
-    return dead_namespaces + dead_links
+    dead = [n for n in namespaces if stale(n)], [n for n in links if stale(n)]
+    _delete(*dead)
+    return dead[0] + dead[1]
 
-
-# ---- results -----------------------------------------------------------------------------------
 
 @dataclass
 class RankResult:
-    """One rank of a run: its exit code (negative: killed by that signal), its stdout and
-    stderr together, and the bytes its veth sent and received during the run."""
+    """One rank of a run: exit code (negative: killed by that signal), stdout and stderr
+    together, and the bytes its veth sent and received during the run."""
 
     rank: int
     returncode: int
@@ -305,8 +260,7 @@ class RunResult:
 
     @property
     def tx_bytes(self) -> int:
-        """Bytes all ranks put on the wire (frames at the veth: payload plus TCP/IP/Ethernet
-        headers, ACKs and rendezvous traffic included)."""
+        """Bytes all ranks put on the wire (frames at the veth, headers included)."""
         return sum(r.tx_bytes for r in self.ranks)
 
     @property
@@ -319,24 +273,18 @@ def _tail(text: str, limit: int = OUTPUT_TAIL) -> str:
 
 
 def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
 
-
-# ---- the cluster -------------------------------------------------------------------------------
 
 class Cluster:
-    """`world` namespaces on a bridge, every link shaped to `rate` in each direction; see the
-    module docstring. Build it with `with Cluster(...) as cluster:` (or `start()` / `close()`).
-
-    rate: bits/s (a number, or "10gbit", "100mbit", ...; None or "unlimited": no shaping).
-    latency_ms: how long a full tbf queue takes to drain beyond the burst (its buffer).
-    master_port: rank 0's port for MASTER_PORT.
-    """
+    """`world` namespaces on a bridge, every link shaped to `rate` (bits/s, "100mbit"...; None:
+    unshaped) each way; `latency_ms`: the tbf queue beyond the burst. Use as `with Cluster(...)`
+    (or `start()` / `close()`)."""
 
     def __init__(self, world: int = 2, rate: str | float | None = "1gbit",
                  latency_ms: float = DEFAULT_LATENCY_MS, master_port: int = MASTER_PORT) -> None:
@@ -344,11 +292,10 @@ class Cluster:
             raise ValueError(f"world must be an integer from 2 to 254 ranks, got {world!r}")
         if not latency_ms > 0:
             raise ValueError(f"latency_ms must be positive, got {latency_ms!r}")
-        self.world = world
-        self.rate_bits = parse_rate(rate)
-        self.latency_ms = float(latency_ms)
-        self.master_port = master_port
-        self.prefix = f"{PREFIX}{os.getpid()}{_sequence_letter()}"
+        self.world, self.rate_bits = world, parse_rate(rate)
+        self.latency_ms, self.master_port = float(latency_ms), master_port
+        # a letter per cluster of this process ('z' is available()'s probe)
+        self.prefix = f"{PREFIX}{os.getpid()}{'abcdefghijklmnopqrstuvwxy'[next(_sequence) % 25]}"
         self.bridge = f"{self.prefix}br"
         self.namespaces = [f"{self.prefix}s{i}" for i in range(world)]
         self.ifnames = [f"{self.prefix}n{i}" for i in range(world)]  # inside the namespaces
@@ -363,10 +310,11 @@ class Cluster:
     def rate(self) -> str:
         return format_rate(self.rate_bits)
 
-    # -- lifetime ---------------------------------------------------------------------------
-
     def __enter__(self) -> Cluster:
-        self._install_signal_handlers()
+        if threading.current_thread() is threading.main_thread():
+            # SIGINT raises KeyboardInterrupt, SIGTERM `Interrupted`: the block is left.
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous_handlers[signum] = signal.signal(signum, _raise_for_signal)
         try:
             self.start()
         except BaseException:
@@ -386,40 +334,40 @@ class Cluster:
         remove_stale()
         self._built = True  # from here on close() has something to delete
         _sh("ip", "link", "add", "name", self.bridge, "type", "bridge")
-        # Bridged frames must not cross the host's firewall (br_netfilter would pass them to
-        # iptables' FORWARD chain, which a Docker host sets to DROP).
+        # Bridged frames must not go through iptables' FORWARD chain (DROP on a Docker host).
         _sh("ip", "link", "set", self.bridge, "type", "bridge", "nf_call_iptables", "0",
             check=False)
         _disable_ipv6(self.bridge)
         _sh("ip", "link", "set", self.bridge, "up")
         for rank in range(self.world):
-            self._add_rank(rank)
-
-    def _add_rank(self, rank: int) -> None:
-        ns, inner, host = self.namespaces[rank], self.ifnames[rank], self.host_ifnames[rank]
-        _sh("ip", "netns", "add", ns)
-        _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        # No IPv6: its router solicitations and DAD would add stray bytes to the counters.
-        _sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1",
-            "net.ipv6.conf.default.disable_ipv6=1", check=False)
-        _sh("ip", "link", "add", "name", host, "type", "veth", "peer", "name", inner, "netns", ns)
-        _disable_ipv6(host)
-        _sh("ip", "-n", ns, "addr", "add", f"{self.addresses[rank]}/24", "dev", inner)
-        _sh("ip", "-n", ns, "link", "set", inner, "up")
-        _sh("ip", "link", "set", host, "master", self.bridge)
-        _sh("ip", "link", "set", host, "up")
-        if self.rate_bits is not None:
-            shape = ["root", "tbf", "rate", f"{self.rate_bits}bit",
-                     "burst", str(burst_bytes(self.rate_bits)),
-                     "latency", f"{self.latency_ms:g}ms"]
-            _sh("tc", "-n", ns, "qdisc", "add", "dev", inner, *shape)  # rank -> bridge
-            _sh("tc", "qdisc", "add", "dev", host, *shape)               # bridge -> rank
+            ns, inner, host = self.namespaces[rank], self.ifnames[rank], self.host_ifnames[rank]
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            # No IPv6: its solicitations and DAD would add stray bytes to the counters.
+            _sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1",
+                "net.ipv6.conf.default.disable_ipv6=1", check=False)
+            _sh("ip", "link", "add", "name", host, "type", "veth", "peer", "name", inner,
+                "netns", ns)
+            _disable_ipv6(host)
+            _sh("ip", "-n", ns, "addr", "add", f"{self.addresses[rank]}/24", "dev", inner)
+            _sh("ip", "-n", ns, "link", "set", inner, "up")
+            _sh("ip", "link", "set", host, "master", self.bridge)
+            _sh("ip", "link", "set", host, "up")
+            if self.rate_bits is not None:
+                shape = ["root", "tbf", "rate", f"{self.rate_bits}bit",
+                         "burst", str(burst_bytes(self.rate_bits)),
+                         "latency", f"{self.latency_ms:g}ms"]
+                _sh("tc", "-n", ns, "qdisc", "add", "dev", inner, *shape)  # rank -> bridge
+                _sh("tc", "qdisc", "add", "dev", host, *shape)               # bridge -> rank
 
     def close(self) -> None:
         """Kill every rank still running and delete everything this cluster made. Idempotent;
-        SIGINT/SIGTERM arriving meanwhile are held until the end, then delivered to the
-        handlers that were there before the cluster."""
-        self._defer_signals()
+        SIGINT/SIGTERM meanwhile are held, then delivered to the handlers from before."""
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                previous = signal.signal(signum, lambda s, f: self._deferred.append(s))
+                self._previous_handlers.setdefault(signum, previous)
         try:
             for process in self._processes:
                 _kill_group(process)
@@ -432,37 +380,12 @@ class Cluster:
                     print(f"netcluster: could not delete {', '.join(left)}; run "
                           f"`python bench/netcluster.py --remove-stale`", file=sys.stderr)
         finally:
-            self._restore_signal_handlers()
-
-    # -- signals ----------------------------------------------------------------------------
-
-    def _install_signal_handlers(self) -> None:
-        """SIGINT raises KeyboardInterrupt and SIGTERM `Interrupted` inside the block, so that
-        the block is left through __exit__. Only the main thread can install handlers."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._previous_handlers[signum] = signal.signal(signum, _raise_for_signal)
-
-    def _defer_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous = signal.signal(signum, self._record_signal)
-            self._previous_handlers.setdefault(signum, previous)
-
-    def _record_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._deferred.append(signum)
-
-    def _restore_signal_handlers(self) -> None:
-        for signum, handler in self._previous_handlers.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-        self._previous_handlers = {}
-        deferred, self._deferred = self._deferred, []
-        if deferred:
-            signal.raise_signal(deferred[0])  # now the caller's own handler decides
-
-    # -- counters ---------------------------------------------------------------------------
+            for number, handler in self._previous_handlers.items():
+                signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+            self._previous_handlers = {}
+            deferred, self._deferred = self._deferred, []
+            if deferred:
+                signal.raise_signal(deferred[0])  # now the caller's own handler decides
 
     def counter(self, rank: int, name: str = "tx_bytes") -> int:
         """A statistic of the rank's veth as the namespace sees it (tx_bytes, rx_bytes, ...)."""
@@ -474,8 +397,6 @@ class Cluster:
         return [(self.counter(r, "tx_bytes"), self.counter(r, "rx_bytes"))
                 for r in range(self.world)]
 
-    # -- running ranks ----------------------------------------------------------------------
-
     def rank_env(self, rank: int) -> dict[str, str]:
         """torchrun's variables for `rank`, and GLOO_SOCKET_IFNAME = the rank's veth."""
         return {"RANK": str(rank), "WORLD_SIZE": str(self.world), "LOCAL_RANK": "0",
@@ -486,12 +407,10 @@ class Cluster:
     def run(self, argv: Sequence[str] | Callable[[int], Sequence[str]], timeout: float,
             env: Mapping[str, str] | None = None, check: bool = True,
             fail_grace: float = FAIL_GRACE_S) -> RunResult:
-        """Run one process per rank (`argv`, or `argv(rank)`) in its namespace and wait for all.
-
-        Each gets this process's environment, `rank_env(rank)` and `env`. When a rank fails
-        the others get `fail_grace` seconds to exit, then are killed. At `timeout` seconds
-        every rank still running is killed and `RunTimeout` names them. With `check`, a
-        failed run raises `RankFailed` naming the first rank that failed."""
+        """Run one process per rank (`argv`, or `argv(rank)`) in its namespace, with this
+        environment, `rank_env(rank)` and `env`, and wait for all. When one fails the others
+        get `fail_grace` s, then are killed; at `timeout` all are killed (`RunTimeout`). With
+        `check`, a failed run raises `RankFailed` naming the first rank that failed."""
         if not self._built:
             raise ClusterError("the cluster is not built: use `with Cluster(...) as cluster:`")
         if not timeout > 0:
@@ -504,7 +423,11 @@ class Cluster:
         began = time.monotonic()
         try:
             for rank in range(self.world):  # one by one: a failed spawn still kills the rest
-                self._processes.append(self._spawn(rank, commands[rank], env, logs[rank]))
+                self._processes.append(subprocess.Popen(
+                    ["ip", "netns", "exec", self.namespaces[rank], *commands[rank]],
+                    env={**os.environ, **self.rank_env(rank), **(env or {})},
+                    stdin=subprocess.DEVNULL, stdout=logs[rank], stderr=subprocess.STDOUT,
+                    start_new_session=True, preexec_fn=_die_with_parent))
             hung, failed_first = self._wait(began + timeout, fail_grace)
             elapsed = time.monotonic() - began
         finally:
@@ -517,27 +440,21 @@ class Cluster:
                    for rank, p in enumerate(self._processes)]
         self._processes = []
         if hung:
-            raise RunTimeout(self._timeout_message(hung, timeout, outputs), hung, timeout)
-        result = RunResult(results, elapsed, commands[0])
+            names = ", ".join(f"rank {r} ({self.namespaces[r]})" for r in hung)
+            raise RunTimeout(f"{names} still running at the {timeout:g} s timeout; every rank "
+                             f"was killed. Last output of rank {hung[0]}:\n"
+                             f"{_tail(outputs[hung[0]]) or '(none)'}", hung, timeout)
         if check and failed_first is not None:
             bad = results[failed_first]
             raise RankFailed(f"rank {bad.rank} (namespace {self.namespaces[bad.rank]}) "
                              f"{_describe_exit(bad.returncode)}; the other ranks were stopped. "
                              f"Its output:\n{_tail(bad.output)}",
                              bad.rank, bad.returncode, bad.output)
-        return result
-
-    def _spawn(self, rank: int, argv: list[str], env: Mapping[str, str] | None,
-               log: IO[bytes]) -> subprocess.Popen[bytes]:
-        full_env = {**os.environ, **self.rank_env(rank), **(env or {})}
-        return subprocess.Popen(["ip", "netns", "exec", self.namespaces[rank], *argv],
-                                env=full_env, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+        return RunResult(results, elapsed, commands[0])
 
     def _wait(self, deadline: float, fail_grace: float) -> tuple[list[int], int | None]:
-        """Poll the ranks until all exit, one fails (then `fail_grace` more), or the deadline.
-        Returns (ranks still running at the deadline, first rank that failed)."""
+        """Poll until all exit, one fails (then `fail_grace` more), or the deadline. Returns
+        (ranks still running at the deadline, first rank that failed)."""
         failed_first: int | None = None
         give_up = deadline
         while True:
@@ -550,20 +467,9 @@ class Cluster:
             running = [r for r, code in enumerate(codes) if code is None]
             if not running:
                 return [], failed_first
-            now = time.monotonic()
-            if now >= give_up:  # a failure is blamed on its rank, never reported as a hang
+            if time.monotonic() >= give_up:  # a failure is blamed on its rank, not a hang
                 return ([] if failed_first is not None else running), failed_first
             time.sleep(0.02)
-
-    def _timeout_message(self, hung: list[int], timeout: float, outputs: list[str]) -> str:
-        names = ", ".join(f"rank {r} ({self.namespaces[r]})" for r in hung)
-        return (f"{names} still running at the {timeout:g} s timeout; every rank was killed. "
-                f"Last output of rank {hung[0]}:\n{_tail(outputs[hung[0]]) or '(none)'}")
-
-
-def _sequence_letter() -> str:
-    """A letter per cluster of this process (a-z, then again: 26 alive at once at most)."""
-    return "abcdefghijklmnopqrstuvwxy"[next(_sequence) % 25]  # 'z' is available()'s probe
 
 
 def _disable_ipv6(ifname: str) -> None:
@@ -571,7 +477,7 @@ def _disable_ipv6(ifname: str) -> None:
         with open(f"/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6", "w") as f:
             f.write("1")
     except OSError:
-        pass  # no IPv6 on this kernel: nothing to silence
+        pass  # no IPv6 on this kernel
 
 
 def _raise_for_signal(signum: int, frame: FrameType | None) -> None:
@@ -587,8 +493,6 @@ def _read_log(log: IO[bytes]) -> str:
     return text
 
 
-# ---- throughput probe --------------------------------------------------------------------------
-
 # Rank `dst` receives, rank `src` sends `nbytes`; other ranks exit at once. The receiver times
 # from its first chunk to the last byte, so connection set-up does not count.
 _TCP_PROBE = r"""
@@ -597,8 +501,7 @@ rank = int(os.environ["RANK"])
 nbytes, src, dst, port, dst_addr = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), \
     int(sys.argv[4]), sys.argv[5]
 if rank == dst:
-    server = socket.create_server((dst_addr, port))
-    conn, _ = server.accept()
+    conn, _ = socket.create_server((dst_addr, port)).accept()
     buf = bytearray(1 << 20)
     got, first, first_size = 0, 0.0, 0
     while got < nbytes:
@@ -650,8 +553,6 @@ def measure_throughput(cluster: Cluster, nbytes: int = 8 << 20, src: int = 1, ds
     timed, seconds = int(match.group(2)), float(match.group(3))
     return Throughput(timed / seconds, seconds, result.ranks[src].tx_bytes)
 
-
-# ---- self-test ---------------------------------------------------------------------------------
 
 def selftest(rate: str, world: int, mbytes: float) -> int:
     ok, why = available()

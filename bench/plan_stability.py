@@ -1,12 +1,9 @@
 """Does planning the same job again give the same plan? (issue 32, item 3)
 
-Plans the main job (`pipedream-fast train` on its built-in defaults: profiled at the
-microbatch, then planned, exactly as the command does) `--repeat` times in one process, and
-the way a Pipeline plans a small MLP in a user's script (rank 0's profile of the microbatch,
-then `plan_for` on `workers`x1e9, no `straight`), and counts the distinct plans. Profile noise
-must not flip a plan: the planner keeps the simplest plan within its margin (5%) of the
-fastest, and among equally simple ones the first in a fixed order (earliest cut), not the
-fastest. The predicted samples/s of each planning shows how noisy the profile was.
+Plans the main job (`pipedream-fast train` on its defaults, as the command does) and a small
+MLP the way a Pipeline plans it in a script `--repeat` times each, and counts the distinct
+plans: profile noise must not flip a plan (the planner keeps the simplest plan within 5% of
+the fastest). The predicted samples/s show how noisy the profile was.
 
     python bench/plan_stability.py --repeat 10 --out bench/results/plan_stability.md
 """

@@ -2,16 +2,10 @@
 
     python bench/report.py [--results bench/results] [--no-readme]
 
-Reads whichever of the suite's JSON files exist in the results folder (a benchmark not run
-yet is left out, never invented) and writes:
-
-* `throughput_vs_bandwidth.png`: samples/s against link rate, each schedule and DDP, per model
-  (vs_ddp.json);
-* `predicted_vs_measured.png`: the simulator's samples/s against the runtime's, with the 10%
-  band (sim_accuracy.json);
-* `time_to_accuracy.png` is drawn by bench/time_to_accuracy.py itself;
-* the table between the `results:begin` and `results:end` markers of docs/results.md, each row with
-  the goal it is held to and the file it comes from.
+Reads whichever of the suite's JSON files exist in the results folder (a benchmark not run is
+left out) and writes `throughput_vs_bandwidth.png` (vs_ddp.json), `predicted_vs_measured.png`
+(sim_accuracy.json) and the table between the `results:begin` and `results:end` markers of
+docs/results.md (with --no-readme: prints it instead).
 """
 
 from __future__ import annotations
@@ -22,6 +16,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import harness  # noqa: E402 - a sibling
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -44,54 +40,37 @@ def rate_bits(rate: str) -> float:
 # ---- plots -----------------------------------------------------------------------------------
 
 def plot_throughput(data: dict[str, Any], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models = list(dict.fromkeys(r["model"] for r in data["rows"]))
-    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        rows = [r for r in data["rows"] if r["model"] == model]
-        for contender in dict.fromkeys(r["contender"] for r in rows):
-            mine = sorted((r for r in rows if r["contender"] == contender),
-                          key=lambda r: rate_bits(r["rate"]))
-            ax.plot([rate_bits(r["rate"]) for r in mine], [r["samples_per_s"] for r in mine],
-                    marker="o", label="DDP" if contender == "ddp" else contender)
-        ax.set_xscale("log")
-        ax.set_xlabel("link rate, bits/s")
-        ax.set_ylabel("samples/s")
-        ax.set_title(f"model {model}, 2 ranks")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with harness.figure(path, 1, len(models), (5.5 * len(models), 4)) as (_, axes):
+        for ax, model in zip(axes[0], models):
+            rows = [r for r in data["rows"] if r["model"] == model]
+            for contender in dict.fromkeys(r["contender"] for r in rows):
+                mine = sorted((r for r in rows if r["contender"] == contender),
+                              key=lambda r: rate_bits(r["rate"]))
+                ax.plot([rate_bits(r["rate"]) for r in mine], [r["samples_per_s"] for r in mine],
+                        marker="o", label="DDP" if contender == "ddp" else contender)
+            ax.set_xscale("log")
+            harness.axes_text(ax, f"model {model}, 2 ranks", "link rate, bits/s", "samples/s",
+                              {})
 
 
 def plot_prediction(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.5, 5))
-    measured = [r["measured"] for r in rows]
-    top = max(measured + [r["predicted"] for r in rows]) * 1.15
-    ax.fill_between([0, top], [0, top * 0.9], [0, top * 1.1], color="tab:green", alpha=0.15,
-                    label="within 10%")
-    ax.plot([0, top], [0, top], color="gray", lw=1)
-    ax.scatter(measured, [r["predicted"] for r in rows])
-    for r in rows:
-        ax.annotate(r["config"], (r["measured"], r["predicted"]), fontsize=7,
-                    xytext=(3, 3), textcoords="offset points")
-    ax.set_xlim(0, top)
-    ax.set_ylim(0, top)
-    ax.set_xlabel("measured samples/s (runtime)")
-    ax.set_ylabel("predicted samples/s (simulator)")
-    ax.set_title("simulator against the runtime, model A")
-    ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with harness.figure(path, size=(5.5, 5)) as (_, axes):
+        ax = axes[0][0]
+        measured = [r["measured"] for r in rows]
+        top = max(measured + [r["predicted"] for r in rows]) * 1.15
+        ax.fill_between([0, top], [0, top * 0.9], [0, top * 1.1], color="tab:green",
+                        alpha=0.15, label="within 10%")
+        ax.plot([0, top], [0, top], color="gray", lw=1)
+        ax.scatter(measured, [r["predicted"] for r in rows])
+        for r in rows:
+            ax.annotate(r["config"], (r["measured"], r["predicted"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+        ax.set_xlim(0, top)
+        ax.set_ylim(0, top)
+        harness.axes_text(ax, "simulator against the runtime, model A",
+                          "measured samples/s (runtime)", "predicted samples/s (simulator)",
+                          {"loc": "upper left"}, grid=None)
 
 
 # ---- the results table -----------------------------------------------------------------------

@@ -1,25 +1,13 @@
-"""Weight-ring snapshot benchmark (issue 2), side by side with its two reference points.
+"""Weight-ring snapshot benchmark (issue 2), against its two reference points.
 
-A stage of 100 Linear(360, 360) layers: 200 parameter tensors, 52 MB of float32. Compared:
+A stage of 100 Linear(360, 360) layers (200 tensors, 52 MB float32): `WeightRing.snapshot()`
+(then `release`) against a flat `dst.copy_(src)` of the same bytes (the bandwidth limit; goal
+>= 80% of it) and the original PipeDream's `state_dict` clone stash (goal: >= 3x faster),
+dropped at once or with the last 4 kept; a per-tensor `copy_` into kept buffers shows the
+stash without its allocations, and minor page faults per call show what decides its cost.
+Variants interleaved in rounds after a warm-up; medians; bandwidth: bytes copied per second.
 
-* `WeightRing.snapshot()` (then `release`), the ring's one bulk copy per dtype;
-* one flat `dst.copy_(src)` of the same number of bytes: the memory-bandwidth limit that a
-  snapshot can at best reach (goal: >= 80% of its bandwidth);
-* `{k: v.clone() for k, v in model.state_dict().items()}`, the stash of the original
-  PipeDream (goal: snapshot >= 3x faster). Measured twice: dropping each stash at once (the
-  allocator may hand the same memory back) and keeping the last 4 alive, as a pipeline with
-  4 versions in flight does.
-
-Where the stash's time goes is shown by two more rows (a per-tensor `copy_` into kept
-buffers: the stash without allocation) and by a column of minor page faults per call: a
-clone that lands on memory the C allocator has just returned to the kernel pays one fault
-per 4 KiB page, which is what decides whether the stash costs 1.5x or 5x a snapshot.
-
-Variants run interleaved in rounds after a warm-up; figures are medians over all repetitions.
-Bandwidth is bytes copied per second (each byte is read once and written once).
-
-Run: `python bench/ring.py` (writes its section of bench/results/core.md; `--no-write` only
-prints).
+`python bench/ring.py` writes its section of bench/results/core.md (`--no-write`: print only).
 """
 
 from __future__ import annotations
@@ -37,7 +25,7 @@ from torch import nn
 
 from pipedream_fast import _C
 
-# A script next to this one: bench/ is on sys.path when run as `python bench/ring.py`.
+import harness  # noqa: E402 - siblings
 from handoff import machine, publish
 
 LAYERS, WIDTH = 100, 360
@@ -133,14 +121,14 @@ def run(reps: int, rounds: int) -> str:
     of_flat = median[FLAT] / snap
     vs_drop, vs_keep = median[STASH_DROP] / snap, median[STASH_KEEP] / snap
 
-    lines = ["| variant | median ms | p10 ms | p90 ms | GB/s | vs snapshot | page faults/call |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = []
     for name, values in samples.items():
-        ordered = sorted(values)
-        n = len(ordered)
-        lines.append(f"| {name} | {median[name] * 1e3:.2f} | {ordered[n // 10] * 1e3:.2f} | "
-                     f"{ordered[(9 * n) // 10] * 1e3:.2f} | {nbytes / median[name] / 1e9:.2f} | "
-                     f"{median[name] / snap:.2f}x | {faults[name] / n:.0f} |")
+        ordered, n = sorted(values), len(values)
+        rows.append((name, f"{median[name] * 1e3:.2f}", f"{ordered[n // 10] * 1e3:.2f}",
+                     f"{ordered[(9 * n) // 10] * 1e3:.2f}", f"{nbytes / median[name] / 1e9:.2f}",
+                     f"{median[name] / snap:.2f}x", f"{faults[name] / n:.0f}"))
+    lines = harness.markdown_table(["variant", "median ms", "p10 ms", "p90 ms", "GB/s",
+                                    "vs snapshot", "page faults/call"], rows)
     goal_bw = "met" if of_flat >= 0.8 else f"MISSED by {100 * (0.8 - of_flat):.0f} points"
     met = [name for name, x in (("dropped", vs_drop), ("kept", vs_keep)) if x >= 3]
     if len(met) == 2:

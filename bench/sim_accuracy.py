@@ -1,25 +1,13 @@
 """The simulator against reality: every trainable schedule, several microbatch sizes.
 
-For each configuration, in this one invocation (so the figures are side by side):
-
-  1. profile model A's blocks at the microbatch size the schedule will run (1 thread);
-  2. simulate the plan's schedule from that profile (`ProfileCosts`), with the bandwidth of a
-     gloo all-reduce on loopback and compute scaled by how much slower two ranks compute at
-     once than one alone (both measured first, independently of the runs);
-  3. train the same plan, schedule and microbatches on 2 ranks (gloo, 1 thread per rank),
-     with the runtime's trace on;
-  4. compare the steady-state rate (rank 0, from the end of the warm-up steps to the last
-     step, the same window in both), and, per stage and action kind, the mean duration the
-     runtime measured against the profile's cost, which says which cost is wrong where a
-     prediction misses;
-  5. in-rank calibrated: the same run splits the steps after the warm-up into two windows.
-     Every rank's `Calibration` (runtime/calibration.py) is reset at the end of the warm-up
-     and read at the end of the first window; the simulator fed with those figures
-     (`sim.MeasuredCosts.from_calibration`) predicts the second window, which is compared
-     with what the run measured there. As a check of the cost model itself, apart from the
-     machine's drift between the windows, the calibration is also reset at the start of the
-     second window and read at its end: the simulator then predicts the window it was
-     calibrated on ("same window").
+For each configuration: profile model A's blocks at its microbatch (1 thread); simulate the
+plan's schedule from that profile (`ProfileCosts`) with the loopback all-reduce bandwidth and
+compute scaled by how much slower two ranks compute at once than one (both measured first);
+train the same plan on 2 ranks (gloo, 1 thread each, trace on); compare rank 0's steady-state
+rate over the same window, and per stage and action kind the runtime's mean duration against
+the profile's cost. In-rank calibrated: the run's steps after the warm-up are split in two
+windows; the ranks' `Calibration` of the first (`sim.MeasuredCosts.from_calibration`) predicts
+the second, and the second's own calibration predicts itself ("same window").
 
     python bench/sim_accuracy.py [--steps 20] [--only 1f1b,pipedream] \
         [--out bench/results/sim_accuracy.md]
@@ -28,15 +16,12 @@ For each configuration, in this one invocation (so the figures are side by side)
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,9 +35,11 @@ from pipedream_fast.profiler import profile_model
 from pipedream_fast.sim import MeasuredCosts, ProfileCosts, simulate
 from pipedream_fast.training import StepTracker, build_schedule
 
+import harness  # noqa: E402 - a sibling
+
 BATCH = 32
 WARMUP = 3
-SPLIT = 6  # model A: conv | fc, the best 2-stage cut (bench/model_a.py)
+SPLIT = 6  # model A: conv | fc, the best 2-stage cut (bench/vs_pipelining.py --set model_a)
 BLOCKS = 9
 
 
@@ -329,82 +316,66 @@ def run(configs: list[Config], steps: int, repeats: int = 2
 
 def markdown(rows: list[dict[str, Any]], command: str, bandwidth: float, factor: float,
              steps: int, load: tuple[list[float], list[float]] | None = None) -> str:
+    ok = [r for r in rows if "error" not in r]
+    failed = [r for r in rows if "error" in r]
+
+    def over(pct: float) -> str:
+        return f"{pct:+.1f}%" + ("" if abs(pct) <= 10 else " (over 10%)")
+
+    mid = middle(steps)
     lines = ["# Simulator against reality: model A, batch 32, CPU, 2 ranks", "",
-             f"Command: `{command}`", "",
-             f"Machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
-             f"torch {torch.__version__}, Python {sys.version.split()[0]}; "
-             f"{time.strftime('%Y-%m-%d')}." + ("" if load is None else
-             f" Load average (1, 5, 15 min) at the start "
-             f"{', '.join(f'{v:.1f}' for v in load[0])}, at the end "
-             f"{', '.join(f'{v:.1f}' for v in load[1])} (the machine is shared)."), "",
+             f"Command: `{command}`", "", f"Machine: {harness.machine()}."
+             + ("" if load is None else f" Load average (1, 5, 15 min) at the start "
+                f"{', '.join(f'{v:.1f}' for v in load[0])}, at the end "
+                f"{', '.join(f'{v:.1f}' for v in load[1])} (the machine is shared)."), "",
              "Each schedule runs the plan's stages (conv | fc; interleaved-1f1b: 4 stages "
              "looped over 2 ranks; data-parallel: 2 replicas) with the blocks profiled at its "
-             "microbatch size. Rates are rank 0's steady state (after "
-             f"{WARMUP} warm-up steps), the same window in the simulation. Bandwidth between "
-             f"the ranks, measured with a gloo all-reduce on loopback: "
-             f"{bandwidth / 1e9:.2f} GB/s. The profile times each block alone; two ranks "
-             f"computing at once on this machine each run {factor:.2f}x slower (measured "
-             f"separately: model A's forward and backward, alone and on both ranks at once), "
-             f"so the prediction scales compute by that factor; the last error column is the "
-             f"prediction from the profile as measured alone. "
-             f"Each configuration runs "
-             f"{max(len(r.get('measured_runs', [])) for r in rows)} times and the fastest run "
-             f"counts (the least disturbed: neighbours on this machine's host slow some runs "
-             f"by up to a third); the runs column shows them all.", "",
-             "| schedule, microbatches x size | predicted samples/s | measured samples/s | "
-             "error | error, profile alone | runs |",
-             "| --- | ---: | ---: | ---: | ---: | --- |"]
-    for row in rows:
-        if "error" in row:
-            lines.append(f"| {row['config']} | - | - | {row['error']} | - | - |")
-            continue
-        flag = "" if abs(row["error_pct"]) <= 10 else " (over 10%)"
-        lines.append(f"| {row['config']} | {row['predicted']:.1f} | {row['measured']:.1f} | "
-                     f"{row['error_pct']:+.1f}%{flag} | {row['error_alone_pct']:+.1f}% | "
-                     f"{', '.join(f'{v:.1f}' for v in row['measured_runs'])} |")
-    mid = middle(steps)
-    lines += ["", "## In-rank calibrated: the next window from the ranks' own measurements", "",
-              f"The same runs (the fastest of each configuration), steps split after the "
-              f"{WARMUP} warm-up steps into a calibrating window (steps {WARMUP + 1}-{mid}) "
-              f"and the predicted one (steps {mid + 1}-{steps}). Every rank's calibration is "
-              f"reset at the start of the first window and read at its end; the simulator "
-              f"fed with it (`MeasuredCosts.from_calibration`: each action's own time, the "
-              f"executor's overhead between actions, the data feed, each link's transfer) "
-              f"predicts rank 0's rate in the second window. The profile's prediction and the "
-              f"measured rate over both windows (steps {WARMUP + 1}-{steps}) are the table "
-              f"above, from the same runs. \"Same window\": the simulator fed with the "
-              f"calibration of the second window itself, which separates the cost model's "
-              f"error from the machine's drift between the windows.", "",
-              "| schedule, microbatches x size | profile: predicted | in-rank calibrated: "
-              "predicted next window | measured next window | error | error, same window |",
-              "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for row in rows:
-        if "error" in row:
-            lines.append(f"| {row['config']} | - | - | - | {row['error']} | - |")
-            continue
-        flag = "" if abs(row["calibrated_error_pct"]) <= 10 else " (over 10%)"
-        lines.append(f"| {row['config']} | {row['predicted']:.1f} | {row['calibrated']:.1f} | "
-                     f"{row['measured_next']:.1f} | {row['calibrated_error_pct']:+.1f}%{flag} | "
-                     f"{row['calibrated_same_error_pct']:+.1f}% |")
-    lines += ["", "## Per action: the runtime's mean duration against the profile", "",
-              "Profiled forward and backward times include the co-run factor; a forward or "
-              "backward's wait for its message is left out of the measured time.", "",
-              "| configuration | stage | action | measured ms | profiled ms | ratio |",
-              "| --- | ---: | --- | ---: | ---: | ---: |"]
-    for row in rows:
-        for k in row.get("kinds", []):
-            m, p = k["measured_ms"], k["profiled_ms"]
-            ratio = f"{m / p:.2f}" if m is not None and p else "-"
-            lines.append(f"| {row['config']} | {k['stage']} | {k['kind']} | "
-                         f"{'-' if m is None else f'{m:.2f}'} | "
-                         f"{'-' if p is None else f'{p:.2f}'} | {ratio} |")
+             f"microbatch size. Rates are rank 0's steady state (after {WARMUP} warm-up "
+             f"steps), the same window in the simulation. Bandwidth (a gloo all-reduce on "
+             f"loopback): {bandwidth / 1e9:.2f} GB/s. Two ranks computing at once run "
+             f"{factor:.2f}x slower than one alone (measured separately), so the prediction "
+             f"scales the profile's compute by that factor; \"profile alone\" does not. Each "
+             f"configuration runs {max(len(r.get('measured_runs', [])) for r in rows)} times "
+             f"and the fastest (least disturbed) run counts.", "",
+             *harness.markdown_table(
+                 ["schedule, microbatches x size", "predicted samples/s", "measured samples/s",
+                  "error", "error, profile alone", "runs"],
+                 [[r["config"], f"{r['predicted']:.1f}", f"{r['measured']:.1f}",
+                   over(r["error_pct"]), f"{r['error_alone_pct']:+.1f}%",
+                   ", ".join(f"{v:.1f}" for v in r["measured_runs"])] for r in ok]
+                 + [[r["config"], "-", "-", r["error"], "-", "-"] for r in failed]),
+             "", "## In-rank calibrated: the next window from the ranks' own measurements", "",
+             f"The same runs, steps split after the warm-up into a calibrating window (steps "
+             f"{WARMUP + 1}-{mid}) and the predicted one (steps {mid + 1}-{steps}): the "
+             f"simulator fed with every rank's calibration of the first window "
+             f"(`MeasuredCosts.from_calibration`) predicts rank 0's rate in the second. \"Same "
+             f"window\": fed with the second window's own calibration, which separates the cost "
+             f"model's error from the machine's drift.", "",
+             *harness.markdown_table(
+                 ["schedule, microbatches x size", "profile: predicted", "in-rank calibrated: "
+                  "predicted next window", "measured next window", "error",
+                  "error, same window"],
+                 [[r["config"], f"{r['predicted']:.1f}", f"{r['calibrated']:.1f}",
+                   f"{r['measured_next']:.1f}", over(r["calibrated_error_pct"]),
+                   f"{r['calibrated_same_error_pct']:+.1f}%"] for r in ok]
+                 + [[r["config"], "-", "-", "-", r["error"], "-"] for r in failed]),
+             "", "## Per action: the runtime's mean duration against the profile", "",
+             "Profiled forward and backward times include the co-run factor; a forward or "
+             "backward's wait for its message is left out of the measured time.", "",
+             *harness.markdown_table(
+                 ["configuration", "stage", "action", "measured ms", "profiled ms", "ratio"],
+                 [[r["config"], k["stage"], k["kind"], harness.fmt(k["measured_ms"], ".2f"),
+                   harness.fmt(k["profiled_ms"], ".2f"),
+                   f"{k['measured_ms'] / k['profiled_ms']:.2f}"
+                   if k["measured_ms"] is not None and k["profiled_ms"] else "-"]
+                  for r in rows for k in r.get("kinds", [])])]
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=2,
+    parser.add_argument("--repeats", type=harness.positive, default=2,
                         help="runs per configuration; the fastest counts (default 2)")
     parser.add_argument("--only", help="comma-separated schedules to run (default: all)")
     parser.add_argument("--out", help="write the markdown table here (and JSON beside it)")
@@ -412,23 +383,16 @@ def main() -> int:
     if args.steps < WARMUP + 2:
         parser.error(f"--steps must be at least {WARMUP + 2} (the warm-up is {WARMUP}, then "
                      f"two windows)")
-    configs = CONFIGS
-    if args.only:
-        wanted = set(args.only.split(","))
-        configs = [c for c in CONFIGS if c.schedule in wanted]
-        if not configs:
-            parser.error(f"--only {args.only} names no schedule of the suite "
-                         f"({', '.join(sorted({c.schedule for c in CONFIGS}))})")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    configs = [c for c in CONFIGS if not args.only or c.schedule in args.only.split(",")]
+    if not configs:
+        parser.error(f"--only {args.only} names no schedule of the suite "
+                     f"({', '.join(sorted({c.schedule for c in CONFIGS}))})")
     load_before = list(os.getloadavg())
     rows, bandwidth, factor = run(configs, args.steps, args.repeats)
     load = (load_before, list(os.getloadavg()))
     if args.out:
-        command = "python bench/sim_accuracy.py " + " ".join(sys.argv[1:])
-        Path(args.out).write_text(markdown(rows, command, bandwidth, factor, args.steps,
-                                           load))
-        Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
+        harness.emit(args.out, markdown(rows, harness.command(), bandwidth, factor, args.steps,
+                                        load), rows)
     return 0
 
 

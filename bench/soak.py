@@ -1,16 +1,11 @@
-"""Soak: a long run on both front ends, with resident memory, threads and open file
-descriptors sampled as it trains. After warm-up all three must stay flat: nothing grows with
-the number of microbatches (stashes, feeds, posted receives, trace buffers, engine threads).
+"""Soak: a long run on both front ends, with resident memory, threads and open file descriptors
+sampled as it trains; after warm-up (the first 10%) all three must stay flat.
 
-Each front end trains a small MLP with pipedream (asynchronous: weight stashing, versions
-released as they go) for `--microbatches` microbatches, one per step, on 2 stages:
-`LocalPipeline` (2 threads in this process) and `Pipeline` (2 processes, gloo). Every
-`--every` steps each rank samples /proc/self (VmRSS, Threads, fd count). Warm-up is the first
-10% of the run; the report gives the first sample after warm-up, the last, and the largest
-change of each quantity in between.
+pipedream (weight stashing) on 2 stages of a small MLP, `--microbatches` steps of one
+microbatch, through `LocalPipeline` (2 threads) and `Pipeline` (2 processes, gloo); every
+`--every` steps each rank samples /proc/self. Reported: first sample after warm-up, last, spread.
 
-    python bench/soak.py                          # 10,000 microbatches each; writes bench/results/soak.md
-    python bench/soak.py --microbatches 20000
+    python bench/soak.py [--microbatches 10000] [--every 250]   # writes bench/results/soak.md
 """
 
 from __future__ import annotations
@@ -111,6 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--microbatches", type=int, default=10_000)
     parser.add_argument("--every", type=int, default=250)
+    parser.add_argument("--out", default=str(RESULTS), help="the markdown (default %(default)s)")
     args = parser.parse_args()
     steps, every = args.microbatches, args.every
     torch.set_num_threads(1)
@@ -140,7 +136,7 @@ def main() -> None:
         *rows,
         "",
     ])
-    RESULTS.write_text(text)
+    Path(args.out).write_text(text)
     print(text)
 
 

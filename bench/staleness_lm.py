@@ -2,32 +2,15 @@
 
     python bench/staleness_lm.py [--steps 160] [--quick] [--out bench/results/staleness_lm.md]
 
-`build_charlm(layers=2, dropout=0.0)` (blocks embed, block1, block2, head) is cut into 4 stages
-of one block each, one rank thread per stage (`Pipeline(ranks="threads")` with an explicit
-plan), and trained on the `text` corpus (`char_corpus()`: windows of 64 characters) by
-
-  - 1f1b (synchronous): one update per step, on the mean gradient of its `chunks` microbatches;
-  - pipedream, uncorrected, and with `staleness=` predict, nesterov and lr-scale: one update
-    per microbatch, each stage's gradient applied to weights d = 3, 2, 1, 0 of its own updates
-    newer than its forward read (stages 0..3).
-
-A *step* is one minibatch of `chunks` x `microbatch` windows; every method sees the same
-minibatches in the same order (epochs of one seeded permutation of the training windows) from
-the same initial weights, so the x axis, samples seen = steps x chunks x microbatch, is the
-same for all. 1f1b makes one update per step on the whole minibatch; pipedream makes `chunks`
-updates per step on a microbatch each (that is its point: no flush).
-
-Optimizers: SGD with momentum 0.9 and Adam, each method with the same optimizer. Each
-(optimizer, method) trains at each learning rate of a small grid (4 rates a factor 1.5 or 2
-apart, one step higher for the methods that want larger rates: 1f1b, whose update averages 4
-microbatches, and lr-scale with SGD, which divides the rate by up to 4); the tuned rate is the one
-with the lowest final training loss (mean step loss over the last 10% of steps; a run that
-diverges counts as infinite); then each method trains at its tuned rate with 2 more seeds
-(another data order and initialisation, the same for all methods). One rate per optimizer is
-also reported for all methods (the fixed rate, seed 0). Held-out loss: `Pipeline.evaluate`
-over the whole test split at the end. Wall time: the training loop only (set-up and
-evaluation excluded); the rank threads share the machine's cores, so it measures the cost of a
-correction, not a pipeline's speed.
+`build_charlm(layers=2, dropout=0.0)` cut into 4 stages of one block, one rank thread each
+(`Pipeline(ranks="threads")`), trained on `char_corpus()` (windows of 64 characters) by 1f1b
+(one update per step on its `chunks` microbatches) and by pipedream, uncorrected and with
+`staleness=` predict, nesterov and lr-scale (one update per microbatch, stage s reading weights
+3 - s of its own updates old). Every method sees the same minibatches from the same weights.
+With SGD + momentum 0.9 and with Adam, each method trains at each rate of a small grid (seed
+0); the tuned rate has the lowest final loss (mean over the last 10% of steps; diverged:
+infinite); then it trains at its tuned rate with more seeds. One fixed rate per optimizer is
+reported for all methods too. Held-out: `Pipeline.evaluate` over the test split at the end.
 
 Writes the markdown table, the plot (same name, .png) and the raw figures (.json).
 """
@@ -35,7 +18,6 @@ Writes the markdown table, the plot (same name, .png) and the raw figures (.json
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -55,17 +37,16 @@ from pipedream_fast.pipeline import NonFiniteLoss, Pipeline
 import harness  # noqa: E402 - a sibling
 
 STAGES = 4  # one block per stage: embed, block1, block2, head
-METHODS: tuple[tuple[str, str, str | None], ...] = (
-    # label, schedule, staleness
+METHODS: tuple[tuple[str, str, str | None], ...] = (  # label, schedule, staleness
     ("1f1b", "1f1b", None),
     ("pipedream", "pipedream", None),
     ("pipedream+predict", "pipedream", "predict"),
     ("pipedream+nesterov", "pipedream", "nesterov"),
     ("pipedream+lr-scale", "pipedream", "lr-scale"),
 )
-# Learning-rate grids, per optimizer and (where a method wants larger rates) per method; found
-# by earlier runs of this script: with SGD + momentum pipedream diverges at 0.6, predict and
-# nesterov at 0.45, 1f1b at 1.0; with Adam, 1f1b is best near 1.6e-2, pipedream near 4e-3.
+# Learning-rate grids, per optimizer and (where a method wants larger rates) per method, from
+# earlier runs: with SGD + momentum pipedream diverges at 0.6, predict and nesterov at 0.45,
+# 1f1b at 1.0; with Adam, 1f1b is best near 1.6e-2, pipedream near 4e-3.
 GRIDS: dict[str, tuple[float, ...]] = {
     "sgd": (0.1, 0.2, 0.3, 0.45),        # SGD, momentum 0.9
     "adam": (2e-3, 4e-3, 8e-3, 1.6e-2),  # Adam, betas (0.9, 0.999)
@@ -76,55 +57,50 @@ METHOD_GRIDS: dict[tuple[str, str], tuple[float, ...]] = {
     ("adam", "1f1b"): (4e-3, 8e-3, 1.6e-2, 3.2e-2),
 }
 FIXED = {"sgd": 0.3, "adam": 4e-3}  # the one rate shown for every method (in every grid)
+OPTIMIZER_NAMES = {"sgd": "SGD, momentum 0.9", "adam": "Adam"}
+TIE = 0.01  # final losses within 1% of each other are a tie (one seed: no finer claim)
 
 
 def grid_for(opt: str, label: str, quick: bool = False) -> tuple[float, ...]:
     return (FIXED[opt],) if quick else METHOD_GRIDS.get((opt, label), GRIDS[opt])
-OPTIMIZER_NAMES = {"sgd": "SGD, momentum 0.9", "adam": "Adam"}
-TIE = 0.01  # final losses within 1% of each other are a tie (one seed: no finer claim)
 
 
 def optimizer_factory(name: str, lr: float) -> Any:
     if name == "sgd":
         return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name == "adam":
-        return lambda params: torch.optim.Adam(params, lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}")
+    return lambda params: torch.optim.Adam(params, lr=lr)
 
 
 def make_data(train: Any, test: Any, steps: int, batch: int, seed: int
               ) -> tuple[list[Any], list[Any]]:
     """`steps` minibatches of `batch` training windows (epochs of a seeded permutation) and
     the test split in minibatches of `batch` (the last one short)."""
-    n = len(train)  # type: ignore[arg-type]  # CharWindows has a length
     g = torch.Generator().manual_seed(seed)
     order: list[int] = []
     while len(order) < steps * batch:
-        order.extend(torch.randperm(n, generator=g).tolist())
-    data = []
-    for s in range(steps):
-        xs, ys = zip(*(train[i] for i in order[s * batch:(s + 1) * batch]))
-        data.append((torch.stack(xs), torch.stack(ys)))
-    held = []
-    m = len(test)  # type: ignore[arg-type]
-    for start in range(0, m, batch):
-        xs, ys = zip(*(test[i] for i in range(start, min(m, start + batch))))
-        held.append((torch.stack(xs), torch.stack(ys)))
-    return data, held
+        order.extend(torch.randperm(len(train), generator=g).tolist())
+
+    def stack(indices: Any, split: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ys = zip(*(split[i] for i in indices))
+        return torch.stack(xs), torch.stack(ys)
+
+    return ([stack(order[s * batch:(s + 1) * batch], train) for s in range(steps)],
+            [stack(range(i, min(len(test), i + batch)), test)
+             for i in range(0, len(test), batch)])
 
 
 def run(schedule: str, staleness: str | None, opt: str, lr: float, data: list[Any],
         held: list[Any], microbatch: int, chunks: int, seed: int) -> dict[str, Any]:
     torch.manual_seed(seed)
-    model = build_charlm(layers=2, dropout=0.0)
     plan = Plan(model="charlm", batch_size=microbatch * chunks, workers=STAGES,
                 schedule=schedule,
                 stages=[StagePlan(i, i + 1, 1, (i,), 1.0) for i in range(STAGES)],
                 bottleneck_ms=1.0, data_parallel_ms=1.0)
     extra: dict[str, Any] = {} if staleness is None else {"staleness": staleness}
     began = time.perf_counter()
-    pipe = Pipeline(model, loss_fn, optimizer_factory(opt, lr), plan=plan, schedule=schedule,
-                    chunks=chunks, ranks="threads", timeout=300, **extra)
+    pipe = Pipeline(build_charlm(layers=2, dropout=0.0), loss_fn, optimizer_factory(opt, lr),
+                    plan=plan, schedule=schedule, chunks=chunks, ranks="threads", timeout=300,
+                    **extra)
     setup = time.perf_counter() - began
     losses: list[float] = []
     error = None
@@ -145,25 +121,11 @@ def run(schedule: str, staleness: str | None, opt: str, lr: float, data: list[An
         except Exception as err:
             error = f"evaluate: {type(err).__name__}: {err}"
     pipe.close()
-    steps = len(data)
-    tail = losses[-max(1, steps // 10):]
-    finite = len(losses) == steps and all(map(math.isfinite, losses))
-    final = sum(tail) / len(tail) if finite else math.inf
-    if not math.isfinite(held_loss):
-        held_loss = math.inf
-    return {"losses": losses, "final": final, "held_out": held_loss, "wall_s": wall,
+    tail = losses[-max(1, len(data) // 10):]
+    finite = len(losses) == len(data) and all(map(math.isfinite, losses))
+    return {"losses": losses, "final": sum(tail) / len(tail) if finite else math.inf,
+            "held_out": held_loss if math.isfinite(held_loss) else math.inf, "wall_s": wall,
             "setup_s": setup, "error": error}
-
-
-def finite_json(x: Any) -> Any:
-    """`x` with every non-finite float as None (JSON has no infinity)."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: finite_json(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [finite_json(v) for v in x]
-    return x
 
 
 def rounded(x: Any) -> Any:
@@ -171,17 +133,7 @@ def rounded(x: Any) -> Any:
     if isinstance(x, dict):
         return {k: ([round(v, 4) for v in val] if k == "losses" else rounded(val))
                 for k, val in x.items()}
-    if isinstance(x, list):
-        return [rounded(v) for v in x]
-    return x
-
-
-def smooth(values: list[float], window: int) -> list[float]:
-    out = []
-    for i in range(len(values)):
-        part = values[max(0, i - window + 1):i + 1]
-        out.append(sum(part) / len(part))
-    return out
+    return [rounded(v) for v in x] if isinstance(x, list) else x
 
 
 def fmt(x: float) -> str:
@@ -207,24 +159,28 @@ def rel(a: float, b: float) -> float:
     return math.inf if math.isfinite(b) else math.nan
 
 
+def finite_mean(xs: list[float]) -> float:
+    ok = [d for d in xs if math.isfinite(d)]
+    return sum(ok) / len(ok) if ok else math.nan
+
+
 def summarise(grid_runs: dict[str, Any], repeats: dict[str, Any],
               grids: dict[str, dict[str, tuple[float, ...]]]) -> dict[str, Any]:
     """Per optimizer and method: the tuned rate (seed 0), its runs over every seed, the fixed
     rate's run, and the final losses relative to uncorrected pipedream's, seed by seed."""
     out: dict[str, Any] = {}
     for opt, by_method in grid_runs.items():
-        fixed = FIXED[opt]
         rows: dict[str, Any] = {}
         for label, by_lr in by_method.items():
             grid = grids[opt][label]
             tuned = min(grid, key=lambda g: (by_lr[str(g)]["final"], g))
             runs = [by_lr[str(tuned)], *repeats[opt][label]]
             finals = [r["final"] for r in runs]
-            rows[label] = {"tuned_lr": tuned, "fixed_lr": fixed, "grid": grid,
+            rows[label] = {"tuned_lr": tuned, "fixed_lr": FIXED[opt], "grid": grid,
                            "diverged_at": [g for g in grid
                                            if not math.isfinite(by_lr[str(g)]["final"])],
                            "edge": len(grid) > 1 and tuned in (grid[0], grid[-1]),
-                           "runs": runs, "fixed": by_lr[str(fixed)], "finals": finals,
+                           "runs": runs, "fixed": by_lr[str(FIXED[opt])], "finals": finals,
                            "diverged_seeds": [i for i, f in enumerate(finals)
                                               if not math.isfinite(f)],
                            "final": mean(finals),  # over the seeds that did not diverge
@@ -233,11 +189,9 @@ def summarise(grid_runs: dict[str, Any], repeats: dict[str, Any],
         base = rows["pipedream"]
         for row in rows.values():
             row["paired"] = [rel(a, b) for a, b in zip(row["finals"], base["finals"])]
-            both = [d for d in row["paired"] if math.isfinite(d)]
-            row["vs_pd"] = sum(both) / len(both) if both else math.nan
-            held = [rel(a["held_out"], b["held_out"]) for a, b in zip(row["runs"], base["runs"])]
-            held = [d for d in held if math.isfinite(d)]
-            row["held_vs_pd"] = sum(held) / len(held) if held else math.nan
+            row["vs_pd"] = finite_mean(row["paired"])
+            row["held_vs_pd"] = finite_mean([rel(a["held_out"], b["held_out"])
+                                             for a, b in zip(row["runs"], base["runs"])])
         out[opt] = rows
     return out
 
@@ -245,11 +199,7 @@ def summarise(grid_runs: dict[str, Any], repeats: dict[str, Any],
 def fmt_rel(d: float) -> str:
     if math.isnan(d):
         return "both diverged"
-    if d == math.inf:
-        return "diverged"
-    if d == -math.inf:
-        return "PD diverged"
-    return f"{d:+.1%}"
+    return {math.inf: "diverged", -math.inf: "PD diverged"}.get(d, f"{d:+.1%}")
 
 
 def per_seed(xs: list[float], pct: bool = False) -> str:
@@ -258,27 +208,22 @@ def per_seed(xs: list[float], pct: bool = False) -> str:
 
 def fmt_mean(row: dict[str, Any], key: str) -> str:
     n, k = len(row["finals"]), len(row["diverged_seeds"])
-    if k == n:
-        return "diverged"
-    return fmt(row[key]) + (f" ({n - k} of {n} seeds)" if k else "")
+    return "diverged" if k == n else fmt(row[key]) + (f" ({n - k} of {n} seeds)" if k else "")
 
 
 def judge(row: dict[str, Any]) -> str:
     """helps / hurts / negligible / trade-off / inconsistent / diverged, seed by seed against
-    uncorrected pipedream (each at its tuned rate): a seed where only one of them diverged
-    counts for the other."""
+    uncorrected pipedream (a seed where only one of them diverged counts for the other)."""
     paired = row["paired"]
     if len(row["diverged_seeds"]) == len(paired):
         return "diverged"
     worse, better = paired.count(math.inf), paired.count(-math.inf)
     both = [d for d in paired if math.isfinite(d)]
     mean_both = sum(both) / len(both) if both else 0.0
-    if worse and not better:
-        return "hurts"
-    if better and not worse:
-        return "helps" if mean_both <= TIE else "trade-off"
-    if worse and better:
-        return "inconsistent"
+    if worse or better:
+        if worse and better:
+            return "inconsistent"
+        return "hurts" if worse else ("helps" if mean_both <= TIE else "trade-off")
     if all(d < 0 for d in both):
         return "helps" if mean_both < -TIE else "negligible"
     if all(d > 0 for d in both):
@@ -294,61 +239,50 @@ WORDS = {"helps": "helps", "hurts": "hurts",
          "diverged": "diverged on every seed"}
 
 
-def verdict(opt: str, rows: dict[str, Any], chunks: int, seeds: int) -> list[str]:
+def best_correction(rows: dict[str, Any]) -> tuple[str, bool]:
+    """The best correction (among those that help, if any) and whether it helps."""
+    corrections = [k for k in rows if k.startswith("pipedream+")]
+    helping = [k for k in corrections if judge(rows[k]) == "helps"]
+    best = min(helping or corrections,
+               key=lambda k: (len(rows[k]["diverged_seeds"]), rows[k]["vs_pd"]))
+    return best, bool(helping)
+
+
+def verdict(opt: str, rows: dict[str, Any], chunks: int) -> list[str]:
     """Plain-words reading of one optimizer's table (tuned rates, against uncorrected PD)."""
     base, sync = rows["pipedream"], rows["1f1b"]
-    corrections = [k for k in rows if k.startswith("pipedream+")]
     lines = []
     if base["diverged_seeds"]:
         lines.append(f"- Uncorrected pipedream at its tuned lr {fmt_lr(base['tuned_lr'])} "
-                     f"(the best on seed 0) diverged (NaN loss) on seed(s) "
+                     f"diverged (NaN loss) on seed(s) "
                      f"{', '.join(map(str, base['diverged_seeds']))}: that rate is at the "
                      f"edge of its stability.")
-    for k in corrections:
+    for k in (k for k in rows if k.startswith("pipedream+")):
         r = rows[k]
-        name = k.split("+", 1)[1]
-        lines.append(f"- {name} {WORDS[judge(r)]}: final training loss {fmt_mean(r, 'final')} "
-                     f"against {fmt_mean(base, 'final')} uncorrected; seed by seed "
-                     f"{per_seed(r['paired'], pct=True)} (mean over the seeds where both "
-                     f"trained: {fmt_rel(r['vs_pd'])}); held-out {fmt_rel(r['held_vs_pd'])}. "
-                     f"Tuned lr {fmt_lr(r['tuned_lr'])} (uncorrected: "
-                     f"{fmt_lr(base['tuned_lr'])}). At the fixed lr {fmt_lr(r['fixed_lr'])} "
-                     f"(seed 0): {fmt(r['fixed']['final'])} against "
+        lines.append(f"- {k.split('+', 1)[1]} {WORDS[judge(r)]}: final training loss "
+                     f"{fmt_mean(r, 'final')} against {fmt_mean(base, 'final')} uncorrected; "
+                     f"seed by seed {per_seed(r['paired'], pct=True)} (mean over the seeds "
+                     f"where both trained: {fmt_rel(r['vs_pd'])}); held-out "
+                     f"{fmt_rel(r['held_vs_pd'])}. Tuned lr {fmt_lr(r['tuned_lr'])} "
+                     f"(uncorrected: {fmt_lr(base['tuned_lr'])}). At the fixed lr "
+                     f"{fmt_lr(r['fixed_lr'])} (seed 0): {fmt(r['fixed']['final'])} against "
                      f"{fmt(base['fixed']['final'])} "
                      f"({fmt_rel(rel(r['fixed']['final'], base['fixed']['final']))}).")
-        seeds_saved = [i for i, d in enumerate(r["paired"]) if d == -math.inf]
-        if seeds_saved:
-            lines.append(f"  It trained on seed(s) {', '.join(map(str, seeds_saved))} where "
-                         f"uncorrected pipedream diverged at its tuned rate.")
-        worse = [g for g in r["diverged_at"]
-                 if g in base["grid"] and g not in base["diverged_at"]]
-        if worse:
-            lines.append(f"  On seed 0 it diverged at lr {', '.join(map(fmt_lr, worse))}, where "
-                         f"uncorrected pipedream did not.")
+        worse = [g for g in r["diverged_at"] if g in base["grid"] and g not in base["diverged_at"]]
         gained = [g for g in base["diverged_at"] if g in r["grid"] and g not in r["diverged_at"]]
-        if gained:
-            lines.append(f"  On seed 0 it trained at lr {', '.join(map(fmt_lr, gained))}, where "
-                         f"uncorrected pipedream diverged.")
-        if name == "lr-scale" and r["tuned_lr"] > base["tuned_lr"]:
-            lr = r["tuned_lr"]
-            steps = ", ".join(f"{lr / (1 + d):.3g}" for d in (3, 2, 1, 0))
-            lines.append(f"  Its tuned rate is {lr / base['tuned_lr']:.2g}x uncorrected's: "
-                         f"stages 0..3 then step at {steps} against "
-                         f"{fmt_lr(base['tuned_lr'])} for all, i.e. it acts as smaller rates "
-                         f"for the stale stages and a larger one for the last.")
-    helping = [k for k in corrections if judge(rows[k]) == "helps"]
-    if helping:
-        best = min(helping, key=lambda k: (len(rows[k]["diverged_seeds"]), rows[k]["vs_pd"]))
-        lines.append(f"- **Best correction for pipedream with {OPTIMIZER_NAMES[opt]}: "
-                     f"{best.split('+', 1)[1]}** ({fmt_mean(rows[best], 'final')} against "
-                     f"{fmt_mean(base, 'final')} uncorrected; seed by seed "
-                     f"{per_seed(rows[best]['paired'], pct=True)}).")
-    else:
-        best = min(corrections, key=lambda k: (len(rows[k]["diverged_seeds"]),
-                                               rows[k]["vs_pd"]))
-        lines.append(f"- **No correction helps pipedream with {OPTIMIZER_NAMES[opt]}** "
-                     f"consistently (on every seed) and by more than {TIE:.1%} (closest: "
-                     f"{best.split('+', 1)[1]}, {fmt_rel(rows[best]['vs_pd'])}).")
+        for rates, what in ((worse, "diverged at lr {}, where uncorrected pipedream did not"),
+                            (gained, "trained at lr {}, where uncorrected pipedream diverged")):
+            if rates:
+                lines.append(f"  On seed 0 it {what.format(', '.join(map(fmt_lr, rates)))}.")
+    best, helps = best_correction(rows)
+    name = OPTIMIZER_NAMES[opt]
+    lines.append(f"- **Best correction for pipedream with {name}: {best.split('+', 1)[1]}** "
+                 f"({fmt_mean(rows[best], 'final')} against {fmt_mean(base, 'final')} "
+                 f"uncorrected; seed by seed {per_seed(rows[best]['paired'], pct=True)})."
+                 if helps else
+                 f"- **No correction helps pipedream with {name}** consistently (on every "
+                 f"seed) and by more than {TIE:.1%} (closest: {best.split('+', 1)[1]}, "
+                 f"{fmt_rel(rows[best]['vs_pd'])}).")
     d_sync = [rel(a, b) for a, b in zip(base["finals"], sync["finals"])]
     lines.append(f"- Against synchronous 1f1b (tuned: {fmt_mean(sync, 'final')} training, "
                  f"{fmt(sync['held_out'])} held-out), uncorrected pipedream's final training "
@@ -362,107 +296,64 @@ def verdict(opt: str, rows: dict[str, Any], chunks: int, seeds: int) -> list[str
     return lines
 
 
-def overall(summary: dict[str, Any]) -> list[str]:
-    """The verdict in a few lines: per optimizer, the best correction, and each one's word."""
-    lines = ["## Verdict", ""]
-    for opt, rows in summary.items():
-        corrections = [k for k in rows if k.startswith("pipedream+")]
-        helping = [k for k in corrections if judge(rows[k]) == "helps"]
-        parts = [f"{k.split('+', 1)[1]}: {judge(rows[k])}, {fmt_rel(rows[k]['vs_pd'])}"
-                 + (f" ({per_seed(rows[k]['paired'], pct=True)})"
-                    if len(rows[k]['paired']) > 1 else "") for k in corrections]
-        if helping:
-            best = min(helping, key=lambda k: (len(rows[k]["diverged_seeds"]),
-                                               rows[k]["vs_pd"]))
-            head = f"the best correction for pipedream is **{best.split('+', 1)[1]}**"
-        else:
-            head = "**no correction helps pipedream**"
-        lines.append(f"- {OPTIMIZER_NAMES[opt]}: {head}. Final training loss against "
-                     f"uncorrected pipedream, each at its tuned lr, mean over the seeds where "
-                     f"both trained (seed by seed): {'; '.join(parts)}.")
-    lines += ["", "Caveats: a small model and short runs (the loss is still falling at the end) "
-              "with small delays (at most 3 updates); the rates are tuned on seed 0 only, on "
-              "grids a factor 1.5 (SGD) or 2 (Adam) apart, so a correction that moves the best "
-              "rate (lr-scale) is compared with uncorrected pipedream at a grid point, not at "
-              "its exact optimum; three seeds, so differences of a few percent that change sign "
-              "with the seed are noise. The corpus is the package's docstrings, so the data "
-              "(and the figures) change a little with the source tree. Details below.", ""]
-    return lines
-
-
 def report(args: argparse.Namespace, summary: dict[str, Any], grid_runs: dict[str, Any],
            grids: dict[str, dict[str, tuple[float, ...]]]) -> str:
     samples = args.steps * args.chunks * args.microbatch
-    seeds = args.seeds
     lines = [
-        "# Staleness corrections on the char LM (4 stages): loss against samples",
-        "",
-        f"`{args.command}` ({args.total_s / 60:.1f} min in all, {args.date}). Figures from one "
-        f"run of this command on a shared 2-core host (other jobs running; {args.host}): wall "
-        f"times are noisy.",
-        "",
-        f"Model: `build_charlm(layers=2, dropout=0.0)`, 4 stages of one block (embed, block1, "
-        f"block2, head), one rank thread each (`ranks=\"threads\"`). Data: `char_corpus()` "
-        f"(the package's docstrings, {args.source}: {args.train_windows} training and "
-        f"{args.test_windows} test windows of 64 characters), {args.steps} minibatches of "
-        f"{args.chunks} x {args.microbatch} windows ({samples} samples, "
-        f"{samples / args.train_windows:.1f} epochs of the training split); for a given "
-        f"seed every method sees the same minibatches in the same order from the same "
-        f"initial weights. **Step** = one minibatch; the x axis is "
-        f"samples seen = steps x {args.chunks * args.microbatch}, identical across methods. "
-        f"1f1b updates once per step (gradient averaged over its {args.chunks} microbatches); "
-        f"pipedream updates once per microbatch ({args.chunks} updates per step), stage s "
-        f"reading weights 3 - s of its own updates old.",
-        "",
-        f"Learning rates: every method at each rate of the grid with seed 0; tuned lr = the "
-        f"rate with the lowest final loss there. Each method then trains at its tuned lr with "
-        f"seeds 1..{seeds - 1} too (another data order and initialisation; the same for all "
-        f"methods). Final = mean step training loss over the last 10% of steps (a run whose "
-        f"loss turns NaN stops there: diverged; means are over the seeds that did not "
-        f"diverge); held-out = `Pipeline.evaluate` over the whole test split at the end; wall "
-        f"= the training loop alone (4 rank threads on 2 shared cores). \"vs pipedream\": "
-        f"the final loss relative to uncorrected pipedream's, seed by seed, each at its tuned "
-        f"lr (\"PD diverged\": only uncorrected pipedream diverged on that seed). Words: a "
-        f"correction *helps* when its final loss is lower on every seed and by more than "
-        f"{TIE:.0%} on average, or when it trained on a seed where uncorrected pipedream "
-        f"diverged and is at most {TIE:.0%} worse on average on the others; *hurts*: the "
-        f"mirror case; *trade-off*: it trained where pipedream diverged but is more than "
-        f"{TIE:.0%} worse on the others; *negligible*: the same sign on every seed but under "
-        f"{TIE:.0%} on average; *inconsistent*: the sign changes with the seed."
-        if seeds > 1 else
-        "Learning rates: every method at each rate of the grid (one seed); tuned lr = the "
-        "rate with the lowest final loss. Final = mean step training loss over the last 10% "
-        "of steps; held-out = `Pipeline.evaluate` over the whole test split at the end; "
-        "wall = the training loop alone.",
-        "",
-    ]
-    lines += overall(summary)
+        "# Staleness corrections on the char LM (4 stages): loss against samples", "",
+        f"`{args.command}` ({args.total_s / 60:.1f} min in all, {args.date}; {args.host}; a "
+        f"shared host: wall times are noisy).", "",
+        f"Model: `build_charlm(layers=2, dropout=0.0)`, 4 stages of one block, one rank thread "
+        f"each. Data: `char_corpus()` (the package's docstrings, {args.source}: "
+        f"{args.train_windows} training and {args.test_windows} test windows of 64 "
+        f"characters), {args.steps} minibatches of {args.chunks} x {args.microbatch} windows "
+        f"({samples} samples, {samples / args.train_windows:.1f} epochs); for a given seed every "
+        f"method sees the same minibatches from the same initial weights. 1f1b updates once per "
+        f"step; pipedream once per microbatch, stage s reading weights 3 - s updates old.", "",
+        f"Tuned lr: the grid's rate with the lowest final loss on seed 0; then seeds "
+        f"1..{args.seeds - 1} at it. Final = mean step training loss over the last 10% of "
+        f"steps (NaN: diverged; means over the seeds that did not diverge); held-out = "
+        f"`Pipeline.evaluate` on the test split; wall = the training loop alone. \"vs "
+        f"pipedream\": the final loss relative to uncorrected pipedream's, seed by seed (\"PD "
+        f"diverged\": only it diverged). *helps*: lower on every seed by more than {TIE:.0%} on "
+        f"average (or it trained where pipedream diverged, at most {TIE:.0%} worse elsewhere); "
+        f"*hurts*: the mirror case; *trade-off*: trained where pipedream diverged but more "
+        f"than {TIE:.0%} worse elsewhere; *negligible*: one sign, under {TIE:.0%}; "
+        f"*inconsistent*: the sign changes with the seed.", "", "## Verdict", ""]
+    for opt, rows in summary.items():
+        best, helps = best_correction(rows)
+        parts = [f"{k.split('+', 1)[1]}: {judge(r)}, {fmt_rel(r['vs_pd'])}"
+                 + (f" ({per_seed(r['paired'], pct=True)})" if len(r["paired"]) > 1 else "")
+                 for k, r in rows.items() if k.startswith("pipedream+")]
+        head = (f"the best correction for pipedream is **{best.split('+', 1)[1]}**" if helps
+                else "**no correction helps pipedream**")
+        lines.append(f"- {OPTIMIZER_NAMES[opt]}: {head}. Final training loss against "
+                     f"uncorrected pipedream, each at its tuned lr (seed by seed): "
+                     f"{'; '.join(parts)}.")
+    lines += ["", "Caveats: a small model, short runs, delays of at most 3 updates; rates tuned "
+              "on seed 0 on a grid; differences of a few percent that change sign with the "
+              "seed are noise; the corpus changes with the source tree.", ""]
     for opt, rows in summary.items():
         grid = sorted({g for label in rows for g in grids[opt][label]})
-        fixed = FIXED[opt]
+        fixed = fmt_lr(FIXED[opt])
         wider = [label for label in rows if grids[opt][label] != GRIDS[opt]]
         lines += [f"## {OPTIMIZER_NAMES[opt]}", "",
-                  f"Grid: {', '.join(fmt_lr(g) for g in GRIDS[opt])}"
-                  + "".join(f"; {label}: {', '.join(fmt_lr(g) for g in grids[opt][label])}"
-                            for label in wider)
-                  + f". Fixed lr {fmt_lr(fixed)}.", "",
-                  f"| method | tuned lr | final, mean | final per seed | "
-                  f"vs pipedream per seed | held-out, mean | wall s | "
-                  f"final @ {fmt_lr(fixed)} | held-out @ {fmt_lr(fixed)} |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for label, r in rows.items():
-            f = r["fixed"]
-            vs = "-" if label == "pipedream" else per_seed(r["paired"], pct=True)
-            lines.append(f"| {label} | {fmt_lr(r['tuned_lr'])}{' (edge)' if r['edge'] else ''} | "
-                         f"{fmt_mean(r, 'final')} | {per_seed(r['finals'])} | {vs} | "
-                         f"{fmt_mean(r, 'held_out')} | {r['wall_s']:.1f} | "
-                         f"{fmt(f['final'])} | {fmt(f['held_out'])} |")
-        lines += ["", "Final training loss at every rate of the grid (seed 0):", "",
-                  "| method | " + " | ".join(f"lr {fmt_lr(g)}" for g in grid) + " |",
-                  "|---|" + "---:|" * len(grid)]
-        for label, by_lr in grid_runs[opt].items():
-            lines.append(f"| {label} | " + " | ".join(
-                fmt(by_lr[str(g)]["final"]) if str(g) in by_lr else "-" for g in grid) + " |")
+                  f"Grid: {', '.join(map(fmt_lr, GRIDS[opt]))}"
+                  + "".join(f"; {label}: {', '.join(map(fmt_lr, grids[opt][label]))}"
+                            for label in wider) + f". Fixed lr {fixed}.", ""]
+        lines += harness.markdown_table(
+            ["method", "tuned lr", "final, mean", "final per seed", "vs pipedream per seed",
+             "held-out, mean", "wall s", f"final @ {fixed}", f"held-out @ {fixed}"],
+            [[label, fmt_lr(r["tuned_lr"]) + (" (edge)" if r["edge"] else ""),
+              fmt_mean(r, "final"), per_seed(r["finals"]),
+              "-" if label == "pipedream" else per_seed(r["paired"], pct=True),
+              fmt_mean(r, "held_out"), f"{r['wall_s']:.1f}", fmt(r["fixed"]["final"]),
+              fmt(r["fixed"]["held_out"])] for label, r in rows.items()])
+        lines += ["", "Final training loss at every rate of the grid (seed 0):", ""]
+        lines += harness.markdown_table(
+            ["method", *(f"lr {fmt_lr(g)}" for g in grid)],
+            [[label, *(fmt(by_lr[str(g)]["final"]) if str(g) in by_lr else "-" for g in grid)]
+             for label, by_lr in grid_runs[opt].items()])
         errors = [f"{label} lr {g}: {by_lr[str(g)]['error']}"
                   for label, by_lr in grid_runs[opt].items() for g in grid
                   if str(g) in by_lr and by_lr[str(g)]["error"]]
@@ -471,22 +362,17 @@ def report(args: argparse.Namespace, summary: dict[str, Any], grid_runs: dict[st
                    if i and run["error"]]
         if errors:
             lines += ["", "Runs that stopped: " + "; ".join(errors) + "."]
-        lines += ["", "Reading (tuned rates, against uncorrected pipedream):", ""]
-        lines += verdict(opt, rows, args.chunks, seeds)
-        lines.append("")
-    lines += ["What the corrections do here (pipedream, 4 stages, delays d = 3, 2, 1, 0 on "
-              "stages 0..3; `pipedream_fast/runtime/staleness_correction.py`): predict moves "
-              "the weights a forward reads d velocities ahead (the velocity: a bias-corrected "
-              "moving average, beta 0.9, of the stage's own updates), nesterov "
-              "0.9 + .. + 0.9^d of them (0.9, 1.71, 2.44), and lr-scale divides each update's "
-              "learning rate by 1 + d: stages 0..3 step at 1/4, 1/3, 1/2 and 1 of the rate. "
-              "The last stage (d = 0) is never corrected, so under lr-scale it keeps the full "
-              "rate and still bounds the stable rate.", "",
-              f"Plot: `{Path(args.out).with_suffix('.png').name}` (smoothed training loss, "
-              f"trailing mean over {max(1, args.steps // 20)} steps, against samples seen; "
-              "left: each method at its tuned lr, mean over the seeds on which every method "
-              "trained to the end; middle: the same, "
-              "last half zoomed; right: every method at the fixed lr, seed 0). Raw figures: "
+        lines += ["", "Reading (tuned rates, against uncorrected pipedream):", "",
+                  *verdict(opt, rows, args.chunks), ""]
+    lines += ["The corrections (`pipedream_fast/runtime/staleness_correction.py`), delays d = 3, "
+              "2, 1, 0 on stages 0..3: predict moves the weights a forward reads d velocities "
+              "ahead (a bias-corrected moving average, beta 0.9, of the stage's updates), "
+              "nesterov 0.9 + .. + 0.9^d of them, lr-scale divides the rate by 1 + d (the last "
+              "stage keeps the full rate and still bounds the stable rate).", "",
+              f"Plot: `{Path(args.out).with_suffix('.png').name}` (training loss, trailing "
+              f"mean over {max(1, args.steps // 20)} steps, against samples seen; left: tuned "
+              f"lr, mean over the seeds where every method trained to the end; middle: its "
+              f"last half; right: the fixed lr, seed 0). Raw figures: "
               f"`{Path(args.out).with_suffix('.json').name}`.", ""]
     return "\n".join(lines)
 
@@ -494,70 +380,58 @@ def report(args: argparse.Namespace, summary: dict[str, Any], grid_runs: dict[st
 def source_tree() -> str:
     """The commit the package comes from, and whether it had uncommitted changes: the corpus
     is its docstrings."""
-    head, dirty = harness.git("rev-parse", "--short", "HEAD"), harness.git(
-        "status", "--porcelain", "--", "pipedream_fast")
+    head = harness.git("rev-parse", "--short", "HEAD")
     if head is None:
         return "not a git checkout"
+    dirty = harness.git("status", "--porcelain", "--", "pipedream_fast")
     return f"commit {head}" + (" with uncommitted changes in pipedream_fast/" if dirty else "")
 
 
 def plot(args: argparse.Namespace, summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     per_step = args.chunks * args.microbatch
     window = max(1, args.steps // 20)
     colours = {"1f1b": "black", "pipedream": "tab:red", "pipedream+predict": "tab:blue",
                "pipedream+nesterov": "tab:green", "pipedream+lr-scale": "tab:orange"}
-    styles = {"1f1b": "--"}
-    opts = list(summary)
-    fig, axes = plt.subplots(len(opts), 3, figsize=(17, 4.8 * len(opts)), squeeze=False)
 
     def complete(run: dict[str, Any]) -> bool:
         return len(run["losses"]) == args.steps and all(map(math.isfinite, run["losses"]))
 
-    for row, opt in enumerate(opts):
-        rows = summary[opt]
-        # the tuned curves: mean over the seeds on which every method trained to the end
-        common = [i for i in range(args.seeds) if all(complete(r["runs"][i]) for r in rows.values())]
-        which = (f"mean of seeds {', '.join(map(str, common))}" if len(common) > 1
-                 else f"seed {common[0]}" if common else "no seed where all trained")
-        panels = (("tuned", f"tuned lr, {which}"), ("tuned", "tuned lr, last half"),
-                  ("fixed", "fixed lr, seed 0"))
-        for col, (key, title) in enumerate(panels):
-            ax = axes[row][col]
-            lo, hi = math.inf, -math.inf
-            for label, r in rows.items():
-                runs = [r["runs"][i] for i in common] if key == "tuned" else [r["fixed"]]
-                whole = [x["losses"] for x in runs if complete(x)]
-                lr = r["tuned_lr"] if key == "tuned" else r["fixed_lr"]
-                if not whole:
-                    ax.plot([], [], styles.get(label, "-"), color=colours[label],
-                            label=f"{label} (lr {fmt_lr(lr)}): diverged")
-                    continue
-                losses = [sum(v) / len(v) for v in zip(*whole)]
-                s = smooth(losses, window)
-                x = [(i + 1) * per_step for i in range(len(s))]
-                first = len(s) // 2 if col == 1 else 0
-                ax.plot(x[first:], s[first:], styles.get(label, "-"), color=colours[label],
-                        linewidth=1.4, label=f"{label} (lr {fmt_lr(lr)})")
-                lo = min(lo, min(s[first:]))
-                hi = max(hi, s[first] if col == 1 else s[len(s) // 10])
-            if math.isfinite(lo) and math.isfinite(hi) and hi > lo:
-                pad = 0.05 * (hi - lo)
-                ax.set_ylim(lo - pad, hi + pad)
-            ax.set_title(f"{OPTIMIZER_NAMES[opt]}: {title}", fontsize=11)
-            ax.set_xlabel(f"samples seen (steps x {per_step} windows of 64 chars)")
-            ax.set_ylabel("training loss (smoothed)")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.suptitle(f"char LM, 4 stages on rank threads: {args.steps} steps of "
-                 f"{args.chunks} x {args.microbatch} windows", fontsize=12)
-    fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=90)
-    plt.close(fig)
+    with harness.figure(path, len(summary), 3, (17, 4.8 * len(summary)), dpi=90) as (fig, axes):
+        for row, (opt, rows) in enumerate(summary.items()):
+            # the tuned curves: mean over the seeds on which every method trained to the end
+            common = [i for i in range(args.seeds)
+                      if all(complete(r["runs"][i]) for r in rows.values())]
+            which = (f"mean of seeds {', '.join(map(str, common))}" if len(common) > 1
+                     else f"seed {common[0]}" if common else "no seed where all trained")
+            for col, (key, title) in enumerate((("tuned", f"tuned lr, {which}"),
+                                                ("tuned", "tuned lr, last half"),
+                                                ("fixed", "fixed lr, seed 0"))):
+                ax = axes[row][col]
+                lo, hi = math.inf, -math.inf
+                for label, r in rows.items():
+                    runs = [r["runs"][i] for i in common] if key == "tuned" else [r["fixed"]]
+                    whole = [x["losses"] for x in runs if complete(x)]
+                    lr = fmt_lr(r["tuned_lr"] if key == "tuned" else r["fixed_lr"])
+                    style = "--" if label == "1f1b" else "-"
+                    if not whole:
+                        ax.plot([], [], style, color=colours[label],
+                                label=f"{label} (lr {lr}): diverged")
+                        continue
+                    losses = [sum(v) / len(v) for v in zip(*whole)]
+                    s = [sum(losses[max(0, i - window + 1):i + 1])
+                         / len(losses[max(0, i - window + 1):i + 1]) for i in range(len(losses))]
+                    first = len(s) // 2 if col == 1 else 0
+                    ax.plot([(i + 1) * per_step for i in range(first, len(s))], s[first:], style,
+                            color=colours[label], linewidth=1.4, label=f"{label} (lr {lr})")
+                    lo = min(lo, min(s[first:]))
+                    hi = max(hi, s[first] if col == 1 else s[len(s) // 10])
+                if math.isfinite(lo) and math.isfinite(hi) and hi > lo:
+                    ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
+                ax.set_title(f"{OPTIMIZER_NAMES[opt]}: {title}", fontsize=11)
+                harness.axes_text(ax, None, f"samples seen (steps x {per_step} windows of 64 "
+                                  "chars)", "training loss (smoothed)", {"fontsize": 8})
+        fig.suptitle(f"char LM, 4 stages on rank threads: {args.steps} steps of "
+                     f"{args.chunks} x {args.microbatch} windows", fontsize=12)
 
 
 def main() -> int:
@@ -570,20 +444,17 @@ def main() -> int:
     parser.add_argument("--optimizers", default=None,
                         help="comma-separated among sgd, adam (default both; sgd with --quick)")
     parser.add_argument("--seeds", type=harness.positive, default=None,
-                        help="seeds at the tuned lr, the grid's seed 0 included (default 3; "
-                             "2 with --quick)")
+                        help="seeds at the tuned lr, seed 0 included (default 3; 2 with --quick)")
     parser.add_argument("--microbatch", type=int, default=16, help="windows per microbatch")
     parser.add_argument("--chunks", type=int, default=4, help="microbatches per step")
     parser.add_argument("--out", default=None,
                         help="markdown to write (default bench/results/staleness_lm.md; "
                              "/tmp/staleness_lm_quick.md with --quick); .png and .json beside it")
     args = parser.parse_args()
-    if args.steps is None:
-        args.steps = 12 if args.quick else 160
-    if args.seeds is None:
-        args.seeds = 2 if args.quick else 3
-    if args.out is None:
-        args.out = "/tmp/staleness_lm_quick.md" if args.quick else "bench/results/staleness_lm.md"
+    args.steps = args.steps or (12 if args.quick else 160)
+    args.seeds = args.seeds or (2 if args.quick else 3)
+    args.out = args.out or ("/tmp/staleness_lm_quick.md" if args.quick
+                            else "bench/results/staleness_lm.md")
     opts = (args.optimizers or ("sgd" if args.quick else "sgd,adam")).split(",")
     unknown = [o for o in opts if o not in GRIDS]
     if unknown:
@@ -591,20 +462,20 @@ def main() -> int:
                      f"{', '.join(GRIDS)}")
     grids = {o: {label: grid_for(o, label, args.quick) for label, _, _ in METHODS}
              for o in opts}
-    batch = args.chunks * args.microbatch
     # The corpus is the package's docstrings, read from the working tree: read it once.
     train, test, _ = char_corpus()
-    args.train_windows, args.test_windows = len(train), len(test)  # type: ignore[arg-type]
+    args.train_windows, args.test_windows = len(train), len(test)
     args.source = source_tree()
     args.host = f"{os.cpu_count()} CPUs, {platform.machine()}, torch {torch.__version__}"
     args.date = time.strftime("%Y-%m-%d")
     args.command = harness.command()
-    data = {seed: make_data(train, test, args.steps, batch, seed) for seed in range(args.seeds)}
+    data = {seed: make_data(train, test, args.steps, args.chunks * args.microbatch, seed)
+            for seed in range(args.seeds)}
     held = data[0][1]
     total_runs = sum(len(g) for by in grids.values() for g in by.values()) \
         + len(opts) * (args.seeds - 1) * len(METHODS)
-    print(f"{total_runs} runs of {args.steps} steps ({args.chunks} x {args.microbatch} windows "
-          f"each); held-out: {sum(len(x) for x, _ in held)} test windows", flush=True)
+    harness.say(f"{total_runs} runs of {args.steps} steps ({args.chunks} x {args.microbatch} "
+                f"windows each); held-out: {sum(len(x) for x, _ in held)} test windows")
     began = time.perf_counter()
     done = 0
 
@@ -614,10 +485,10 @@ def main() -> int:
         r = run(schedule, staleness, opt, lr, data[seed][0], held, args.microbatch,
                 args.chunks, seed)
         done += 1
-        print(f"[{done}/{total_runs} {(time.perf_counter() - began) / 60:4.1f} min] {opt} "
-              f"lr={fmt_lr(lr)} seed {seed} {label:19s} final {fmt(r['final'])} held-out "
-              f"{fmt(r['held_out'])} wall {r['wall_s']:.1f} s"
-              + (f"  ({r['error']})" if r["error"] else ""), flush=True)
+        harness.say(f"[{done}/{total_runs} {(time.perf_counter() - began) / 60:4.1f} min] "
+                    f"{opt} lr={fmt_lr(lr)} seed {seed} {label:19s} final {fmt(r['final'])} "
+                    f"held-out {fmt(r['held_out'])} wall {r['wall_s']:.1f} s"
+                    + (f"  ({r['error']})" if r["error"] else ""))
         return r
 
     grid_runs: dict[str, Any] = {}
@@ -651,9 +522,8 @@ def write(meta: dict[str, Any], grid_runs: dict[str, Any], repeats: dict[str, An
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report(args, summary, grid_runs, grids))
     plot(args, summary, out.with_suffix(".png"))
-    out.with_suffix(".json").write_text(json.dumps(finite_json({
-        "meta": meta,
-        "grids": {o: {label: list(g) for label, g in by.items()} for o, by in grids.items()},
+    harness.write_json(out.with_suffix(".json"), {
+        "meta": meta, "grids": grids,
         "summary": {o: {label: {k: r[k] for k in ("tuned_lr", "fixed_lr", "edge", "finals",
                                                   "final", "held_out", "wall_s", "vs_pd",
                                                   "held_vs_pd", "diverged_seeds")}
@@ -661,12 +531,12 @@ def write(meta: dict[str, Any], grid_runs: dict[str, Any], repeats: dict[str, An
                            "verdict": judge(r), "fixed_final": r["fixed"]["final"],
                            "fixed_held_out": r["fixed"]["held_out"]}
                         for label, r in rows.items()} for o, rows in summary.items()},
-        "grid_runs": rounded(grid_runs), "repeats": rounded(repeats)}), indent=1) + "\n")
+        "grid_runs": rounded(grid_runs), "repeats": rounded(repeats)})
     print(f"wrote {out}, {out.with_suffix('.png')} and {out.with_suffix('.json')} "
           f"({args.total_s / 60:.1f} min of runs)")
     for opt, rows in summary.items():
         print(f"\n{OPTIMIZER_NAMES[opt]}:")
-        print("\n".join(verdict(opt, rows, args.chunks, args.seeds)))
+        print("\n".join(verdict(opt, rows, args.chunks)))
     return 0
 
 

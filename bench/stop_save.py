@@ -1,12 +1,9 @@
 """A stop whose agreed step and checkpoint take longer than the launcher's grace period.
 
-Two 1 GiB stages (`Linear(16384, 16384)` each, no bias) train with 1f1b under
-`pipedream-fast run --nproc 2` with a `checkpoint_dir`; after step `--after`, SIGTERM goes to
-the launcher with its default grace (5 s). The ranks finish the steps up to the one they
-agree to stop at, then save 2 x 1 GiB. The launcher waits while they progress
-(`pipedream_fast.checkpoint.progress`). Reported: the seconds from SIGTERM to the agreed
-step's end, to the save's end, and to the launcher's exit; its exit status; whether the
-checkpoint is complete (manifest, checksums verified); what the launcher said. Needs about
+Two 1 GiB stages (`Linear(16384, 16384)`, no bias), 1f1b under `pipedream-fast run --nproc 2`
+with a `checkpoint_dir`; SIGTERM to the launcher (default 5 s grace) after step `--after`.
+Reported: seconds from SIGTERM to the agreed step's end, the save's end and the launcher's
+exit; its exit status; whether the checkpoint is complete (checksums verified). Needs about
 6 GiB of memory and 2 GiB of disk.
 
     python bench/stop_save.py [--after 2] [--size 16384] [--out bench/results/stop_save.md]

@@ -1,16 +1,12 @@
 """Schedules as streams: start-up time and memory against the run's length.
 
-Part 1, for every trainable schedule on 4 stages and N = 1k .. 1M microbatches: the time from
-`make_schedule` through validation (on the stream's window) to every rank's first action, and
-the peak Python memory (tracemalloc) of that start-up plus walking the first 20,000 actions of
-rank 0's program. Both must not depend on N.
+Part 1: for every trainable schedule on 4 stages and N = 1k .. 1M microbatches, the time from
+`make_schedule` through validation to every rank's first action, and the peak Python memory
+(tracemalloc) of that plus rank 0's first 20,000 actions; neither may depend on N. Part 2:
+`pipedream-fast train --schedule pipedream --steps 1000000` on the CNN, the time to its first
+loss line and its resident memory while it trains, for `--seconds`.
 
-Part 2, end to end: `pipedream-fast train --threads 2 --schedule pipedream --steps 1000000` on
-the built-in CNN; the time until its first loss line and its resident memory (VmRSS) sampled
-while it trains, then the run is stopped.
-
-    python bench/streams.py                 # both parts; writes bench/results/streams.md
-    python bench/streams.py --seconds 60    # how long part 2 trains
+    python bench/streams.py [--seconds 150]   # writes bench/results/streams.md
 """
 
 from __future__ import annotations

@@ -1,42 +1,20 @@
 """pipedream_fast against DistributedDataParallel on an emulated 2-machine cluster.
 
-Two ranks, each in a network namespace of its own (bench/netcluster.py), joined by a link
-shaped with tbf to 10gbit, 1gbit or 100mbit in each direction; one torch thread per rank, gloo.
-Per model and link rate, in this one invocation, one contender after the other:
-
-  DistributedDataParallel      global batch 32 per step: 16 per rank, gradients all-reduced
-  pipedream_fast pipedream     2 stages, one 32-sample microbatch per step (one update per step)
-  pipedream_fast 2bw           2 stages, chunks=2 (two 16-sample microbatches, one update)
-  pipedream_fast 1f1b          2 stages, chunks=2 (two 16-sample microbatches, flushed)
-
-Every contender trains on the same global batch of 32 samples per step with SGD lr 0.01 on a
-fixed synthetic batch (as bench/model_a.py does). Models:
-
-  A      pipedream_fast.models.build_cnn(): 6 convolutions + 3 large linear layers, 35 M
-         parameters (140 MB); pipelines split at the conv|fc boundary (block 6, model_a's
-         --split 6), where only 32 x 4096 floats (512 KiB) cross per step
-  convs  5 convolutions at 32x32 resolution + global average pool + Linear(64, 10): 0.13 M
-         parameters, but 4-8 MiB of activations cross any cut per step; pipelines split where
-         the profiled compute is balanced. Data parallelism should win here.
-
-Measured: steady-state samples/s (the clock starts after the warm-up steps; the last rank's
-clock for pipelines, as bench/model_a.py) and bytes on the wire per sample (the tx_bytes of
-both ranks' veths over the same window: frames with their headers, as the kernel counts them).
-The planner's view: the model is profiled once here (1 thread, batch 32) and planned for the
-topology "2x<rate in bytes/s>": whether its dynamic program picks data parallelism or a
-pipeline, and its predicted time per batch for both.
-
-The machine may be shared: each rank also reads the machine's busy CPU time and its own, so
-the report shows how much CPU other processes took during every measured window; a run where
-they took more than DISTURBED cores is run again (--retries) and the less disturbed run kept.
+Two ranks in network namespaces (bench/netcluster.py), the link shaped to 10gbit, 1gbit or
+100mbit each way; one torch thread per rank, gloo. Per model and rate, one after the other: DDP
+(16 samples per rank), and Pipeline on 2 stages with `pipedream` (one 32-sample microbatch),
+`2bw` and `1f1b` (chunks=2); all on a global batch of 32 per step, SGD lr 0.01, a fixed
+synthetic batch. Models: `a` (build_cnn, 35 M parameters; cut at conv | fc, block 6, where
+512 KiB cross per step) and `convs` (5 convolutions, 0.13 M parameters but 4-8 MiB across any
+cut; cut where the profile balances: data parallelism should win). Measured: steady-state
+samples/s (the last rank's clock after the warm-up) and both veths' tx_bytes per sample; the
+planner's choice and predictions for the topology "2x<rate in bytes/s>"; the CPU other
+processes took (a run disturbed beyond DISTURBED cores runs again, --retries).
 
     python bench/vs_ddp.py [--rates 10gbit,1gbit,100mbit] [--models a,convs] [--scale 1]
                            [--retries 1] [--out bench/results/vs_ddp.md]
 
-The tables are written to --out; the reading under them in bench/results/vs_ddp.md is written
-by hand after a run.
-
-Needs what bench/netcluster.py needs (root, iproute2, network namespaces, tbf).
+The reading under the tables in bench/results/vs_ddp.md is written by hand after a run.
 """
 
 from __future__ import annotations
@@ -61,6 +39,7 @@ from pipedream_fast.models import build_cnn
 # Scripts next to this file (bench/ is on sys.path when this file runs as a script).
 import harness
 import netcluster
+from harness import DISTURBED
 
 BATCH = 32
 WORLD = 2
@@ -72,15 +51,12 @@ CONTENDERS = ("ddp", "pipedream", "2bw", "1f1b")
 BALANCED = "pipedream-balanced"
 CHUNKS = {"pipedream": 1, "2bw": 2, "1f1b": 2, BALANCED: 1}
 
-# (warm-up, measured) steps. DDP moves every gradient (140 MB for model A) per step, so its
-# step time grows tenfold per tenfold slower link: its count shrinks with the rate. Pipelines
-# move 1-16 MB per step, so their step time hardly depends on the rate: one count for all.
+# (warm-up, measured) steps. DDP's step time grows with a slower link (140 MB a step for
+# model A): its count shrinks with the rate; pipelines' hardly depends on it.
 DDP_STEPS = {"10gbit": (3, 15), "1gbit": (2, 8), "100mbit": (1, 3)}
 DDP_STEPS_OTHER_RATES = (2, 5)
 PIPELINE_STEPS = (3, 15)
 TIMEOUT_S = {"10gbit": 240.0, "1gbit": 300.0, "100mbit": 600.0}
-# A run during which other processes took more than this many cores is run again.
-DISTURBED = 0.25
 
 
 # ---- models --------------------------------------------------------------------------------
@@ -100,7 +76,7 @@ def build_convs() -> nn.Sequential:
 
 MODELS = {"a": build_cnn, "convs": build_convs}
 MODEL_TITLES = {"a": "model A (build_cnn)", "convs": "convs (conv-only, few parameters)"}
-MODEL_A_SPLIT = 6  # conv | fc, as bench/model_a.py --split 6
+MODEL_A_SPLIT = 6  # conv | fc, as bench/vs_pipelining.py --set model_a
 
 
 def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,34 +342,20 @@ def run_contender(cluster: netcluster.Cluster, model: str, contender: str, split
     last = windows[-1]
     return Measurement(model, rate, contender, last.samples / last.seconds,
                        sum(w.tx_bytes for w in windows) / last.samples,
-                       warmup, measured, time.monotonic() - began, other_cores(windows),
+                       warmup, measured, time.monotonic() - began,
+                       harness.other_cores([w.__dict__ for w in windows],
+                                           sum(w.seconds for w in windows) / len(windows)),
                        breakdowns=[w.breakdown for w in windows if w.breakdown is not None])
-
-
-def other_cores(windows: list[Window]) -> float:
-    """Cores' worth of CPU that processes other than the ranks used during the window: the
-    machine's busy time (each rank read it; their windows nearly coincide) less the ranks'
-    own CPU time."""
-    machine = sum(w.busy_s for w in windows) / len(windows)
-    seconds = sum(w.seconds for w in windows) / len(windows)
-    return max(0.0, machine - sum(w.cpu_s for w in windows)) / seconds
 
 
 def measure(cluster: netcluster.Cluster, model: str, contender: str, split: int, rate: str,
             scale: float, retries: int, deadline: float) -> Measurement:
-    """Run a contender; while other processes took more than DISTURBED cores of the CPU
-    during its window, run it again (up to `retries` times, while before `deadline`) and keep
-    the least disturbed run."""
-    best = run_contender(cluster, model, contender, split, rate, scale)
-    tries = 1
-    while best.other_cores > DISTURBED and tries <= retries and time.monotonic() < deadline:
-        print(f"[{rate}] {model:5s} {contender_label(contender):40s} disturbed (other "
-              f"processes took {best.other_cores:.2f} cores): again", flush=True)
-        again = run_contender(cluster, model, contender, split, rate, scale)
-        tries += 1
-        if again.other_cores < best.other_cores:
-            best = again
-    best.tries = tries
+    """A contender's least disturbed run (`harness.least_disturbed`, no retry past
+    `deadline`)."""
+    best, rest = harness.least_disturbed(
+        lambda: run_contender(cluster, model, contender, split, rate, scale),
+        lambda m: m.other_cores, retries, harness.say, deadline)
+    best.tries = 1 + len(rest)
     return best
 
 
@@ -446,16 +408,13 @@ def run_all(models: list[str], rates: list[str], scale: float, retries: int, bud
 def markdown(rows: list[Measurement], views: dict[tuple[str, str], PlannerView],
              splits: dict[str, int], links: dict[str, float],
              alone: dict[tuple[str, str], float], command: str, total_s: float) -> str:
-    models = list(dict.fromkeys(r.model for r in rows))
     rates = list(dict.fromkeys(r.rate for r in rows))
-    retried = sum(r.tries > 1 for r in rows)
     lines = ["# pipedream_fast vs DistributedDataParallel on an emulated 2-machine cluster", "",
              f"Command: `{command}`", "",
              harness.machine_line(harness.machine_info(), total_s), "",
-             "- Cluster: 2 ranks, each in a network namespace of its own, joined through a "
-             "bridge by veth links shaped with `tc tbf` in both directions "
-             "(bench/netcluster.py); one torch thread per rank, gloo. Link check, one TCP "
-             "stream's payload rate: "
+             "- Cluster: 2 ranks, each in a network namespace, joined through a bridge by veth "
+             "links shaped with `tc tbf` both ways (bench/netcluster.py); one torch thread per "
+             "rank, gloo. Link check, one TCP stream's payload rate: "
              + ", ".join(f"{rate} {links[rate]:.1f} MB/s" for rate in rates) + ".",
              "- Same work for every contender: a global batch of 32 samples per step, SGD lr "
              "0.01, one fixed synthetic batch. DDP: 16 samples per rank. `pipedream`: one "
@@ -465,14 +424,13 @@ def markdown(rows: list[Measurement], views: dict[tuple[str, str], PlannerView],
              "pipeline, its last rank's clock). Steps, warm-up + measured: DDP "
              + ", ".join(f"{r} {steps_text(rows, r, 'ddp')}" for r in rates)
              + f"; pipelines {steps_text(rows, rates[0], 'pipedream')} at every rate.",
-             "- MB/sample: both ranks' veth tx_bytes over that same window, divided by its "
-             "samples: frames as the kernel counts them, TCP/IP headers once per "
-             "segmentation-offload packet of up to 64 KiB, ACKs included.",
+             "- MB/sample: both ranks' veth tx_bytes over that window, per sample (frames as "
+             "the kernel counts them, headers and ACKs included).",
              "- Others: the CPU that processes other than the two ranks took during the window, "
-             "in cores (the machine's user+system time less the ranks' own; the machine has "
-             f"{os.cpu_count()}). A run where others took more than {DISTURBED} cores was run "
-             f"again and the less disturbed run kept ({retried} of {len(rows)} runs were).", ""]
-    for model in models:
+             f"in cores (the machine has {os.cpu_count()}). A run where others took more than "
+             f"{DISTURBED} cores was run again and the less disturbed run kept "
+             f"({sum(r.tries > 1 for r in rows)} of {len(rows)} runs were).", ""]
+    for model in dict.fromkeys(r.model for r in rows):
         lines += model_section(model, rows, views, splits, rates, alone)
     return "\n".join(lines) + "\n"
 
@@ -491,101 +449,78 @@ def model_section(model: str, rows: list[Measurement], views: dict[tuple[str, st
     balanced = splits.get(f"{model} balanced")
     also = (f" The balanced cut of this profile starts stage 1 at block {balanced} "
             f"({names[balanced]}): `pipedream, balanced cut`." if balanced is not None else "")
+    mine = [r for r in rows if r.model == model]
+    measured, planned = [], []
+    for rate in rates:
+        here = [r for r in mine if r.rate == rate]
+        ddp = next((r for r in here if r.contender == "ddp"), None)
+        view = views[(model, rate)]
+        for index, row in enumerate(here):
+            measured.append([
+                rate if index == 0 else "", contender_label(row.contender),
+                f"{row.samples_per_s:.1f}",
+                f"{row.samples_per_s / ddp.samples_per_s:.2f}x" if ddp else "-",
+                f"{row.bytes_per_sample / 1e6:.3f}",
+                f"{row.bytes_per_sample / ddp.bytes_per_sample:.3f}x" if ddp else "-",
+                f"{row.other_cores:.2f}", view.choice if index == 0 else ""])
+        pipes = [r for r in here if r.contender != "ddp"]
+        best = max(pipes, key=lambda r: r.samples_per_s) if pipes else None
+        planned.append([rate, view.choice, f"{view.ddp_ms:.0f}",
+                        ms_per_batch(ddp) if ddp else "-",
+                        f"{view.pipeline_ms:.0f} ({view.pipeline_split})",
+                        f"{ms_per_batch(best)} ({best.contender})" if best else "-"])
     return [f"## {MODEL_TITLES[model]}", "",
             f"{sum(p.numel() for p in built.parameters()) / 1e6:.2f} M parameters "
             f"({parameter_bytes(built) / 1e6:.1f} MB); pipelines: 2 stages, stage 1 starts at "
             f"block {splits[model]} ({names[splits[model]]}).{also}", "",
-            *measured_table(model, rows, views, rates), "",
+            *harness.markdown_table(["link", "contender", "samples/s", "vs DDP", "MB/sample",
+                                     "bytes vs DDP", "others (cores)", "planner's choice"],
+                                    measured, left=2), "",
             "The planner (PipeDream's dynamic program, schedule pipedream, topology "
             "`2x<rate/8 bytes/s>`, profile of this machine with 1 thread) against the "
             "measurements, in ms per batch of 32. DDP is predicted as the planner's data-"
             "parallel plan from a profile at its per-rank batch of 16; the planner's own "
-            "choice is made at the pipeline's microbatch of 32, where a replica takes whole "
-            "microbatches in turn:", "",
-            *planner_table(model, rows, views, rates), "",
-            *limit_section(model, rows, views, rates, alone)]
+            "choice is made at the pipeline's microbatch of 32:", "",
+            *harness.markdown_table(["link", "planner picks", "predicted: DDP, 16 per rank",
+                                     "measured: DDP", "predicted: the measured 2-stage pipeline "
+                                     "(split)", "measured: best pipeline"], planned, left=2), "",
+            *limit_section(model, mine, views[(model, rates[0])], alone)]
 
 
 LIMIT_GOAL = 0.9  # of the balanced-pipeline limit, at every bandwidth
 
 
-def limit_section(model: str, rows: list[Measurement], views: dict[tuple[str, str], PlannerView],
-                  rates: list[str], alone: dict[tuple[str, str], float]) -> list[str]:
+def limit_section(model: str, rows: list[Measurement], view: PlannerView,
+                  alone: dict[tuple[str, str], float]) -> list[str]:
     """`pipedream` against the machine's limit, and where each rank's time went."""
-    view = views[(model, rates[0])]  # the profile's limits do not depend on the link
     profiled, cut = BATCH / view.limit_ms * 1e3, BATCH / view.split_limit_ms * 1e3
-    lines = [f"Against the machine's limit. Measured: {WORLD} x what one rank does alone with "
-             f"one thread (the whole model, same batch and SGD step), measured at each rate "
-             f"just before its contenders, since this machine's speed drifts between runs: "
-             f"that is the balanced-pipeline limit, every rank busy all the time on free links. "
-             f"From the profile taken at the start: all its work per batch of 32 (compute and "
-             f"updates, {view.limit_ms * WORLD:.0f} ms) split evenly gives {profiled:.1f} "
-             f"samples/s, and its best 2-stage cut caps a real pipeline at {cut:.1f} "
-             f"({cut / profiled:.2f} of it). Goal: `pipedream` at least {LIMIT_GOAL} of the "
-             f"measured limit at every bandwidth.", "",
-             "| link | contender | samples/s | limit (measured) | of it | of the profile's | "
-             "goal |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
-    runs = [r for r in rows if r.model == model and r.contender in ("pipedream", BALANCED)]
+    runs = [r for r in rows if r.contender in ("pipedream", BALANCED)]
+    shares = []
     for row in runs:
         limit = WORLD * alone[(model, row.rate)]
         share = row.samples_per_s / limit
-        lines.append(f"| {row.rate} | {contender_label(row.contender)} | "
-                     f"{row.samples_per_s:.1f} | {limit:.1f} | {share:.2f} | "
-                     f"{row.samples_per_s / profiled:.2f} | "
-                     f"{'met' if share >= LIMIT_GOAL else 'missed'} |")
-    lines += ["", "Where each rank's time goes under `pipedream`, ms per batch, from the "
-              "runtime's trace over the measured window: compute (forward and backward, "
-              "less their waits), waiting (a forward or backward waiting for its message), "
-              "receives and sends (posting them), update (optimizer step), copies (weight "
-              "versions), other (what no action covers: the data feed, Python between "
-              "actions).", "",
-              "| link | contender | rank | compute | waiting | receives | sends | update | "
-              "copies | other |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for row in runs:
-        for rank, parts in enumerate(row.breakdowns):
-            lines.append(f"| {row.rate if rank == 0 else ''} | "
-                         f"{contender_label(row.contender) if rank == 0 else ''} | {rank} | "
-                         + " | ".join(
-                f"{parts[p]:.0f}" for p in ("compute", "waiting", "receives", "sends",
-                                             "update", "copies", "other")) + " |")
-    return lines + [""]
-
-
-def measured_table(model: str, rows: list[Measurement],
-                   views: dict[tuple[str, str], PlannerView], rates: list[str]) -> list[str]:
-    lines = ["| link | contender | samples/s | vs DDP | MB/sample | bytes vs DDP | others "
-             "(cores) | planner's choice |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for rate in rates:
-        here = [r for r in rows if r.model == model and r.rate == rate]
-        ddp = next((r for r in here if r.contender == "ddp"), None)
-        for index, row in enumerate(here):
-            speed = f"{row.samples_per_s / ddp.samples_per_s:.2f}x" if ddp else "-"
-            volume = f"{row.bytes_per_sample / ddp.bytes_per_sample:.3f}x" if ddp else "-"
-            first = index == 0
-            lines.append(f"| {rate if first else ''} | {contender_label(row.contender)} | "
-                         f"{row.samples_per_s:.1f} | {speed} | {row.bytes_per_sample / 1e6:.3f} | "
-                         f"{volume} | {row.other_cores:.2f} | "
-                         f"{views[(model, rate)].choice if first else ''} |")
-    return lines
-
-
-def planner_table(model: str, rows: list[Measurement],
-                  views: dict[tuple[str, str], PlannerView], rates: list[str]) -> list[str]:
-    lines = ["| link | planner picks | predicted: DDP, 16 per rank | measured: DDP | predicted: "
-             "the measured 2-stage pipeline (split) | measured: best pipeline |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
-    for rate in rates:
-        view = views[(model, rate)]
-        here = [r for r in rows if r.model == model and r.rate == rate]
-        ddp = next((r for r in here if r.contender == "ddp"), None)
-        pipes = [r for r in here if r.contender != "ddp"]
-        best = max(pipes, key=lambda r: r.samples_per_s) if pipes else None
-        lines.append(f"| {rate} | {view.choice} | {view.ddp_ms:.0f} | "
-                     f"{ms_per_batch(ddp) if ddp else '-'} | "
-                     f"{view.pipeline_ms:.0f} ({view.pipeline_split}) | "
-                     f"{f'{ms_per_batch(best)} ({best.contender})' if best else '-'} |")
-    return lines
+        shares.append([row.rate, contender_label(row.contender), f"{row.samples_per_s:.1f}",
+                       f"{limit:.1f}", f"{share:.2f}", f"{row.samples_per_s / profiled:.2f}",
+                       "met" if share >= LIMIT_GOAL else "missed"])
+    parts = ("compute", "waiting", "receives", "sends", "update", "copies", "other")
+    where = [[row.rate if rank == 0 else "", contender_label(row.contender) if rank == 0 else "",
+              rank, *(f"{p[k]:.0f}" for k in parts)]
+             for row in runs for rank, p in enumerate(row.breakdowns)]
+    return [f"Against the machine's limit. Measured: {WORLD} x what one rank does alone with "
+            f"one thread (the whole model, same batch and SGD step), measured at each rate "
+            f"just before its contenders: the balanced-pipeline limit, every rank busy all the "
+            f"time on free links. From the profile: all its work per batch of 32 "
+            f"({view.limit_ms * WORLD:.0f} ms) split evenly gives {profiled:.1f} samples/s, "
+            f"and its best 2-stage cut caps a real pipeline at {cut:.1f} "
+            f"({cut / profiled:.2f} of it). Goal: `pipedream` at least {LIMIT_GOAL} of the "
+            f"measured limit at every bandwidth.", "",
+            *harness.markdown_table(["link", "contender", "samples/s", "limit (measured)",
+                                     "of it", "of the profile's", "goal"], shares, left=2), "",
+            "Where each rank's time goes under `pipedream`, ms per batch, from the runtime's "
+            "trace over the measured window: compute (less its waits), waiting (for a "
+            "message), receives and sends (posting them), update (optimizer step), copies "
+            "(weight versions), other (the data feed, Python between actions).", "",
+            *harness.markdown_table(["link", "contender", "rank", *parts], where, left=2), ""]
 
 
 def ms_per_batch(row: Measurement) -> str:

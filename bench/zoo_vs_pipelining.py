@@ -1,31 +1,17 @@
 """pipedream_fast against torch.distributed.pipelining on the zoo's transformers, unedited.
 
-The test zoo's models (tests/zoo: nanoGPT-style GPT, Hugging Face Llama, GPT-2 and BERT, tiny
-seeded configs) called as a user's loop calls them: each computes its loss from inputs that
-include the targets. 2 ranks (gloo on loopback, one intra-op thread each), 2 stages cut before
-the second transformer layer, 1F1B, 2 microbatches of a batch of 8, SGD lr 0.01 momentum 0.9:
-
-  torch    `pipeline(model, mb_args=(), mb_kwargs=<one microbatch>, split_spec={"<layer>":
-           SplitPoint.BEGINNING})`, `pipe.build_stage(rank, cpu)`, `Schedule1F1B(stage, 2, ...)`
-  ours     `Pipeline(model, loss_fn=None, optimizer=..., split_points=["<layer>"],
-           schedule="1f1b", chunks=2)`
-
-(a) Does each split and train the model as built? torch's `pipeline()` on the model as built,
-    else (Hugging Face) with `config.use_cache=False`, which both sides then use (ours also
-    trains one step of the model as built). torch trains one step of the model as called
-    (targets among the inputs, a later stage's inputs passed to its rank's `step()` by
-    placeholder name); where that fails its measured runs compute the loss in the schedule's
-    `loss_fn` (mode "outside"; nanoGPT then needs an EDITED forward, `LossOutsideGPT`).
-(b) Samples/s over `--steps` after `--warmup` steps (`harness.window`), both sides in one pair
-    of processes in interleaved rounds, each run from a fresh model on a process group of its
-    own; medians, the ratio of the medians, and each side's set-up (build to first step).
-(c) Losses: first and last step against a one-process loop (same seed, data, 2 microbatches
-    with gradient accumulation, SGD). Tied weights (nanoGPT, Llama, GPT-2): the embedding on
-    the first rank against the head on the last, each side, and each against the loop's.
+The test zoo's models (tests/zoo: nanoGPT, Hugging Face Llama, GPT-2, BERT; tiny seeded configs),
+each computing its loss from inputs that include the targets. 2 ranks (gloo, one thread each),
+2 stages cut before the second transformer layer, 1F1B, 2 microbatches of 8, SGD lr 0.01 m 0.9:
+torch's `pipeline(model, split_spec=...)` + `Schedule1F1B` against our
+`Pipeline(model, loss_fn=None, split_points=[...], schedule="1f1b", chunks=2)`. Reported: (a)
+whether each splits and trains the model as built (torch falls back to use_cache=False, then to
+the loss outside the model, nanoGPT then EDITED: `LossOutsideGPT`); (b) samples/s, both sides
+in interleaved rounds in one pair of processes, and each side's set-up; (c) first and last
+losses against a one-process loop, and the tied embedding/head drift.
 
     python bench/zoo_vs_pipelining.py [--warmup 3] [--steps 40] [--repeats 2] [--smoke]
-                                      [--models nanogpt,llama,gpt2,bert]
-                                      [--out bench/results/zoo_vs_pipelining.md]
+                                      [--models nanogpt,llama,gpt2,bert] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -135,29 +121,21 @@ def root_inputs(pipe: Any, stage: int) -> dict[str, str]:
 
 def torch_probe(name: str) -> dict[str, Any]:
     """pipeline() on the model as built, then (Hugging Face) with use_cache=False."""
-    item = batches(name, 1)[0]
     out: dict[str, Any] = {}
-    model = build(name)
-    try:
-        torch_split(name, model, item)
-        out["as_built"] = "ok"
-    except Exception as err:  # noqa: BLE001 - recorded
-        out["as_built"] = harness.shorten(err)
-    if out["as_built"] != "ok" and has_cache(name):
-        model = build(name, no_cache=True)
+    for key, no_cache in (("as_built", False), ("use_cache_false", True)):
+        if no_cache and (out["as_built"] == "ok" or not has_cache(name)):
+            break
         try:
-            torch_split(name, model, item)
-            out["use_cache_false"] = "ok"
+            torch_split(name, build(name, no_cache), batches(name, 1)[0])
+            out[key] = "ok"
         except Exception as err:  # noqa: BLE001 - recorded
-            out["use_cache_false"] = harness.shorten(err)
+            out[key] = harness.shorten(err)
     return out
 
 
 class LossOutsideGPT(nn.Module):
-    """The zoo's nanoGPT EDITED for torch.distributed.pipelining's loss-outside mode: called
-    without targets, nanoGPT computes the logits of the last position only (inference), so
-    the loss over every position needs a forward of its own. The same modules (parameter
-    names, the tie): its forward with targets, less the loss."""
+    """The zoo's nanoGPT EDITED for the loss outside: without targets nanoGPT computes the last
+    position's logits only. The same modules; its forward with targets, less the loss."""
 
     def __init__(self, gpt: nn.Module) -> None:
         super().__init__()
@@ -191,11 +169,9 @@ def outside_loss(name: str) -> Any:
 
 def torch_run(rank: int, name: str, items: list[Any], warmup: int, no_cache: bool,
               mode: str = "inside") -> dict[str, Any]:
-    """torch.distributed.pipelining, Schedule1F1B. mode "inside": the model as its users call
-    it (targets among the inputs, the loss from its output); inputs a later stage consumes go
-    to that rank's step() by placeholder name. mode "outside": the model called without its
-    targets, the same loss computed by the schedule's loss_fn on the last stage (nanoGPT:
-    `LossOutsideGPT`, an edit)."""
+    """torch's Schedule1F1B. mode "inside": the model called with its targets (a later stage's
+    inputs go to its rank's step() by placeholder name); "outside": without them, the same
+    loss in the schedule's loss_fn (nanoGPT: `LossOutsideGPT`, an edit)."""
     from torch.distributed.pipelining import Schedule1F1B
 
     began = time.perf_counter()
@@ -222,7 +198,6 @@ def torch_run(rank: int, name: str, items: list[Any], warmup: int, no_cache: boo
     for step, item in enumerate(items):
         named = item if mode == "outside" else named_inputs(model, item)
         kwargs = {ph: named[root] for root, ph in mine.items()}
-        # the loss is the model's in mode "inside": the schedule's target is then unused
         target = named["__target__"] if mode == "outside" else torch.zeros(BATCH)
         opt.zero_grad()
         if last:
@@ -269,8 +244,6 @@ def ours_run(rank: int, name: str, items: list[Any], warmup: int,
                               "first_step_s": first}
     if tied is not None:
         held = {id(p) for m in pipe.stage_modules.values() for p in m.parameters()}
-        # The model's one tied parameter is this rank's stage's copy (embedding on the first
-        # stage, head on the last); the stages update the tensor in place.
         result["tied"] = tied.detach().clone() if id(tied) in held else None
     pipe.close()
     return result
@@ -294,9 +267,9 @@ def attempt(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
 
 def rank_main(rank: int, world: int, models: list[str], warmup: int,
               steps: int, repeats: int) -> dict[str, Any]:
-    """Every model in turn: torch's split of the model as built (rank 0); where it needs
-    use_cache=False, that for the rest, and ours on the model as built (one step); torch
-    training the model as called (one step); then `repeats` x (ours, torch) measured runs."""
+    """Every model in turn: torch's probe (rank 0), ours on the model as built where torch
+    needs use_cache=False, torch on the model as called (one step each), then `repeats` x
+    (ours, torch) measured runs."""
     torch.set_num_threads(1)
     numbers = itertools.count()
 
@@ -314,8 +287,6 @@ def rank_main(rank: int, world: int, models: list[str], warmup: int,
         if no_cache:  # the measured runs set use_cache=False: ours on the model as built too
             fresh_group()
             record["ours_as_built"] = attempt(ours_run, rank, name, batches(name, 1), 1, False)
-        # torch on the model as its users call it: one step; if it fails, the measured runs
-        # compute the loss outside the model
         fresh_group()
         record["torch_inside"] = attempt(torch_run, rank, name, batches(name, 1), 1, no_cache)
         mode = "outside" if "error" in record["torch_inside"] else "inside"
@@ -451,61 +422,49 @@ def summarize(name: str, probe: dict[str, Any], as_built: dict[str, Any] | None,
     ok = {side: [r for r in runs if "error" not in r] for side, runs in sides.items()}
     errors = {side: next((r["error"] for r in runs if "error" in r), None)
               for side, runs in sides.items()}
-    rates = {side: statistics.median(r["samples_per_s"] for r in runs) if runs else None
-             for side, runs in ok.items()}
-    setup = {side: statistics.median(r["first_step_s"] for r in runs) if runs else None
-             for side, runs in ok.items()}
-    others = max((r["other_cores"] for runs in ok.values() for r in runs), default=None)
-    # torch: did it split the model as built, what did it need, and did it then train?
-    if probe["as_built"] == "ok":
-        torch_split = "yes"
-        needs = None
-    elif probe.get("use_cache_false") == "ok":
-        torch_split = "no: needs config.use_cache=False"
-        needs = "config.use_cache=False"
-    else:
-        torch_split = "no"
-        needs = None
-    if inside["ok"]:
-        torch_trains = "yes"
-    elif "error" in inside:
-        torch_trains = "no: fails at its first step"
-    else:
-        torch_trains = "no: its loss differs from the loop's"
-    mode = "inside" if inside["ok"] else "outside"
+
+    def median(side: str, key: str) -> float | None:
+        return statistics.median(r[key] for r in ok[side]) if ok[side] else None
+
+    def worst(side: str, key: str) -> float | None:
+        return max((r[key] for r in ok[side]), default=None)
+
+    def tied(side: str, key: str) -> float | None:
+        return max((r["tied"][key] for r in ok[side] if "tied" in r), default=None)
+
+    rates = {side: median(side, "samples_per_s") for side in ok}
+    needs = "config.use_cache=False" if (probe["as_built"] != "ok" and
+                                         probe.get("use_cache_false") == "ok") else None
+    torch_split = "yes" if probe["as_built"] == "ok" else \
+        "no: needs config.use_cache=False" if needs else "no"
+    torch_trains = "yes" if inside["ok"] else "no: fails at its first step" \
+        if "error" in inside else "no: its loss differs from the loop's"
     ours_split = "yes"
     if errors["ours"] and not ok["ours"]:
         ours_split = "no: fails to train"
     elif as_built is not None and not as_built["ok"]:
         ours_split = "no: " + ("fails to train (use_cache=True)" if "error" in as_built
                                else "its loss differs from the loop's (use_cache=True)")
-
-    def worst(side: str, key: str) -> float | None:
-        return max((r[key] for r in ok[side]), default=None)
-
-    def tied(side: str, key: str) -> float | None:
-        values = [r["tied"][key] for r in ok[side] if "tied" in r]
-        return max(values) if values else None
-
     row = {"model": name, "split_at": SPLIT[name], "tied": name in TIED,
            "ours_split": ours_split, "ours_as_built": as_built,
            "torch_split": torch_split, "torch_needs": needs, "torch_probe": probe,
-           "torch_trains": torch_trains, "torch_inside": inside, "torch_mode": mode,
+           "torch_trains": torch_trains, "torch_inside": inside,
+           "torch_mode": "inside" if inside["ok"] else "outside",
            "ours_error": errors["ours"], "torch_error": errors["torch"],
            "ours_samples_per_s": rates["ours"], "torch_samples_per_s": rates["torch"],
-           "ours_first_step_s": setup["ours"], "torch_first_step_s": setup["torch"],
-           "other_cores_max": others,
-           "ratio": (rates["ours"] / rates["torch"]
-                     if rates["ours"] and rates["torch"] else None),
+           "ours_first_step_s": median("ours", "first_step_s"),
+           "torch_first_step_s": median("torch", "first_step_s"),
+           "other_cores_max": max((r["other_cores"] for runs in ok.values() for r in runs),
+                                  default=None),
+           "ratio": rates["ours"] / rates["torch"] if rates["ours"] and rates["torch"] else None,
            "pair_ratios": [a["samples_per_s"] / b["samples_per_s"]
                            for a, b in zip(ok["ours"], ok["torch"])],
            "loop_first_loss": want[0], "loop_last_loss": want[-1]}
     for side in ("ours", "torch"):
-        row[f"{side}_first_loss_rel_diff"] = worst(side, "first_loss_rel_diff")
-        row[f"{side}_last_loss_rel_diff"] = worst(side, "last_loss_rel_diff")
+        first = row[f"{side}_first_loss_rel_diff"] = worst(side, "first_loss_rel_diff")
+        last = row[f"{side}_last_loss_rel_diff"] = worst(side, "last_loss_rel_diff")
         for key in ("embedding_vs_head", "embedding_vs_loop", "head_vs_loop", "loop_moved"):
             row[f"{side}_tied_{key}"] = tied(side, key)
-        first, last = row[f"{side}_first_loss_rel_diff"], row[f"{side}_last_loss_rel_diff"]
         row[f"{side}_losses_equal"] = (None if first is None else
                                        bool(first <= FIRST_TOL and last <= LAST_TOL))
         gap = row[f"{side}_tied_embedding_vs_head"]
@@ -516,20 +475,24 @@ def summarize(name: str, probe: dict[str, Any], as_built: dict[str, Any] | None,
 
 # ---- the report ----------------------------------------------------------------------------
 
-def _e(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1e}"
-
-
-def _s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
-def _s2(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
 def _pair(row: dict[str, Any], key: str) -> str:
-    return f"{_e(row['ours_' + key])} / {_e(row['torch_' + key])}"
+    return f"{harness.fmt(row['ours_' + key], '.1e')} / {harness.fmt(row['torch_' + key], '.1e')}"
+
+
+def _md(text: str) -> str:
+    return text.replace("`", "'").replace("|", "/")
+
+
+def failures(r: dict[str, Any]) -> list[str]:
+    """A row's failures, verbatim (shortened)."""
+    probe, m = r["torch_probe"], r["model"]
+    said = [(probe["as_built"], "torch `pipeline()` on the model as built"),
+            (probe.get("use_cache_false", "ok"), "torch `pipeline()` with use_cache=False"),
+            (r["torch_inside"].get("error", "ok"), "torch training the model as called"),
+            ((r["ours_as_built"] or {}).get("error", "ok"), "ours on the model as built"),
+            (r["ours_error"] or "ok", "ours's measured runs"),
+            (r["torch_error"] or "ok", "torch's measured runs")]
+    return [f"- {m}, {where}: `{_md(text)}`" for text, where in said if text != "ok"]
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -537,91 +500,58 @@ def markdown(result: dict[str, Any]) -> str:
     lines = ["# pipedream_fast vs torch.distributed.pipelining on the zoo's transformers, "
              "2 ranks, CPU", "",
              f"Command: `{harness.command()}`", "", harness.machine_line(m, result["wall_s"]), "",
-             f"- Models: the test zoo's (tests/zoo), tiny configs, seeded; each computes its own "
-             f"loss from inputs that include the targets. Batch {s['batch']}, {s['chunks']} "
-             f"microbatches, 1F1B, 2 stages cut before the second transformer layer on both "
-             f"sides; {s['ranks']} ranks, gloo on loopback, {s['threads_per_rank']} intra-op "
-             f"thread per rank; SGD lr {s['lr']}, momentum {s['momentum']}.",
-             "- Splits it: `pipeline(model, mb_args, mb_kwargs, split_spec={layer: "
-             "SplitPoint.BEGINNING})` (torch) and `Pipeline(model, loss_fn=None, optimizer, "
-             "split_points=[layer], schedule='1f1b', chunks=2)` (ours) on the model as built. "
-             "Where torch needs `use_cache=False` to split a model, both sides' measured runs "
-             "use it, and one more run of ours trains one step of the model as built. "
-             "Trains it: one step of torch's Schedule1F1B on the model called as its users call "
-             "it (targets among the inputs; those a later stage consumes passed to that rank's "
-             "`step()`), its loss against the loop's. Where that fails, torch's measured runs "
-             "call the model without its targets and compute the same loss in the schedule's "
-             "`loss_fn` (mode 'outside'; nanoGPT then needs an edited forward, "
-             "`LossOutsideGPT`: without targets it computes the last position's logits only).",
-             f"- Samples/s: {s['steps']} steps after {s['warmup']} warm-up steps, from the "
-             f"latest rank's end of warm-up to the latest rank's end; {s['repeats']} run(s) of "
-             f"each side in one pair of processes (ours, torch, ...), medians and the ratio of "
-             f"the medians (in brackets: each pair's ratio, ours and the torch run after it).",
-             f"- Losses: relative difference of the first and the last step's loss from the "
-             f"one-process loop with gradient accumulation (same seed, data, optimizer), worst "
-             f"over the runs; equal if within {FIRST_TOL:g} and {LAST_TOL:g}.",
-             f"- Tied drift: after {s['warmup'] + s['steps']} steps, max |embedding - head| / "
-             f"max |head| between the first stage's embedding and the last stage's head (one "
-             f"parameter in the model); identical if within {DRIFT_TOL:g}.",
-             "- Set-up: from building the model to the end of the first step (split or "
-             "capture included), the slower rank, median over the runs. Others (cores): the "
-             "most CPU that processes other than the two ranks took during any measured "
-             f"window of the row (the machine has {m['cores']} cores).", "",
-             "| model | ours splits and trains it | torch splits it | torch trains it | torch "
-             "mode | torch samples/s | ours samples/s | ours/torch | first-step loss vs loop "
-             "(ours / torch) | last-step loss vs loop (ours / torch) | tied drift (ours / "
-             "torch) | set-up s (ours / torch) | others (cores) |",
-             "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-             "| ---: |"]
+             f"- Models: the test zoo's (tests/zoo), tiny seeded configs, each computing its own "
+             f"loss. Batch {s['batch']}, {s['chunks']} microbatches, 1F1B, 2 stages cut before "
+             f"the second transformer layer; {s['ranks']} ranks, gloo on loopback, 1 thread per "
+             f"rank; SGD lr {s['lr']}, momentum {s['momentum']}.",
+             "- Splits it: torch `pipeline(model, mb_args, mb_kwargs, split_spec={layer: "
+             "SplitPoint.BEGINNING})`, ours `Pipeline(model, loss_fn=None, optimizer, "
+             "split_points=[layer], schedule='1f1b', chunks=2)`, on the model as built (where "
+             "torch needs `use_cache=False`, both sides' measured runs use it and one run of "
+             "ours trains the model as built). Trains it: one step of torch's Schedule1F1B on "
+             "the model called with its targets, its loss against the loop's; where that fails, "
+             "torch's runs compute the loss in `loss_fn` (mode 'outside'; nanoGPT then needs "
+             "an edited forward, `LossOutsideGPT`).",
+             f"- Samples/s: {s['steps']} steps after {s['warmup']} warm-up steps (latest rank's "
+             f"end of warm-up to latest end); {s['repeats']} run(s) of each side in one pair of "
+             f"processes, medians, ratio of the medians (in brackets: each pair's).",
+             f"- Losses: relative difference of the first and last step's loss from the "
+             f"one-process loop with gradient accumulation, worst over the runs; equal within "
+             f"{FIRST_TOL:g} and {LAST_TOL:g}. Tied drift: after {s['warmup'] + s['steps']} "
+             f"steps, max |embedding - head| / max |head| across the stages; identical within "
+             f"{DRIFT_TOL:g}.",
+             "- Set-up: model built to the end of the first step, slower rank, median. Others "
+             f"(cores): the most CPU other processes took in a measured window (of "
+             f"{m['cores']} cores).", ""]
+    table = []
     for r in result["rows"]:
-        drift_cell = _pair(r, "tied_embedding_vs_head") if r["tied"] else "(untied)"
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        ratio = harness.fmt(r["ratio"], ".2f") + ("x" if r["ratio"] is not None else "")
         if len(r["pair_ratios"]) > 1:
             ratio += " (" + ", ".join(f"{x:.2f}" for x in r["pair_ratios"]) + ")"
-        lines.append(f"| {r['model']} | {r['ours_split']} | {r['torch_split']} | "
-                     f"{r['torch_trains']} | {r['torch_mode']} | "
-                     f"{fmt_rate(r, 'torch').strip()} | {fmt_rate(r, 'ours').strip()} | {ratio} "
-                     f"| {_pair(r, 'first_loss_rel_diff')} | {_pair(r, 'last_loss_rel_diff')} "
-                     f"| {drift_cell} | {_s(r['ours_first_step_s'])} / "
-                     f"{_s(r['torch_first_step_s'])} | {_s2(r['other_cores_max'])} |")
+        table.append([r["model"], r["ours_split"], r["torch_split"], r["torch_trains"],
+                      r["torch_mode"], fmt_rate(r, "torch").strip(), fmt_rate(r, "ours").strip(),
+                      ratio, _pair(r, "first_loss_rel_diff"), _pair(r, "last_loss_rel_diff"),
+                      _pair(r, "tied_embedding_vs_head") if r["tied"] else "(untied)",
+                      f"{harness.fmt(r['ours_first_step_s'])} / "
+                      f"{harness.fmt(r['torch_first_step_s'])}",
+                      harness.fmt(r["other_cores_max"], ".2f")])
+    lines += harness.markdown_table(
+        ["model", "ours splits and trains it", "torch splits it", "torch trains it", "torch mode",
+         "torch samples/s", "ours samples/s", "ours/torch",
+         "first-step loss vs loop (ours / torch)", "last-step loss vs loop (ours / torch)",
+         "tied drift (ours / torch)", "set-up s (ours / torch)", "others (cores)"], table, left=5)
     lines += ["", "Failures, verbatim (shortened; each error, then its cause after '<-'):", ""]
-    failures = []
-    for r in result["rows"]:
-        probe = r["torch_probe"]
-        if probe["as_built"] != "ok":
-            failures.append(f"- {r['model']}, torch `pipeline()` on the model as built: "
-                            f"`{_md(probe['as_built'])}`")
-        if probe.get("use_cache_false", "ok") != "ok":
-            failures.append(f"- {r['model']}, torch `pipeline()` with use_cache=False: "
-                            f"`{_md(probe['use_cache_false'])}`")
-        if "error" in r["torch_inside"]:
-            failures.append(f"- {r['model']}, torch training the model as called: "
-                            f"`{_md(r['torch_inside']['error'])}`")
-        if r["ours_as_built"] is not None and "error" in r["ours_as_built"]:
-            failures.append(f"- {r['model']}, ours on the model as built: "
-                            f"`{_md(r['ours_as_built']['error'])}`")
-        for side in ("ours", "torch"):
-            if r[f"{side}_error"]:
-                failures.append(f"- {r['model']}, {side}'s measured runs: "
-                                f"`{_md(r[side + '_error'])}`")
-    lines += failures or ["- none"]
-    lines += ["", "Tied weights against the loop's single tied weight after the same steps "
-              "(max |w - w_loop| / max |w_loop|; the last column: how far the loop's weight "
-              "moved from its start, on the same scale):", "",
-              "| model | ours embedding | ours head | torch embedding | torch head | loop moved |",
-              "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for r in result["rows"]:
-        if r["tied"]:
-            moved = r["ours_tied_loop_moved"] or r["torch_tied_loop_moved"]
-            lines.append(f"| {r['model']} | {_e(r['ours_tied_embedding_vs_loop'])} | "
-                         f"{_e(r['ours_tied_head_vs_loop'])} | "
-                         f"{_e(r['torch_tied_embedding_vs_loop'])} | "
-                         f"{_e(r['torch_tied_head_vs_loop'])} | {_e(moved)} |")
+    lines += [f for r in result["rows"] for f in failures(r)] or ["- none"]
+    lines += ["", "Tied weights against the loop's after the same steps (max |w - w_loop| / max "
+              "|w_loop|; last column: how far the loop's weight moved from its start):", ""]
+    lines += harness.markdown_table(
+        ["model", "ours embedding", "ours head", "torch embedding", "torch head", "loop moved"],
+        [[r["model"]] + [harness.fmt(r[k], ".1e") for k in (
+            "ours_tied_embedding_vs_loop", "ours_tied_head_vs_loop",
+            "torch_tied_embedding_vs_loop", "torch_tied_head_vs_loop")]
+         + [harness.fmt(r["ours_tied_loop_moved"] or r["torch_tied_loop_moved"], ".1e")]
+         for r in result["rows"] if r["tied"]])
     return "\n".join(lines) + "\n"
-
-
-def _md(text: str) -> str:
-    return text.replace("`", "'").replace("|", "/")
 
 
 def main() -> int:
