@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pipedream_fast.formats import FormatError, Plan, StagePlan
-from pipedream_fast.ir import Action, ActionKind, Schedule, validate
+from pipedream_fast.ir import KIND_SPECS, Action, ActionKind, Schedule, validate
 from pipedream_fast.runtime.stage import OptimizerFactory, StageRuntime
 from pipedream_fast.schedules import TRAINABLE, kind, make_schedule
 from pipedream_fast.schedules.registry import splits_backward
@@ -238,9 +238,11 @@ class StepTracker:
 
     def done(self, action: Action, steps: int) -> list[int]:
         """The steps (< `steps`) this action completes, in order."""
-        if action.kind is ActionKind.FORWARD or action.kind.spec.ends_microbatch:
+        if action.kind is ActionKind.FORWARD or KIND_SPECS[action.kind].ends_microbatch:
             assert action.microbatch is not None
             self._left[self._count(action.microbatch // self._chunks)] -= 1
+        elif self._left.get(self._next):  # nothing counted, the next step not done: the same
+            return []
         finished = []
         while self._next < steps and self._left[self._count(self._next)] == 0:
             del self._left[self._next]

@@ -244,6 +244,22 @@ class Action:
             raise ScheduleError(f"{self.kind.value} action {self.to_text()} names no {field}")
         return value
 
+    def shifted(self, microbatches: int, versions: int) -> Action:
+        """This action `microbatches` microbatches and `versions` weight versions later (the
+        same action one or more periods on, in a periodic program). Both shifts are >= 0, so
+        the result keeps every rule `__post_init__` checks, and it is not checked again: a
+        compiled program makes one per action it replays."""
+        new = object.__new__(Action)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        if self.microbatch is not None:
+            fields["microbatch"] = self.microbatch + microbatches
+        if self.version is not None:
+            fields["version"] = self.version + versions
+        if self.microbatches:
+            fields["microbatches"] = tuple(m + microbatches for m in self.microbatches)
+        return new
+
     def to_text(self) -> str:
         out = f"{self.stage}{KIND_SPECS[self.kind].code}"
         if self.microbatch is not None:

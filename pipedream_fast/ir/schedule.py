@@ -63,6 +63,8 @@ class Schedule(Placement):
         # A stream is proven on a window of this many microbatches: its warm-up, several
         # periods of its steady state and its drain (see `validate`).
         self.validation_microbatches = validation_microbatches
+        # Microbatches after which a generated stream repeats itself, shifted (None: unknown).
+        self.period: int | None = None
         n = len(self.max_versions) if self._actions is None else len(self._actions)
         if self.num_stages < 1 or self.num_microbatches < 1:
             raise ScheduleError(f"schedule {self.name!r} needs >= 1 stage and >= 1 microbatch, "
@@ -114,10 +116,13 @@ class Schedule(Placement):
     def is_stream(self) -> bool:
         return self._stream is not None
 
-    def attach_window(self, window: Callable[[int], Schedule], microbatches: int) -> None:
-        """How to make this schedule on fewer microbatches, and how many prove it."""
+    def attach_window(self, window: Callable[[int], Schedule], microbatches: int,
+                      period: int | None = None) -> None:
+        """How to make this schedule on fewer microbatches, how many prove it, and after
+        how many its steady state repeats."""
         self._window = window
         self.validation_microbatches = microbatches
+        self.period = period
 
     def window(self, num_microbatches: int) -> Schedule:
         """The same schedule on `num_microbatches` microbatches (itself if it cannot shrink)."""

@@ -62,9 +62,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipedream_fast.ir import Action, ActionKind
+from pipedream_fast.ir import KIND_SPECS, Action, ActionKind
 
 K = ActionKind
+_VALUES = {kind: kind.value for kind in ActionKind}  # an Enum's .value is a slow property
+_GAP: tuple[str, int | None] = ("gap", None)
 
 # (tensor "act" | "grad", receiving stage, sending rank, receiving rank)
 Link = tuple[str, int, int, int]
@@ -172,10 +174,12 @@ class CalibrationSnapshot:
 
 def _message(rank: int, a: Action) -> tuple[str, int, int] | None:
     """The message a compute action takes from a RECV (tensor, receiving stage, microbatch)."""
+    if a.microbatch is None:
+        return None
     if a.kind is K.FORWARD:
-        return ("act", a.stage, a.needs("microbatch"))
-    if a.kind.spec.needs_output_grad:
-        return ("grad", a.stage, a.needs("microbatch"))
+        return ("act", a.stage, a.microbatch)
+    if KIND_SPECS[a.kind].needs_output_grad:
+        return ("grad", a.stage, a.microbatch)
     return None
 
 
@@ -271,21 +275,21 @@ class Calibration:
 
     def record(self, action: Action, start: float, end: float, waited: float) -> None:
         """One action the executor performed: `start`/`end` (perf_counter seconds) and the
-        part of it spent waiting for a message or a gradient all-reduce."""
+        part of it spent waiting for a message or a gradient all-reduce. Called for every
+        action, so it keeps to dictionary lookups and float adds."""
         self._recorded += 1
         if self._recorded >= self.window:
             self._rotate()
+        seen, skip = self._seen, self.skip_first
         if self._run_first is None:
             self._run_first = start
-        elif self._last_end is not None and self._warm(("gap", None)):
+        elif self._last_end is not None and (seen.get(_GAP, 0) >= skip or self._warm(_GAP)):
             self._gap.add(start - self._last_end)
         self._last_end = end
         kind = action.kind
-        spec = kind.spec
-        own = end - start - waited
-        feed, self._feed_pending = self._feed_pending, 0.0
-        key = (kind.value, action.stage)
-        warm = self._warm(key)
+        spec = KIND_SPECS[kind]
+        key = (_VALUES[kind], action.stage)
+        warm = seen.get(key, 0) >= skip or self._warm(key)
         if spec.sends:
             assert action.peer is not None and action.microbatch is not None
             stage = action.stage + (1 if spec.tensor == "act" else -1)
@@ -301,8 +305,10 @@ class Calibration:
             if posted is not None and message is not None:
                 link = (message[0], message[1], posted[0], self.rank)
                 self._stamps(self._ready, link).put(message[2], (start, waited, posted[1]))
+        feed, self._feed_pending = self._feed_pending, 0.0
         if not warm:
             return
+        own = end - start - waited
         if feed:
             own -= feed
             self._feed.add(feed)

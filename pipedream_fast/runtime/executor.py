@@ -1,7 +1,8 @@
 """The executor: walks one rank's program of the schedule IR, and nothing else decides.
 
-The program is a stream: actions are generated as they are performed, so a run of any length
-starts at once and holds memory bounded by the schedule's period. Each action kind maps to
+The program is a stream: actions are made as they are performed, so a run of any length
+starts at once and holds memory bounded by the schedule's period; a long run replays its
+steady state's period, shifted, rather than lowering every action (`ir.periodic`). Each action kind maps to
 one small method. Received tensors are posted at RECV and collected by the compute that needs
 them; activation stashing lives in `StageRuntime.inflight`, weight stashing in its weight
 ring (the IR places each SNAPSHOT before the first forward of its version, so that forward
@@ -29,6 +30,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pipedream_fast.ir import Action, ActionKind, Schedule
+from pipedream_fast.ir.periodic import compiled_program
 from pipedream_fast.schedules.lowering import Lookahead
 from pipedream_fast.runtime.buckets import GradientBuckets
 from pipedream_fast.runtime.stage import StageRuntime
@@ -39,12 +41,24 @@ if TYPE_CHECKING:
     from pipedream_fast.runtime.calibration import Calibration
 
 K = ActionKind
+_COMPUTE = frozenset(kind for kind in ActionKind if kind.is_compute)
+_UPDATES = frozenset((K.OPTIMIZER_STEP, K.AVERAGE))
 
 # A microbatch's first-stage positional arguments and its target (which travels to the last
 # stage with the activations).
 InputSource = Callable[[int], tuple[tuple[Any, ...], Any]]
 # Evaluation: the last stage's outputs of a microbatch, with its target.
 OutputSink = Callable[[int, Any, Any], None]
+
+
+def _leaves(value: Any) -> list[Any]:
+    """`pytree.tree_leaves`, with a shortcut for what a target nearly always is: a tensor, or
+    a tuple of tensors (a target with its sample counts)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if type(value) is tuple and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
+    return pytree.tree_leaves(value)
 
 
 def sample_weight(counts: torch.Tensor) -> float:
@@ -124,7 +138,7 @@ class Executor:
         self._carried: dict[tuple[int, int], Any] = {}  # (stage, mb) -> target to pass on
         self._losses: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> loss to pass back
         self.events: list[TraceEvent] | None = [] if trace else None
-        self._program = Lookahead(schedule.program(rank))
+        self._program = Lookahead(compiled_program(schedule, rank))  # replayed by period
         if self.training:  # the schedule's correction for stale weights, if it has one
             for stage in stages.values():
                 stage.use_correction(schedule.params.get("staleness"))
@@ -287,9 +301,10 @@ class Executor:
     def _send_act(self, a: Action) -> None:
         mb, peer = a.needs("microbatch"), a.needs("peer")
         outputs = self._outputs.pop((a.stage, mb))
-        target = pytree.tree_leaves(self._carried.pop((a.stage, mb)))
+        target = self._carried.pop((a.stage, mb))
+        leaves = _leaves(target)
         self.transport.send(peer, ACTIVATION, a.stage + 1, mb,
-                            [t.detach() for t in outputs if isinstance(t, torch.Tensor)] + target)
+                            [t.detach() for t in outputs if isinstance(t, torch.Tensor)] + leaves)
 
     def _send_grad(self, a: Action) -> None:
         mb, peer = a.needs("microbatch"), a.needs("peer")
@@ -403,20 +418,21 @@ class Executor:
         index = 0
         if self.calibration is not None:
             self.calibration.begin_run()
-        while (action := self._program.pop()) is not None:
-            t0, waited = time.perf_counter(), self.stats.wait_s
+        stats, clock, pop = self.stats, time.perf_counter, self._program.pop
+        while (action := pop()) is not None:
+            t0, waited = clock(), stats.wait_s
             self.current = (index, action, t0)
             try:
                 result = handlers[action.kind](action)
             except Exception as err:
                 raise RuntimeFailure(f"rank {self.rank}, action {index} ({action.to_text()}): "
                                      f"{err}") from err
-            t1 = time.perf_counter()
-            waited = self.stats.wait_s - waited  # for a message, inside a forward or backward
-            if action.kind.is_compute:
-                self.stats.compute_s += t1 - t0 - waited
-            elif action.kind in (K.OPTIMIZER_STEP, K.AVERAGE):
-                self.stats.update_s += t1 - t0
+            t1 = clock()
+            waited = stats.wait_s - waited  # for a message, inside a forward or backward
+            if action.kind in _COMPUTE:
+                stats.compute_s += t1 - t0 - waited
+            elif action.kind in _UPDATES:
+                stats.update_s += t1 - t0
             if self.events is not None:
                 self.events.append(TraceEvent(
                     # Absolute monotonic time: comparable across the processes of one machine.

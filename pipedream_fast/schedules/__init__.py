@@ -114,7 +114,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
         return make_schedule(name, num_stages, n, stage_ranks=ranks, chunks=chunks,
                              **schedule_options)
 
-    schedule.attach_window(window, validation_window(layout, period))
+    schedule.attach_window(window, validation_window(layout, period), period)
     return schedule
 
 
