@@ -8,6 +8,7 @@ an evaluation batch, and a model's own loss.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import threading
 from typing import Any
@@ -184,9 +185,17 @@ class MicrobatchFeed:
             # tail) loses data a plain loop trains on.
             x, y = repeat_last((x, y), chunks)
         sizes = microbatch_sizes(samples, chunks)
-        return [(px, (py, torch.tensor([n, samples, chunks])))
+        return [(px, (py, _counts(n, samples, chunks)))
                 for px, py, n in zip(split_microbatches(x, chunks),
                                      split_microbatches(y, chunks), sizes)]
+
+
+@functools.lru_cache(maxsize=256)
+def _counts(samples: int, step_samples: int, chunks: int) -> torch.Tensor:
+    """A microbatch's counts tensor, made once per value: a run has a handful of them, and a
+    tensor made per microbatch costs microseconds. Shared, so never written: it travels
+    (packed into a message) and is read (`sample_weight`)."""
+    return torch.tensor([samples, step_samples, chunks])
 
 
 class KeptInputs:
