@@ -1,9 +1,6 @@
-"""PipeDream's steady-state weight delay against the number of stages, with unit costs.
-
-The PipeDream theory paper proves the delay of steady-state PipeDream grows as S^2 - S/2 + O(1)
-for S stages. This simulates pipedream (one stage per rank) with unit costs for S = 2..max-S,
-N = 2S + 2 microbatches, measures the delays with `pipedream_fast.staleness.weight_delays` and
-writes a table and a plot (same name, .png):
+"""PipeDream's steady-state weight delay against the number of stages S, with unit costs,
+against the theory paper's S^2 - S/2 + O(1) and the closed form in `pipedream_fast.staleness`:
+pipedream simulated for S = 2..max-S, N = 2S + 2; a table and a plot (same name, .png).
 
     python bench/delay_law.py [--max-s 64] [--out bench/results/delay_law.md]
 """
@@ -33,8 +30,7 @@ def measure(max_s: int) -> list[dict[str, float]]:
     return rows
 
 
-def table(rows: list[dict[str, float]], seconds: float) -> str:
-    exact = all(r["max"] == r["law_max"] and abs(r["mean"] - r["law_mean"]) < 1e-9 for r in rows)
+def table(rows: list[dict[str, float]], seconds: float, exact: bool) -> str:
     lines = [
         "# PipeDream's weight delay against the number of stages (unit costs)",
         "",
@@ -53,12 +49,11 @@ def table(rows: list[dict[str, float]], seconds: float) -> str:
         + ("Every row below matches both exactly."
            if exact else "**Some rows do not match the closed form.**"),
         "",
-        "| S | max delay | mean delay | S^2 - S/2 | max - (S^2 - S/2) |",
-        "|---:|---:|---:|---:|---:|",
+        *harness.markdown_table(
+            ["S", "max delay", "mean delay", "S^2 - S/2", "max - (S^2 - S/2)"],
+            [(int(r["S"]), int(r["max"]), f"{r['mean']:.4f}", f"{r['paper']:g}",
+              f"{r['max'] - r['paper']:+g}") for r in rows], left=0),
     ]
-    for r in rows:
-        lines.append(f"| {int(r['S'])} | {int(r['max'])} | {r['mean']:.4f} | {r['paper']:g} | "
-                     f"{r['max'] - r['paper']:+g} |")
     return "\n".join(lines) + "\n"
 
 
@@ -89,12 +84,12 @@ def main() -> int:
     began = time.process_time()
     rows = measure(args.max_s)
     seconds = time.process_time() - began
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(table(rows, seconds))
-    plot(rows, out.with_suffix(".png"))
     bad = [int(r["S"]) for r in rows
            if r["max"] != r["law_max"] or abs(r["mean"] - r["law_mean"]) > 1e-9]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table(rows, seconds, not bad))
+    plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')} ({seconds:.1f} s of CPU)"
           + (f"; S = {bad} depart from the closed form" if bad else "; all match the closed form"))
     return 1 if bad else 0

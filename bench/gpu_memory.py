@@ -1,10 +1,9 @@
-"""Memory on the GPU: measured at the tensors, by the CUDA caching allocator, and predicted
-(issue 28, item 5; a step of bench/gpu_check.sh).
+"""Memory on the GPU, counted at the tensors, predicted, and by the CUDA caching allocator.
 
-Model A and the char LM, 2 stages cut evenly, two rank threads on one device: every rank's
-peak as `measure_memory` counts it, the simulator's prediction (`sim_memory`), and the
-allocator's peak for the device (`max_memory_allocated`, both ranks; it also sees temporaries
-and workspaces). Fails when a prediction is more than 10% off the tensor count, or the
+Step 'memory' of bench/gpu_check.sh (issue 28, item 5). Model A and the char LM, 2 stages cut
+evenly, two rank threads on one device: every rank's peak as `measure_memory` counts it, the
+simulator's prediction (`sim_memory`), and the device's `max_memory_allocated` (both ranks, with
+temporaries and workspaces). Fails when a prediction is over 10% off the count, or the
 allocator's peak is below the tensors counted.
 
     python bench/gpu_memory.py [--device cuda] [--out gpu_memory.md]

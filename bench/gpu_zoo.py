@@ -1,19 +1,15 @@
 """The zoo's transformers through `Pipeline` on a CUDA GPU with NCCL, against a one-process loop.
 
-Step 'zoo' of bench/gpu_check.sh. The test zoo's models (tests/zoo: nanoGPT, Hugging Face Llama,
-GPT-2, BERT; tiny configs), unedited, `loss_fn=None`, split before the second layer, 1f1b, 2
-microbatches, SGD lr 0.01 momentum 0.9, on 2 rank processes for `--steps` minibatches of 8:
-every step's loss must equal the one-process loop's on the same device with the same gradient
-accumulation (relative, within RTOL), and the tied embedding and head must stay one weight.
+Step 'zoo' of bench/gpu_check.sh. tests/zoo's nanoGPT, Llama, GPT-2, BERT (tiny, unedited,
+`loss_fn=None`), split before the second layer, 1f1b, 2 microbatches, SGD, `--steps`
+minibatches: every step's loss equals the one-process loop's with the same gradient
+accumulation (within RTOL), and the tied embedding and head stay one weight. Layouts (see
+`layouts_for`), each a job stopped after LAYOUT_TIMEOUT: one rank per GPU with 2+ GPUs; with
+one, 1 rank with stages=1 (the check), then two ranks on cuda:0 (NCCL refuses: 'refused') and
+on the default device (informational: rank 1 has no cuda:1); gloo with `--device cpu`. Models
+whose packages are missing are skipped (nanoGPT then runs from tests/zoo/gpt.py alone).
 
-Layouts: >= 2 GPUs, 'pipeline' (one rank per GPU). 1 GPU: 'one-rank' (1 rank, stages=1: the
-check), then 'pipeline' (both ranks on cuda:0: NCCL refuses it, reported 'refused') and
-'default-device' (informational: rank 1 has no cuda:1). `--device cpu`: 'pipeline' on gloo.
-Each layout is a job of its own, stopped after --layout-timeout; models whose packages are
-missing are skipped (nanoGPT then runs from tests/zoo/gpt.py alone).
-
-    python bench/gpu_zoo.py [--device cuda] [--models nanogpt,llama,gpt2,bert] [--steps 3]
-                            [--timeout 60] [--out FILE.md]
+    python bench/gpu_zoo.py [--device cuda] [--models nanogpt,llama,gpt2,bert] [--out FILE.md]
 
 Exit status: 0 when every check layout matched the loop and one ran; 1 otherwise; 2: no device.
 """
@@ -23,29 +19,28 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import re
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-for _path in (str(ROOT / "tests"), str(ROOT), str(BENCH)):  # the zoo, the package, harness
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+from gpu_pipeline import NCCL_REFUSAL, ROOT, cuda_device  # a sibling; puts ROOT on sys.path
 
-import harness  # noqa: E402
+import harness  # noqa: E402 - a sibling
+from pipedream_fast.data_feed import to_device  # noqa: E402
 from pipedream_fast.launch import launch  # noqa: E402
 from pipedream_fast.training import model_loss, split_microbatches  # noqa: E402
+
+if str(ROOT / "tests") not in sys.path:  # the zoo
+    sys.path.insert(0, str(ROOT / "tests"))
 
 MODELS = ("nanogpt", "llama", "gpt2", "bert")
 SPLIT = {"nanogpt": "transformer.h.1", "llama": "model.layers.1", "gpt2": "transformer.h.1",
@@ -56,42 +51,33 @@ CHUNKS = 2
 LR, MOMENTUM = 0.01, 0.9
 RTOL = {"cuda": 1e-4, "cpu": 1e-5}  # losses, relative; CUDA: other kernels' summation orders
 TIED_TOL = 1e-6  # relative: the embedding and the head must be one weight on both ranks
-NCCL_REFUSAL = re.compile(r"Duplicate GPU detected|ncclInvalidUsage|invalid usage", re.IGNORECASE)
+TIMEOUT = 60.0  # s, every wait of the pipelines and collectives
+PROBE_TIMEOUT = 20.0  # s, the same in the informational layout, whose job gets 3x this
+LAYOUT_TIMEOUT = 120.0  # s, the most a check layout's job may take
 
 
 def sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
 
 
-# ---- the zoo, or what of it this machine can import ------------------------------------------
-
-@dataclass
-class Entry:
-    build: Callable[[], nn.Module]
-    batches: Callable[[int, int], list[Any]]
-
-
-def load_zoo(models: tuple[str, ...]) -> tuple[dict[str, Entry], dict[str, str]]:
-    """The zoo's entries for `models`, and the models skipped with why. Without torchvision
-    (the zoo declares its operators before transformers imports it) nanoGPT is loaded from
-    tests/zoo/gpt.py alone, as the zoo builds it."""
+def load_zoo(models: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The zoo's entries (.build(), .batches(steps, seed)) for `models`, and the models skipped
+    with why. Without torchvision (the zoo declares its operators before transformers imports
+    it) nanoGPT is loaded from tests/zoo/gpt.py alone, as the zoo builds it."""
     try:
         import zoo
         zoo.import_torchvision()
     except ImportError as err:
         return _nanogpt_alone(models, f"the zoo cannot be imported here ({err})")
-    entries: dict[str, Entry] = {}
-    skipped: dict[str, str] = {}
-    for name in models:
-        if name != "nanogpt" and importlib.util.find_spec("transformers") is None:
-            skipped[name] = "transformers is not installed (GPU_CHECK_WHEELS)"
-            continue
-        entries[name] = Entry(zoo.ZOO[name].build, zoo.ZOO[name].batches)
-    return entries, skipped
+    transformers = importlib.util.find_spec("transformers") is not None
+    why = "transformers is not installed (GPU_CHECK_WHEELS)"
+    return ({m: zoo.ZOO[m] for m in models if m == "nanogpt" or transformers},
+            {m: why for m in models if m != "nanogpt" and not transformers})
 
 
-def _nanogpt_alone(models: tuple[str, ...], why: str) -> tuple[dict[str, Entry], dict[str, str]]:
-    spec = importlib.util.spec_from_file_location("zoo_gpt_alone", ROOT / "tests" / "zoo" / "gpt.py")
+def _nanogpt_alone(models: tuple[str, ...], why: str) -> tuple[dict[str, Any], dict[str, str]]:
+    spec = importlib.util.spec_from_file_location("zoo_gpt_alone",
+                                                  ROOT / "tests" / "zoo" / "gpt.py")
     assert spec is not None and spec.loader is not None
     gpt = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = gpt  # dataclasses look their module up
@@ -108,24 +94,14 @@ def _nanogpt_alone(models: tuple[str, ...], why: str) -> tuple[dict[str, Entry],
         xs = [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(steps)]
         return [(x, x.roll(-1, 1)) for x in xs]
 
-    entries = {"nanogpt": Entry(build, batches)} if "nanogpt" in models else {}
-    return entries, {m: why for m in models if m != "nanogpt"}
+    entries = {"nanogpt": SimpleNamespace(build=build, batches=batches)}
+    return ({} if "nanogpt" not in models else entries), {m: why for m in models if m != "nanogpt"}
 
 
 def call(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, dict):
         return model(**inputs)
     return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
-
-
-def to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(to_device(v, device) for v in value)
-    return value
 
 
 def numerics(device: torch.device) -> None:
@@ -135,9 +111,7 @@ def numerics(device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = False
 
 
-# ---- the one-process loop --------------------------------------------------------------------
-
-def reference(entry: Entry, steps: int, device: torch.device) -> list[float]:
+def reference(entry: Any, steps: int, device: torch.device) -> list[float]:
     """Each minibatch in CHUNKS microbatches, gradients accumulated (each microbatch's loss /
     CHUNKS), one SGD step: what 1f1b with chunks=CHUNKS computes."""
     numerics(device)
@@ -155,8 +129,6 @@ def reference(entry: Entry, steps: int, device: torch.device) -> list[float]:
         losses.append(total)
     return losses
 
-
-# ---- the ranks -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Layout:
@@ -193,19 +165,17 @@ def rank_main(rank: int, world: int, layout: Layout, models: list[str], steps: i
             harness.fresh_group(rank, world, number, "nccl" if cuda else "gloo", timeout)
             if cuda and layout.device != "default":
                 # NCCL builds its communicator at the first collective: a refusal shows here
-                probe = torch.ones(1, device=device)
-                dist.all_reduce(probe)
+                dist.all_reduce(torch.ones(1, device=device))
                 torch.cuda.synchronize()
-            entry = entries[name]
             split: dict[str, Any] = ({"stages": 1} if layout.one_stage
                                      else {"split_points": [SPLIT[name]]})
-            model = entry.build()
+            model = entries[name].build()
             tied = dict(model.named_parameters(remove_duplicate=False)).get(TIED.get(name, ""))
             pipe = Pipeline(model, loss_fn=None, optimizer=sgd, schedule="1f1b", chunks=CHUNKS,
                             timeout=timeout, device=device, **split)
             losses = []
             first = time.perf_counter()
-            for step, loss in enumerate(pipe.train(entry.batches(steps, 1), steps=steps)):
+            for step, loss in enumerate(pipe.train(entries[name].batches(steps, 1), steps=steps)):
                 losses.append(float(loss) if loss is not None else None)
                 if step == 0:
                     if cuda:
@@ -215,8 +185,8 @@ def rank_main(rank: int, world: int, layout: Layout, models: list[str], steps: i
                 torch.cuda.synchronize()
             held = {id(p) for m in pipe.stage_modules.values() for p in m.parameters()}
             result: dict[str, Any] = {
-                "losses": losses, "device": str(pipe.device),
-                "backend": dist.get_backend(), "setup_s": first - began,
+                "losses": losses, "device": str(pipe.device), "backend": dist.get_backend(),
+                "setup_s": first - began,
                 "step_s": (time.perf_counter() - first) / max(1, steps - 1)}
             if tied is not None and id(tied) in held:
                 result["tied"] = tied.detach().to("cpu", copy=True)
@@ -224,8 +194,7 @@ def rank_main(rank: int, world: int, layout: Layout, models: list[str], steps: i
             out[name] = result
         except Exception as err:  # noqa: BLE001 - reported in the table
             out[name] = {"error": harness.shorten(err, 300),
-                         "traceback": traceback.format_exc()[-3000:],
-                         "seconds": time.perf_counter() - began}
+                         "traceback": traceback.format_exc()[-3000:]}
             if cuda and NCCL_REFUSAL.search(str(err)):
                 # the same communicator would be refused for every model: stop here
                 for rest in models[models.index(name) + 1:]:
@@ -240,8 +209,6 @@ def rank_main(rank: int, world: int, layout: Layout, models: list[str], steps: i
     return out
 
 
-# ---- the harness -------------------------------------------------------------------------------
-
 @dataclass
 class Row:
     layout: str
@@ -252,7 +219,7 @@ class Row:
     note: str = ""
     timing: str = ""
     check: bool = True  # counts towards the result
-    extra: dict[str, Any] = field(default_factory=dict)
+    tracebacks: list[str] = field(default_factory=list)
 
 
 def layouts_for(device: torch.device) -> list[Layout]:
@@ -271,10 +238,14 @@ def layouts_for(device: torch.device) -> list[Layout]:
                         "on 1 GPU")]
 
 
-def run_layout(layout: Layout, models: list[str], steps: int, timeout: float, wall: float,
-               want: dict[str, list[float]], rtol: float) -> list[Row]:
-    """The layout's job; `wall`: its whole time, after which its ranks are stopped (a rank
-    stuck in C++, in NCCL's communicator set-up for one, only ends that way)."""
+def run_layout(layout: Layout, models: list[str], steps: int, want: dict[str, list[float]],
+               rtol: float) -> list[Row]:
+    """The layout's job, its ranks stopped after its wall time (a rank stuck in C++, in NCCL's
+    communicator set-up for one, only ends that way); an informational layout shows what
+    Pipeline does there: one model says it."""
+    timeout = PROBE_TIMEOUT if layout.informational else TIMEOUT
+    wall = 3 * PROBE_TIMEOUT if layout.informational else LAYOUT_TIMEOUT
+    models = models[:1] if layout.informational else models
     began = time.perf_counter()
     stop = threading.Event()
     timer = threading.Timer(wall, stop.set)
@@ -285,8 +256,7 @@ def run_layout(layout: Layout, models: list[str], steps: int, timeout: float, wa
                          stop=stop)
     except Exception as err:  # noqa: BLE001 - a rank died: the whole layout failed
         outcome = "failed (expected)" if layout.informational else "failed"
-        why = (f"stopped after {wall:g} s (--layout-timeout): " if stop.is_set() else "") + \
-            harness.shorten(err, 500)
+        why = (f"stopped after {wall:g} s: " if stop.is_set() else "") + harness.shorten(err, 500)
         return [Row(layout.name, m, outcome, note=why, check=not layout.informational)
                 for m in models]
     finally:
@@ -297,9 +267,8 @@ def run_layout(layout: Layout, models: list[str], steps: int, timeout: float, wa
         results = [r[name] for r in by_rank]
         errors = [f"rank {k}: {r['error']}" for k, r in enumerate(results) if "error" in r]
         if errors:
-            refused = layout.device == "cuda:0" and layout.world > 1 and \
-                any(NCCL_REFUSAL.search(e) for e in errors)
-            if refused:
+            if layout.device == "cuda:0" and layout.world > 1 and \
+                    any(NCCL_REFUSAL.search(e) for e in errors):
                 rows.append(Row(layout.name, name, "refused", note="NCCL refused two ranks on "
                                 "one GPU: " + errors[0], check=False))
             elif layout.informational:
@@ -307,12 +276,11 @@ def run_layout(layout: Layout, models: list[str], steps: int, timeout: float, wa
                                 check=False))
             else:
                 rows.append(Row(layout.name, name, "failed", note="; ".join(errors),
-                                extra={"tracebacks": [r.get("traceback", "") for r in results]}))
+                                tracebacks=[r.get("traceback", "") for r in results]))
             continue
-        if layout.informational:
-            note = "ran (not expected with one GPU): " + ", ".join(r["device"] for r in results)
-        else:
-            note = f"{results[-1]['backend']} on " + ", ".join(r["device"] for r in results)
+        devices = ", ".join(r["device"] for r in results)
+        note = (f"ran (not expected with one GPU): {devices}" if layout.informational
+                else f"{results[-1]['backend']} on {devices}")
         losses = results[-1]["losses"]
         diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, want[name]))
         ok = len(losses) == len(want[name]) and diff <= rtol
@@ -329,17 +297,15 @@ def run_layout(layout: Layout, models: list[str], steps: int, timeout: float, wa
         timing = (f"set-up {max(r['setup_s'] for r in results):.1f} s, "
                   f"{max(r['step_s'] for r in results) * 1e3:.0f} ms/step")
         rows.append(Row(layout.name, name, "match" if ok else "differs", diff, tied_diff, note,
-                        timing, check=not layout.informational,
-                        extra={"losses": losses, "want": want[name]}))
+                        timing, check=not layout.informational))
     return rows
 
 
-def write_report(args: argparse.Namespace, argv: list[str] | None, device: torch.device,
-                 layouts: list[Layout], rows: list[Row], rtol: float, final: bool) -> bool:
+def write_report(args: argparse.Namespace, device: torch.device, layouts: list[Layout],
+                 rows: list[Row], rtol: float, final: bool) -> bool:
     """The markdown report (to --out, and printed when `final`); whether the check passed."""
     checked = [r for r in rows if r.check]
-    bad = [r for r in checked if r.outcome != "match"]
-    passed = bool(checked) and not bad
+    passed = bool(checked) and all(r.outcome == "match" for r in checked)
     lines = ["## The zoo's transformers through Pipeline, 1f1b, 2 stages: losses against the "
              "one-process loop", "", f"Command: `{harness.command()}`", "",
              f"Machine: {harness.device_line(device)}.", "",
@@ -348,13 +314,12 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, device: torch
              f"within {rtol:g} (relative) of the loop on {device} with the same gradient "
              f"accumulation (no TF32), and the tied embedding and head identical on both ranks "
              f"(within {TIED_TOL:g}).", "",
-             "Layouts: " + "; ".join(f"'{lay.name}' = {lay.what}" for lay in layouts) + ".", ""]
-    lines += harness.markdown_table(
-        ["layout", "model", "outcome", "max loss rel diff", "tied drift", "time", "note"],
-        [(r.layout, r.model, r.outcome, harness.fmt(r.loss_rel_diff, ".1e", ""),
-          harness.fmt(r.tied_rel_diff, ".1e", ""), r.timing, r.note.replace("|", "/"))
-         for r in rows], left=3)
-    lines[-len(rows) - 1] = "| --- | --- | --- | ---: | ---: | --- | --- |"
+             "Layouts: " + "; ".join(f"'{lay.name}' = {lay.what}" for lay in layouts) + ".", "",
+             "| layout | model | outcome | max loss rel diff | tied drift | time | note |",
+             "| --- | --- | --- | ---: | ---: | --- | --- |"]
+    lines += [f"| {r.layout} | {r.model} | {r.outcome} | {harness.fmt(r.loss_rel_diff, '.1e', '')}"
+              f" | {harness.fmt(r.tied_rel_diff, '.1e', '')} | {r.timing} | "
+              f"{r.note.replace('|', '/')} |" for r in rows]
     lines += ["", f"Result: {'PASS' if passed else 'FAIL'}" if final else
               "Result: (incomplete: the run did not finish)"]
     report = "\n".join(lines) + "\n"
@@ -373,13 +338,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated, among {', '.join(MODELS)} (default all)")
     parser.add_argument("--steps", type=int, default=3, help="minibatches per model (default 3)")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="every wait of the pipelines and collectives, s (default 60)")
-    parser.add_argument("--probe-timeout", type=float, default=20.0,
-                        help="the same for the informational 'default-device' layout (1 GPU)")
-    parser.add_argument("--layout-timeout", type=float, default=120.0,
-                        help="the most a layout's job may take, s (default 120; the "
-                             "informational one: 3x --probe-timeout)")
     parser.add_argument("--out", default=None, help="also write the report to this markdown file")
     args = parser.parse_args(argv)
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
@@ -388,17 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--models: unknown {unknown}; choose among {', '.join(MODELS)}")
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first and the later steps are checked)")
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            print("gpu_zoo: no CUDA GPU (torch.cuda.is_available() is False); use --device cpu "
-                  "to try the script", file=sys.stderr)
-            return 2
-        if not dist.is_nccl_available():
-            print("gpu_zoo: this torch has no NCCL", file=sys.stderr)
-            return 2
-        device = torch.device("cuda", 0)
-    else:
+    device = cuda_device("gpu_zoo", args.device)
+    if device is None:
+        return 2
+    if device.type == "cuda" and not dist.is_nccl_available():
+        print("gpu_zoo: this torch has no NCCL", file=sys.stderr)
+        return 2
+    if device.type == "cpu":
         torch.set_num_threads(1)
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     print(f"gpu_zoo: {harness.device_line(device)}; {gpus} GPU(s)", flush=True)
@@ -414,25 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     layouts = layouts_for(device)
     for layout in layouts if ran else []:
         print(f"\n-- layout {layout.name}: {layout.what}", flush=True)
-        timeout = args.probe_timeout if layout.informational else args.timeout
-        wall = 3 * args.probe_timeout if layout.informational else args.layout_timeout
-        # an informational layout shows what Pipeline does there: one model says it
-        mine = run_layout(layout, ran[:1] if layout.informational else ran, args.steps,
-                          timeout, wall, want, rtol)
-        for row in mine:
-            print(f"  {row.model:8s} {row.outcome}"
-                  + (f", max loss rel diff {row.loss_rel_diff:.1e}"
-                     if row.loss_rel_diff is not None else "")
-                  + (f", tied {row.tied_rel_diff:.1e}" if row.tied_rel_diff is not None else "")
-                  + (f"; {row.timing}" if row.timing else "")
-                  + (f"; {row.note}" if row.note else ""), flush=True)
-            for tb in row.extra.get("tracebacks", []):
-                if tb:
-                    print("    " + tb.rstrip().replace("\n", "\n    "), flush=True)
+        mine = run_layout(layout, ran, args.steps, want, rtol)
+        for row in mine:  # the table itself is printed at the end
+            print(f"  {row.model:8s} {row.outcome} {row.timing}", flush=True)
+            for tb in filter(None, row.tracebacks):
+                print("    " + tb.rstrip().replace("\n", "\n    "), flush=True)
         rows += mine
-        write_report(args, argv, device, layouts, rows, rtol, final=False)  # kept if killed
-    passed = write_report(args, argv, device, layouts, rows, rtol, final=True)
-    return 0 if passed else 1
+        write_report(args, device, layouts, rows, rtol, final=False)  # kept if killed
+    return 0 if write_report(args, device, layouts, rows, rtol, final=True) else 1
 
 
 if __name__ == "__main__":

@@ -1,16 +1,14 @@
-"""Memory, predicted against measured, per rank, for every schedule, and plans under a memory
-cap (issue 28, items 1-2, 4-5).
+"""Each rank's memory predicted against measured, for every schedule; plans under a memory cap
+(issue 28).
 
-The matrix: for each model (cnn, charlm, the test zoo's small BERT), schedule and depth, one
-run on rank processes (gloo, 1 thread) measures what every rank holds (`measure_memory=True`,
-counted at the tensors) and the simulator predicts it from a profile at the microbatch
-(`sim_memory.predict_memory`). The cap: the char LM planned as a straight 2-rank 1f1b pipeline
-with no limit, under a cap no plan keeping every activation fits (the planner picks what
-recomputes), and recomputing every stage, run in interleaved rounds: peaks against the cap,
-samples/s against the unlimited plan's, and the simulator's predicted ratio.
+Matrix: per model (cnn, charlm, the test zoo's small BERT), schedule and depth, one run on rank
+processes (gloo, 1 thread) measures what every rank holds (`measure_memory=True`) and the
+simulator predicts it from a profile at the microbatch (`sim_memory.predict_memory`). Cap: the
+char LM's straight 2-rank 1f1b plan with no limit, under a cap that forces recomputation, and
+recomputing every stage, in interleaved rounds: peaks against the cap, samples/s against the
+unlimited plan's, and the simulator's predicted ratio.
 
-    python bench/memory.py [--models cnn,charlm,bert] [--ranks 2,4] [--cap-rounds 3]
-                           [--out bench/results/memory.md]
+    python bench/memory.py [--models cnn,charlm,bert] [--ranks 2,4] [--cap-rounds 3] [--out F]
 """
 
 from __future__ import annotations
@@ -42,8 +40,6 @@ from harness import Spread, alternate, markdown_table, paired_ratio, write_resul
 BATCH, STEPS = 32, 3
 SCHEDULES = (("gpipe", 4), ("1f1b", 4), ("interleaved-1f1b", 4), ("zb-h1", 4), ("2bw", 4),
              ("pipedream", 1), ("pipedream-vsync", 1))
-
-
 ZOO_SEQ, ZOO_VOCAB = 16, 64
 
 
@@ -112,11 +108,16 @@ def stages_for(schedule: str, ranks: int) -> int:
     return 2 * ranks if schedule == "interleaved-1f1b" else ranks
 
 
-def measure_job(rank: int, world: int, name: str, schedule: str, chunks: int) -> dict[str, Any]:
+def pipeline(name: str, plan: Plan, schedule: str, chunks: int, timeout: float) -> Pipeline:
+    """A rank's pipeline on one thread, counting its memory."""
     torch.set_num_threads(1)
-    pipe = Pipeline(model(name), loss_for(name), lambda ps: torch.optim.Adam(ps, lr=1e-4),
-                    plan=plan_for(name, schedule, world, chunks), schedule=schedule,
-                    chunks=chunks, measure_memory=True, timeout=120)
+    return Pipeline(model(name), loss_for(name), lambda ps: torch.optim.Adam(ps, lr=1e-4),
+                    plan=plan, schedule=schedule, chunks=chunks, measure_memory=True,
+                    timeout=timeout)
+
+
+def measure_job(rank: int, world: int, name: str, schedule: str, chunks: int) -> dict[str, Any]:
+    pipe = pipeline(name, plan_for(name, schedule, world, chunks), schedule, chunks, 120)
     try:
         list(pipe.train(batches(name), steps=STEPS))
         return {"memory": pipe.memory, "plan": copy.deepcopy(pipe.plan)}
@@ -124,29 +125,26 @@ def measure_job(rank: int, world: int, name: str, schedule: str, chunks: int) ->
         pipe.close()
 
 
-def microbatch_profile(name: str, chunks: int, optimizer: str = "adam",
-                       repeat: int = 1) -> Any:
+def microbatch_profile(name: str, chunks: int, repeat: int = 1) -> Any:
     """The model profiled on one microbatch (a copy: its own storage, not the minibatch's)."""
-    micro = BATCH // chunks
     first = split_microbatches(inputs_of(name, batches(name, 1)[0]), chunks)[0]
     first = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, first)
     m = model(name)
     chain = trace(m, first)
-    return profile_model(m, chain.flatten_inputs(first), micro, optimizer=optimizer,
+    return profile_model(m, chain.flatten_inputs(first), BATCH // chunks, optimizer="adam",
                          warmup=0 if repeat == 1 else 1, repeat=repeat, progress=False,
                          chain=chain)
 
 
 def predicted(name: str, schedule: str, chunks: int, plan: Any) -> dict[int, Any]:
-    micro = BATCH // chunks
     profile = microbatch_profile(name, chunks)
     plan.model = profile.model
     result = simulate(build_schedule(plan, schedule, STEPS, chunks),
                       ProfileCosts.from_plan(profile, plan))
-    return predict_memory(result, profile, plan, micro, chunks)
+    return predict_memory(result, profile, plan, BATCH // chunks, chunks)
 
 
-# ---- plans under a memory cap ----------------------------------------------------------------
+# ---- plans under a memory cap: no limit, a cap that forces recomputation, all recomputing ----
 
 CAP_MODEL, CAP_SCHEDULE, CAP_CHUNKS, CAP_STEPS, CAP_WARM = "charlm", "1f1b", 4, 12, 2
 
@@ -154,10 +152,7 @@ CAP_MODEL, CAP_SCHEDULE, CAP_CHUNKS, CAP_STEPS, CAP_WARM = "charlm", "1f1b", 4, 
 def cap_job(rank: int, world: int, plan: Plan) -> dict[str, Any]:
     """One run of `plan` (its stages recomputing as it says): every rank's measured memory
     and samples/s over the steps after the first CAP_WARM (start-up, first allocations)."""
-    torch.set_num_threads(1)
-    pipe = Pipeline(model(CAP_MODEL), loss_fn, lambda ps: torch.optim.Adam(ps, lr=1e-4),
-                    plan=plan, schedule=CAP_SCHEDULE, chunks=CAP_CHUNKS, measure_memory=True,
-                    timeout=300)
+    pipe = pipeline(CAP_MODEL, plan, CAP_SCHEDULE, CAP_CHUNKS, 300)
     try:
         began = 0.0
         for step, loss in enumerate(pipe.train(batches(CAP_MODEL, CAP_STEPS), steps=CAP_STEPS)):
@@ -231,9 +226,8 @@ def cap_experiment(rounds: int) -> tuple[list[str], list[tuple[Any, ...]], dict[
     intro = [f"Plans under a memory cap: {CAP_MODEL}, {CAP_SCHEDULE} with {CAP_CHUNKS} "
              f"microbatches of {BATCH // CAP_CHUNKS} on 2 rank processes; straight 2-stage "
              f"plans of the dynamic program (as `pipedream-fast train` plans) from a profile at "
-             f"the microbatch. The cap, "
-             f"{cap / 2**20:.2f} MiB ({cap} bytes) per worker, lies half-way between the "
-             f"smallest requirement of any plan recomputing where needed "
+             f"the microbatch. The cap, {cap / 2**20:.2f} MiB ({cap} bytes) per worker, lies "
+             f"half-way between the smallest requirement of any plan recomputing where needed "
              f"({recomputing} bytes) and keeping every activation ({keeping} bytes). "
              f"{rounds} interleaved rounds after a warm-up; samples/s over {CAP_STEPS - CAP_WARM} "
              f"steps after {CAP_WARM}, the slowest rank's; ratios to the unlimited plan taken "

@@ -1,26 +1,17 @@
-"""An emulated bandwidth-limited cluster on one Linux machine: K network namespaces on a bridge.
+"""An emulated bandwidth-limited cluster on one machine, and the launcher of the benchmarks
+run on it (bench/vs_ddp.py, bench/time_to_accuracy.py). Each rank runs in a network namespace
+on a bridge, its veth shaped both ways by `tc tbf`, with torchrun's environment and
+GLOO_SOCKET_IFNAME = its veth. Needs root and iproute2 (`available()` says why not). Leaving
+the `with` block (also by SIGINT/SIGTERM) kills the ranks and deletes everything; what a
+killed harness left (`pdn<dead pid>...`) goes at the next cluster (`remove_stale()`).
 
-Each rank gets a namespace joined to a bridge in the root namespace by a veth pair; both ends
-of every veth are shaped by `tc tbf`, so each direction of each link is limited to the rate. A
-rank's process runs in its namespace with torchrun's environment (MASTER_ADDR = rank 0) and
-GLOO_SOCKET_IFNAME = its veth, so gloo's traffic crosses the shaped links and nothing else.
-
-    with Cluster(world=2, rate="1gbit") as cluster:
-        result = cluster.run([sys.executable, "train.py"], timeout=600)
-
-Needs root, iproute2 (`ip`, `tc`), network namespaces, veth, bridge and tbf; `available()` says
-why not. The tbf burst is max(1 ms at the rate, 128 KiB): enough for a 64 KiB GSO packet. Names
-are `pdn<pid><letter>...`; leaving the `with` block (also by SIGINT/SIGTERM) kills the ranks and
-deletes everything; after a SIGKILL, `remove_stale()` (run before every new cluster) deletes
-what is named after a dead PID.
-
-    python bench/netcluster.py --rate 100mbit        # self-test: measure a TCP transfer
     python bench/netcluster.py --remove-stale        # delete what dead harnesses left
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -34,18 +25,19 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import IO, Any
+from typing import Any
 
 PREFIX = "pdn"
 SUBNET = "10.231.0"  # rank i is SUBNET.(i + 1)/24; each bridge is its own L2 domain
 MASTER_PORT = 29500  # every namespace has its own port space
 MIN_BURST = 128 * 1024
-DEFAULT_LATENCY_MS = 20.0
+LATENCY = "20ms"  # the tbf queue beyond the burst
 FAIL_GRACE_S = 5.0  # after one rank fails, how long the others get to exit on their own
 KILL_GRACE_S = 2.0  # between SIGTERM and SIGKILL of a rank's process group
 OUTPUT_TAIL = 3000  # characters of a rank's output quoted in an error
+WORLD = 2  # ranks of the benchmarks' clusters
 
 _NAME = re.compile(rf"^{PREFIX}(\d+)([a-z])")
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
@@ -68,50 +60,35 @@ class RankFailed(ClusterError):
 class RunTimeout(ClusterError):
     """Ranks were still running at the run's timeout; every rank was killed."""
 
-    def __init__(self, message: str, ranks: list[int], timeout: float) -> None:
+    def __init__(self, message: str, ranks: list[int]) -> None:
         super().__init__(message)
-        self.ranks, self.timeout = ranks, timeout
+        self.ranks = ranks
 
 
 class Interrupted(BaseException):
-    """SIGTERM inside a `Cluster` block, raised so the block is left and cleaned up (not an
-    `Exception`: `except Exception` does not swallow it)."""
+    """SIGTERM inside a `Cluster` block (a BaseException: `except Exception` lets it through)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
-        self.signum = signum
 
 
 def parse_rate(rate: str | float | None) -> int | None:
     """Bits per second from 1e9, "1e9", "100mbit", "2.5gbit"...; None/"none"/"unlimited": None."""
     if rate is None or (isinstance(rate, str) and rate.strip().lower() in ("none", "unlimited")):
         return None
-    if isinstance(rate, bool):
-        raise ValueError(f"link rate must be bits/s, got {rate!r}")
-    if isinstance(rate, (int, float)):
+    if isinstance(rate, (int, float)) and not isinstance(rate, bool):
         bits = float(rate)
     else:
-        match = _RATE.match(rate)
+        match = _RATE.match(rate) if isinstance(rate, str) else None
         if match is None or match.group(2).lower() not in _RATE_UNITS:
             raise ValueError(
-                f"cannot read link rate {rate!r}: give bits per second as a number (1e9) or a "
-                f"number with one of the units {', '.join(u for u in _RATE_UNITS if u)} "
-                f"(e.g. '100mbit', '2.5gbit'), or 'unlimited'; byte units such as 'mbps' "
-                f"(megabytes/s for tc) are refused as ambiguous")
+                f"cannot read link rate {rate!r}: give bits per second as a number (1e9) or with "
+                f"one of the units {', '.join(u for u in _RATE_UNITS if u)} (e.g. '100mbit'), "
+                f"or 'unlimited'; byte units such as 'mbps' are refused as ambiguous")
         bits = float(match.group(1)) * _RATE_UNITS[match.group(2).lower()]
-    if not bits >= 1000 or bits != bits or bits == float("inf"):
+    if not 1000 <= bits < float("inf"):
         raise ValueError(f"link rate must be at least 1000 bits/s and finite, got {rate!r}")
     return int(bits)
-
-
-def format_rate(bits: int | None) -> str:
-    """'100mbit', '2.5gbit', 'unlimited'."""
-    if bits is None:
-        return "unlimited"
-    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bits >= scale:
-            return f"{bits / scale:g}{unit}"
-    return f"{bits}bit"
 
 
 def burst_bytes(rate_bits: int) -> int:
@@ -135,8 +112,7 @@ def available() -> tuple[bool, str]:
     if sys.platform != "linux":
         return False, f"network namespaces need Linux, this is {sys.platform}"
     if os.geteuid() != 0:
-        return False, "network namespaces need root (run as root, or in a container with " \
-                      "CAP_NET_ADMIN and CAP_SYS_ADMIN)"
+        return False, "network namespaces need root (or CAP_NET_ADMIN and CAP_SYS_ADMIN)"
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return False, f"{' and '.join(missing)} not found (install iproute2)"
@@ -146,7 +122,7 @@ def available() -> tuple[bool, str]:
         _sh("ip", "-n", probe, "link", "add", "name", "pa", "type", "veth", "peer", "name", "pb")
         _sh("ip", "-n", probe, "link", "add", "name", "pbr", "type", "bridge")
         _sh("tc", "-n", probe, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1mbit",
-            "burst", str(MIN_BURST), "latency", "20ms")
+            "burst", str(MIN_BURST), "latency", LATENCY)
     except (ClusterError, OSError, subprocess.SubprocessError) as err:
         return False, f"cannot build an emulated cluster here: {err}"
     finally:
@@ -162,22 +138,14 @@ def _die_with_parent() -> None:
         pass
 
 
-def _kill_group(process: subprocess.Popen[bytes], grace: float = KILL_GRACE_S) -> None:
-    """SIGTERM the rank's process group, SIGKILL it `grace` seconds later if still there."""
-    for signum, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        if process.poll() is not None:
-            break
-        try:
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the rank's process group (what the rank started too), SIGKILL it KILL_GRACE_S
+    later."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signum)
-            process.wait(wait)
-        except ProcessLookupError:
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # whatever the rank started in its group
-    except (ProcessLookupError, PermissionError):
-        pass
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(KILL_GRACE_S)
 
 
 def _pids_in(namespace: str) -> list[int]:
@@ -200,25 +168,12 @@ def leftovers(prefix: str = PREFIX) -> list[str]:
     return [n for n in namespaces + links if n.startswith(prefix)]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _delete(namespaces: Sequence[str], links: Sequence[str]) -> None:
     """Kill what runs in the namespaces (a namespace with processes outlives `ip netns del`),
     delete them (their veths go with them), then the links left in the root namespace."""
-    for namespace in namespaces:
-        for pid in _pids_in(namespace):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    for pid in [pid for namespace in namespaces for pid in _pids_in(namespace)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     for namespace in namespaces:
         _sh("ip", "netns", "del", namespace, check=False)
     present = set(_our_names()[1])
@@ -233,7 +188,7 @@ def remove_stale() -> list[str]:
 
     def stale(name: str) -> bool:
         match = _NAME.match(name)
-        return match is not None and not _pid_alive(int(match.group(1)))
+        return match is not None and not os.path.exists(f"/proc/{match.group(1)}")
 
     dead = [n for n in namespaces if stale(n)], [n for n in links if stale(n)]
     _delete(*dead)
@@ -241,10 +196,7 @@ def remove_stale() -> list[str]:
 
 
 @dataclass
-class RankResult:
-    """One rank of a run: exit code (negative: killed by that signal), stdout and stderr
-    together, and the bytes its veth sent and received during the run."""
-
+class RankResult:  # returncode < 0: killed by that signal; output: stdout and stderr
     rank: int
     returncode: int
     output: str
@@ -256,44 +208,16 @@ class RankResult:
 class RunResult:
     ranks: list[RankResult]
     elapsed_s: float
-    argv: list[str] = field(default_factory=list)
-
-    @property
-    def tx_bytes(self) -> int:
-        """Bytes all ranks put on the wire (frames at the veth, headers included)."""
-        return sum(r.tx_bytes for r in self.ranks)
-
-    @property
-    def ok(self) -> bool:
-        return all(r.returncode == 0 for r in self.ranks)
-
-
-def _tail(text: str, limit: int = OUTPUT_TAIL) -> str:
-    return text if len(text) <= limit else "..." + text[-limit:]
-
-
-def _describe_exit(code: int) -> str:
-    if code >= 0:
-        return f"exited with code {code}"
-    try:
-        return f"was killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"was killed by signal {-code}"
 
 
 class Cluster:
     """`world` namespaces on a bridge, every link shaped to `rate` (bits/s, "100mbit"...; None:
-    unshaped) each way; `latency_ms`: the tbf queue beyond the burst. Use as `with Cluster(...)`
-    (or `start()` / `close()`)."""
+    unshaped) each way. Use as `with Cluster(...) as cluster:`."""
 
-    def __init__(self, world: int = 2, rate: str | float | None = "1gbit",
-                 latency_ms: float = DEFAULT_LATENCY_MS, master_port: int = MASTER_PORT) -> None:
+    def __init__(self, world: int = 2, rate: str | float | None = "1gbit") -> None:
         if isinstance(world, bool) or not isinstance(world, int) or not 2 <= world <= 254:
             raise ValueError(f"world must be an integer from 2 to 254 ranks, got {world!r}")
-        if not latency_ms > 0:
-            raise ValueError(f"latency_ms must be positive, got {latency_ms!r}")
         self.world, self.rate_bits = world, parse_rate(rate)
-        self.latency_ms, self.master_port = float(latency_ms), master_port
         # a letter per cluster of this process ('z' is available()'s probe)
         self.prefix = f"{PREFIX}{os.getpid()}{'abcdefghijklmnopqrstuvwxy'[next(_sequence) % 25]}"
         self.bridge = f"{self.prefix}br"
@@ -306,17 +230,13 @@ class Cluster:
         self._deferred: list[int] = []
         self._processes: list[subprocess.Popen[bytes]] = []
 
-    @property
-    def rate(self) -> str:
-        return format_rate(self.rate_bits)
-
     def __enter__(self) -> Cluster:
         if threading.current_thread() is threading.main_thread():
             # SIGINT raises KeyboardInterrupt, SIGTERM `Interrupted`: the block is left.
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous_handlers[signum] = signal.signal(signum, _raise_for_signal)
         try:
-            self.start()
+            self._build()
         except BaseException:
             self.close()
             raise
@@ -326,8 +246,7 @@ class Cluster:
                  traceback: TracebackType | None) -> None:
         self.close()
 
-    def start(self) -> None:
-        """Build the namespaces, bridge and shaped veths (remove_stale() first)."""
+    def _build(self) -> None:
         ok, why = available()
         if not ok:
             raise ClusterError(why)
@@ -337,7 +256,7 @@ class Cluster:
         # Bridged frames must not go through iptables' FORWARD chain (DROP on a Docker host).
         _sh("ip", "link", "set", self.bridge, "type", "bridge", "nf_call_iptables", "0",
             check=False)
-        _disable_ipv6(self.bridge)
+        _sh("sysctl", "-qw", f"net.ipv6.conf.{self.bridge}.disable_ipv6=1", check=False)
         _sh("ip", "link", "set", self.bridge, "up")
         for rank in range(self.world):
             ns, inner, host = self.namespaces[rank], self.ifnames[rank], self.host_ifnames[rank]
@@ -348,23 +267,21 @@ class Cluster:
                 "net.ipv6.conf.default.disable_ipv6=1", check=False)
             _sh("ip", "link", "add", "name", host, "type", "veth", "peer", "name", inner,
                 "netns", ns)
-            _disable_ipv6(host)
+            _sh("sysctl", "-qw", f"net.ipv6.conf.{host}.disable_ipv6=1", check=False)
             _sh("ip", "-n", ns, "addr", "add", f"{self.addresses[rank]}/24", "dev", inner)
             _sh("ip", "-n", ns, "link", "set", inner, "up")
             _sh("ip", "link", "set", host, "master", self.bridge)
             _sh("ip", "link", "set", host, "up")
             if self.rate_bits is not None:
                 shape = ["root", "tbf", "rate", f"{self.rate_bits}bit",
-                         "burst", str(burst_bytes(self.rate_bits)),
-                         "latency", f"{self.latency_ms:g}ms"]
+                         "burst", str(burst_bytes(self.rate_bits)), "latency", LATENCY]
                 _sh("tc", "-n", ns, "qdisc", "add", "dev", inner, *shape)  # rank -> bridge
                 _sh("tc", "qdisc", "add", "dev", host, *shape)               # bridge -> rank
 
     def close(self) -> None:
         """Kill every rank still running and delete everything this cluster made. Idempotent;
         SIGINT/SIGTERM meanwhile are held, then delivered to the handlers from before."""
-        main = threading.current_thread() is threading.main_thread()
-        if main:
+        if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 previous = signal.signal(signum, lambda s, f: self._deferred.append(s))
                 self._previous_handlers.setdefault(signum, previous)
@@ -387,45 +304,32 @@ class Cluster:
             if deferred:
                 signal.raise_signal(deferred[0])  # now the caller's own handler decides
 
-    def counter(self, rank: int, name: str = "tx_bytes") -> int:
-        """A statistic of the rank's veth as the namespace sees it (tx_bytes, rx_bytes, ...)."""
-        path = f"/sys/class/net/{self.ifnames[rank]}/statistics/{name}"
-        return int(_sh("ip", "netns", "exec", self.namespaces[rank], "cat", path).stdout)
+    def _counters(self) -> list[tuple[int, ...]]:
+        """(tx_bytes, rx_bytes) of every rank's veth, as its namespace sees it."""
+        return [tuple(int(_sh("ip", "netns", "exec", self.namespaces[r], "cat",
+                              f"/sys/class/net/{self.ifnames[r]}/statistics/{name}").stdout)
+                      for name in ("tx_bytes", "rx_bytes")) for r in range(self.world)]
 
-    def counters(self) -> list[tuple[int, int]]:
-        """(tx_bytes, rx_bytes) of every rank's veth."""
-        return [(self.counter(r, "tx_bytes"), self.counter(r, "rx_bytes"))
-                for r in range(self.world)]
-
-    def rank_env(self, rank: int) -> dict[str, str]:
-        """torchrun's variables for `rank`, and GLOO_SOCKET_IFNAME = the rank's veth."""
-        return {"RANK": str(rank), "WORLD_SIZE": str(self.world), "LOCAL_RANK": "0",
-                "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank),
-                "MASTER_ADDR": self.addresses[0], "MASTER_PORT": str(self.master_port),
-                "GLOO_SOCKET_IFNAME": self.ifnames[rank]}
-
-    def run(self, argv: Sequence[str] | Callable[[int], Sequence[str]], timeout: float,
-            env: Mapping[str, str] | None = None, check: bool = True,
+    def run(self, argv: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,
             fail_grace: float = FAIL_GRACE_S) -> RunResult:
-        """Run one process per rank (`argv`, or `argv(rank)`) in its namespace, with this
-        environment, `rank_env(rank)` and `env`, and wait for all. When one fails the others
-        get `fail_grace` s, then are killed; at `timeout` all are killed (`RunTimeout`). With
-        `check`, a failed run raises `RankFailed` naming the first rank that failed."""
+        """Run `argv` once per rank in its namespace, with this environment, torchrun's
+        (MASTER_ADDR: rank 0), GLOO_SOCKET_IFNAME = the rank's veth and `env`; wait for all.
+        When one fails the others get `fail_grace` s, then are killed and `RankFailed` names
+        it; at `timeout` all are killed (`RunTimeout`)."""
         if not self._built:
             raise ClusterError("the cluster is not built: use `with Cluster(...) as cluster:`")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-        commands = [list(argv(rank)) if callable(argv) else list(argv)
-                    for rank in range(self.world)]
-        before = self.counters()
+        before = self._counters()
         self._processes = []
         logs = [tempfile.TemporaryFile() for _ in range(self.world)]
         began = time.monotonic()
         try:
             for rank in range(self.world):  # one by one: a failed spawn still kills the rest
                 self._processes.append(subprocess.Popen(
-                    ["ip", "netns", "exec", self.namespaces[rank], *commands[rank]],
-                    env={**os.environ, **self.rank_env(rank), **(env or {})},
+                    ["ip", "netns", "exec", self.namespaces[rank], *argv],
+                    env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(self.world),
+                         "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank),
+                         "MASTER_ADDR": self.addresses[0], "MASTER_PORT": str(MASTER_PORT),
+                         "GLOO_SOCKET_IFNAME": self.ifnames[rank], **(env or {})},
                     stdin=subprocess.DEVNULL, stdout=logs[rank], stderr=subprocess.STDOUT,
                     start_new_session=True, preexec_fn=_die_with_parent))
             hung, failed_first = self._wait(began + timeout, fail_grace)
@@ -433,8 +337,12 @@ class Cluster:
         finally:
             for process in self._processes:
                 _kill_group(process)
-        after = self.counters()
-        outputs = [_read_log(log) for log in logs]
+        after = self._counters()
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read().decode(errors="replace"))
+            log.close()
         results = [RankResult(rank, p.returncode, outputs[rank],
                               after[rank][0] - before[rank][0], after[rank][1] - before[rank][1])
                    for rank, p in enumerate(self._processes)]
@@ -443,14 +351,15 @@ class Cluster:
             names = ", ".join(f"rank {r} ({self.namespaces[r]})" for r in hung)
             raise RunTimeout(f"{names} still running at the {timeout:g} s timeout; every rank "
                              f"was killed. Last output of rank {hung[0]}:\n"
-                             f"{_tail(outputs[hung[0]]) or '(none)'}", hung, timeout)
-        if check and failed_first is not None:
+                             f"{outputs[hung[0]][-OUTPUT_TAIL:] or '(none)'}", hung)
+        if failed_first is not None:
             bad = results[failed_first]
-            raise RankFailed(f"rank {bad.rank} (namespace {self.namespaces[bad.rank]}) "
-                             f"{_describe_exit(bad.returncode)}; the other ranks were stopped. "
-                             f"Its output:\n{_tail(bad.output)}",
-                             bad.rank, bad.returncode, bad.output)
-        return RunResult(results, elapsed, commands[0])
+            how = (f"exited with code {bad.returncode}" if bad.returncode >= 0
+                   else f"was killed by signal {-bad.returncode}")
+            raise RankFailed(f"rank {bad.rank} (namespace {self.namespaces[bad.rank]}) {how}; "
+                             f"the other ranks were stopped. Its output:\n"
+                             f"{bad.output[-OUTPUT_TAIL:]}", bad.rank, bad.returncode, bad.output)
+        return RunResult(results, elapsed)
 
     def _wait(self, deadline: float, fail_grace: float) -> tuple[list[int], int | None]:
         """Poll until all exit, one fails (then `fail_grace` more), or the deadline. Returns
@@ -472,25 +381,10 @@ class Cluster:
             time.sleep(0.02)
 
 
-def _disable_ipv6(ifname: str) -> None:
-    try:
-        with open(f"/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6", "w") as f:
-            f.write("1")
-    except OSError:
-        pass  # no IPv6 on this kernel
-
-
 def _raise_for_signal(signum: int, frame: FrameType | None) -> None:
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise Interrupted(signum)
-
-
-def _read_log(log: IO[bytes]) -> str:
-    log.seek(0)
-    text = log.read().decode(errors="replace")
-    log.close()
-    return text
 
 
 # Rank `dst` receives, rank `src` sends `nbytes`; other ranks exit at once. The receiver times
@@ -498,8 +392,7 @@ def _read_log(log: IO[bytes]) -> str:
 _TCP_PROBE = r"""
 import os, socket, sys, time
 rank = int(os.environ["RANK"])
-nbytes, src, dst, port, dst_addr = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), \
-    int(sys.argv[4]), sys.argv[5]
+nbytes, src, dst, port, dst_addr = *map(int, sys.argv[1:5]), sys.argv[5]
 if rank == dst:
     conn, _ = socket.create_server((dst_addr, port)).accept()
     buf = bytearray(1 << 20)
@@ -515,21 +408,13 @@ if rank == dst:
     conn.sendall(b"k")
     print(f"RECEIVED {got} {got - first_size} {seconds:.6f}", flush=True)
 elif rank == src:
-    deadline = time.monotonic() + 20
-    while True:
+    while True:  # until rank `dst` listens (the run's timeout bounds it)
         try:
             sock = socket.create_connection((dst_addr, port), timeout=30)
             break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
+        except ConnectionRefusedError:
             time.sleep(0.02)
-    chunk = memoryview(bytes(1 << 20))
-    left = nbytes
-    while left:
-        k = min(left, len(chunk))
-        sock.sendall(chunk[:k])
-        left -= k
+    sock.sendall(bytes(nbytes))
     sock.recv(1)
 """
 
@@ -541,62 +426,89 @@ class Throughput:
     tx_bytes: int  # the sender's veth: frames, headers included
 
 
-def measure_throughput(cluster: Cluster, nbytes: int = 8 << 20, src: int = 1, dst: int = 0,
-                       timeout: float = 120.0) -> Throughput:
+def measure_throughput(cluster: Cluster, nbytes: int = 8 << 20, src: int = 1,
+                       dst: int = 0) -> Throughput:
     """Send `nbytes` over TCP from rank `src` to rank `dst`; payload bytes/s at the receiver."""
     argv = [sys.executable, "-c", _TCP_PROBE, str(nbytes), str(src), str(dst), "45123",
             cluster.addresses[dst]]
-    result = cluster.run(argv, timeout=timeout)
-    match = re.search(r"RECEIVED (\d+) (\d+) ([0-9.]+)", result.ranks[dst].output)
+    output = cluster.run(argv, timeout=120.0).ranks
+    match = re.search(r"RECEIVED (\d+) (\d+) ([0-9.]+)", output[dst].output)
     if match is None or int(match.group(1)) != nbytes:
-        raise ClusterError(f"the throughput probe did not complete: {result.ranks[dst].output!r}")
+        raise ClusterError(f"the throughput probe did not complete: {output[dst].output!r}")
     timed, seconds = int(match.group(2)), float(match.group(3))
-    return Throughput(timed / seconds, seconds, result.ranks[src].tx_bytes)
+    return Throughput(timed / seconds, seconds, output[src].tx_bytes)
 
 
-def selftest(rate: str, world: int, mbytes: float) -> int:
-    ok, why = available()
-    if not ok:
-        print(f"netcluster: unavailable: {why}", file=sys.stderr)
-        return 2
-    nbytes = int(mbytes * (1 << 20))
-    with Cluster(world=world, rate=rate) as cluster:
-        nominal = cluster.rate_bits
-        print(f"{world} namespaces on bridge {cluster.bridge}, links {cluster.rate} each way "
-              f"(tbf burst {burst_bytes(nominal) if nominal else 0} B, latency "
-              f"{cluster.latency_ms:g} ms)")
-        for src, dst in ((1, 0), (0, 1)):
-            measured = measure_throughput(cluster, nbytes, src=src, dst=dst)
-            line = (f"rank {src} -> rank {dst}: {nbytes / 1e6:.1f} MB in {measured.seconds:.3f} s"
-                    f" = {measured.payload_bytes_per_s / 1e6:.2f} MB/s payload, "
-                    f"{measured.tx_bytes / nbytes:.3f} wire bytes per payload byte")
-            if nominal:
-                line += f" ({measured.payload_bytes_per_s * 8 / nominal:.0%} of the nominal rate)"
-            print(line, flush=True)
-    left = leftovers()
-    print("cleaned up" if not left else f"LEFT BEHIND: {left}")
-    return 0 if not left else 1
+# ---- the benchmarks' launcher ----------------------------------------------------------------
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--selftest", action="store_true",
-                        help="build a cluster and measure a TCP transfer (the default action)")
-    parser.add_argument("--rate", default="100mbit", help="link rate (default 100mbit)")
-    parser.add_argument("--world", type=int, default=2, help="namespaces (default 2)")
-    parser.add_argument("--mbytes", type=float, default=8.0, help="MiB to send (default 8)")
-    parser.add_argument("--remove-stale", action="store_true",
-                        help="only delete what harnesses that no longer run left behind")
-    args = parser.parse_args(argv)
-    if args.remove_stale:
-        removed = remove_stale()
-        print(f"removed {', '.join(removed)}" if removed else "nothing stale")
-        return 0
+def rates_arg(text: str) -> list[str]:
+    """argparse type: comma-separated finite link rates."""
+    rates = [r.strip() for r in text.split(",") if r.strip()]
     try:
-        parse_rate(args.rate)
+        if not rates or None in map(parse_rate, rates):
+            raise ValueError("give finite link rates (the planner needs a bandwidth)")
     except ValueError as err:
-        parser.error(str(err))
-    return selftest(args.rate, args.world, args.mbytes)
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return rates
+
+
+def sweep(rates: Sequence[str], each: Callable[[Cluster, str], None]) -> dict[str, float]:
+    """For each rate: a cluster of WORLD ranks, its link check (payload MB/s of one TCP stream,
+    rank 1 -> 0), then `each(cluster, rate)`. Returns the link checks."""
+    links = {}
+    for rate in rates:
+        with Cluster(world=WORLD, rate=rate) as cluster:
+            nbytes = 8 << 20 if (cluster.rate_bits or 0) <= 10**8 else 64 << 20
+            links[rate] = measure_throughput(cluster, nbytes).payload_bytes_per_s / 1e6
+            print(f"[{rate}] link check: one TCP stream carries {links[rate]:.1f} MB/s",
+                  flush=True)
+            each(cluster, rate)
+    return links
+
+
+def run_workers(cluster: Cluster, script: str, args: Sequence[Any],
+                timeout: float) -> list[dict[str, Any]]:
+    """`python script --worker *args` on every rank (one thread each); each rank's result
+    (`harness.print_result`)."""
+    import harness  # bench/ is on sys.path in the benchmarks, not in tests/test_netcluster.py
+
+    argv = [sys.executable, os.path.abspath(script), "--worker", *map(str, args)]
+    return harness.cluster_results(cluster, argv, timeout)
+
+
+def cluster_note(links: Mapping[str, float]) -> str:
+    """The results' line on the cluster, with the link checks."""
+    return ("- Cluster: 2 ranks, each in a network namespace, joined through a bridge by veth "
+            "links shaped with `tc tbf` both ways (bench/netcluster.py); one torch thread per "
+            "rank, gloo. Link check, one TCP stream's payload rate: "
+            + ", ".join(f"{rate} {mbs:.1f} MB/s" for rate, mbs in links.items()) + ".")
+
+
+def snapshot() -> dict[str, float]:
+    """In a rank: its clock, its veth's tx_bytes (0 outside a cluster), the machine's busy CPU
+    seconds and this process's; `since(snapshot())` gives a window's deltas."""
+    import harness
+
+    tx = 0
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        with open(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes") as f:
+            tx = int(f.read())
+    return {"seconds": time.perf_counter(), "tx_bytes": tx, "busy_s": harness.machine_busy_s(),
+            "cpu_s": time.process_time()}
+
+
+def since(start: Mapping[str, float]) -> dict[str, float]:
+    now = snapshot()
+    return {key: now[key] - start[key] for key in now}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--remove-stale", action="store_true", required=True,
+                        help="delete what harnesses that no longer run left behind")
+    parser.parse_args()
+    print("removed", ", ".join(remove_stale()) or "nothing")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
 """Does planning the same job again give the same plan? (issue 32, item 3)
 
-Plans the main job (`pipedream-fast train` on its defaults, as the command does) and a small
-MLP the way a Pipeline plans it in a script `--repeat` times each, and counts the distinct
-plans: profile noise must not flip a plan (the planner keeps the simplest plan within 5% of
-the fastest). The predicted samples/s show how noisy the profile was.
+Plans the main job (`pipedream-fast train` on its defaults) and a small MLP as a Pipeline in a
+script plans it, `--repeat` times each, and counts the distinct plans: profile noise must not
+flip a plan (the planner keeps the simplest plan within 5% of the fastest).
 
     python bench/plan_stability.py --repeat 10 --out bench/results/plan_stability.md
 """
@@ -12,15 +11,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
-import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Spread, write_results  # noqa: E402
+from harness import Spread, write_results  # noqa: E402 - a sibling
 
 
 def main_job_plans(repeat: int) -> tuple[collections.Counter[str], list[float]]:
@@ -79,7 +74,7 @@ def main() -> None:
         for plan, count in plans.most_common():
             rows.append([name, plan.replace(" | ", " / "), f"{count} of {args.repeat}",
                          f"{spread.median:,.0f} ({min(rates):,.0f}-{max(rates):,.0f})"])
-        print(name, dict(plans), f"median predicted {statistics.median(rates):,.0f}")
+        print(name, dict(plans), f"median predicted {spread.median:,.0f}")
     if args.out:
         write_results(args.out, "Plan stability: the same job planned again",
                       ["Each row: a distinct plan and how many of the plannings gave it; the "

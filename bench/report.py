@@ -2,10 +2,9 @@
 
     python bench/report.py [--results bench/results] [--no-readme]
 
-Reads whichever of the suite's JSON files exist in the results folder (a benchmark not run is
-left out) and writes `throughput_vs_bandwidth.png` (vs_ddp.json), `predicted_vs_measured.png`
-(sim_accuracy.json) and the table between the `results:begin` and `results:end` markers of
-docs/results.md (with --no-readme: prints it instead).
+From whichever of the suite's JSON files exist: `throughput_vs_bandwidth.png` (vs_ddp),
+`predicted_vs_measured.png` (sim_accuracy) and the table between the results markers of
+docs/results.md (--no-readme: printed instead).
 """
 
 from __future__ import annotations
@@ -33,11 +32,7 @@ def load(results: Path, name: str) -> Any:
 
 def rate_bits(rate: str) -> float:
     number = rate.rstrip("gmkbit")
-    unit = rate[len(number):]
-    return float(number) * {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}[unit]
-
-
-# ---- plots -----------------------------------------------------------------------------------
+    return float(number) * {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}[rate[len(number):]]
 
 def plot_throughput(data: dict[str, Any], path: Path) -> None:
     models = list(dict.fromkeys(r["model"] for r in data["rows"]))
@@ -57,12 +52,12 @@ def plot_throughput(data: dict[str, Any], path: Path) -> None:
 def plot_prediction(rows: list[dict[str, Any]], path: Path) -> None:
     with harness.figure(path, size=(5.5, 5)) as (_, axes):
         ax = axes[0][0]
-        measured = [r["measured"] for r in rows]
-        top = max(measured + [r["predicted"] for r in rows]) * 1.15
+        measured, predicted = [r["measured"] for r in rows], [r["predicted"] for r in rows]
+        top = max(measured + predicted) * 1.15
         ax.fill_between([0, top], [0, top * 0.9], [0, top * 1.1], color="tab:green",
                         alpha=0.15, label="within 10%")
         ax.plot([0, top], [0, top], color="gray", lw=1)
-        ax.scatter(measured, [r["predicted"] for r in rows])
+        ax.scatter(measured, predicted)
         for r in rows:
             ax.annotate(r["config"], (r["measured"], r["predicted"]), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
@@ -73,13 +68,14 @@ def plot_prediction(rows: list[dict[str, Any]], path: Path) -> None:
                           {"loc": "upper left"}, grid=None)
 
 
-# ---- the results table -----------------------------------------------------------------------
-
 def goal(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
-def ddp_rows(data: dict[str, Any]) -> list[str]:
+Row = tuple[str, str, str]  # what, result, goal
+
+
+def ddp_rows(data: dict[str, Any]) -> list[Row]:
     by = {(r["model"], r["contender"], r["rate"]): r for r in data["rows"]}
     views = {(v["model"], v["rate"]): v for v in data.get("planner", [])}
 
@@ -94,96 +90,81 @@ def ddp_rows(data: dict[str, Any]) -> list[str]:
     if rates:
         speed = {r: ratio("a", r) for r in rates}
         volume = max(ratio("a", r, "bytes_per_sample") for r in rates)
-        goals = []
-        if "1gbit" in speed:
-            goals.append(f"2.6x at 1 Gbit/s: {goal(speed['1gbit'] >= 2.6)}")
-        if "100mbit" in speed:
-            goals.append(f"22x at 100 Mbit/s: {goal(speed['100mbit'] >= 22)}")
+        goals = [f"{x}x at {text}: {goal(speed[r] >= x)}"
+                 for r, x, text in (("1gbit", 2.6, "1 Gbit/s"), ("100mbit", 22, "100 Mbit/s"))
+                 if r in speed]
         goals.append(f"at most 1% of the bytes: {goal(volume <= 0.01)}")
-        out.append(f"| `pipedream` vs DDP on model A, emulated link of {' / '.join(rates)} | "
-                   f"{' / '.join(f'{speed[r]:.2f}x' for r in rates)} the samples/s, with "
-                   f"{volume * 100:.1f}% of DDP's bytes per sample | {'; '.join(goals)} | "
-                   f"`bench/results/vs_ddp.md` |")
+        out.append((f"`pipedream` vs DDP on model A, emulated link of {' / '.join(rates)}",
+                    f"{' / '.join(f'{speed[r]:.2f}x' for r in rates)} the samples/s, with "
+                    f"{volume * 100:.1f}% of DDP's bytes per sample", "; ".join(goals)))
     conv_rates = both("convs")
     if conv_rates:
         picks = {v["choice"] for v in views.values() if v["model"] == "convs"}
-        conv_speed = " / ".join(f"{ratio('convs', r):.2f}x" for r in conv_rates)
-        out.append(f"| `pipedream` vs DDP on a conv-only model (few parameters), "
-                   f"{' / '.join(conv_rates)} | {conv_speed}; "
-                   f"the planner picks {' / '.join(sorted(picks)) or '-'} | the planner picks "
-                   f"data parallelism: {goal(picks == {'data parallel'})} | "
-                   f"`bench/results/vs_ddp.md` |")
+        out.append((f"`pipedream` vs DDP on a conv-only model (few parameters), "
+                    f"{' / '.join(conv_rates)}",
+                    " / ".join(f"{ratio('convs', r):.2f}x" for r in conv_rates)
+                    + f"; the planner picks {' / '.join(sorted(picks)) or '-'}",
+                    f"the planner picks data parallelism: {goal(picks == {'data parallel'})}"))
     alone = {(a["model"], a["rate"]): a["samples_per_s"] for a in data.get("one_rank_alone", [])}
-
-    def share(contender: str, rate: str) -> float | None:
-        """Of the balanced-pipeline limit: 2 x one rank alone, measured next to the run."""
-        row, single = by.get(("a", contender, rate)), alone.get(("a", rate))
-        if row is None or single is None:
-            return None
-        return float(row["samples_per_s"] / (2 * single))
-
     for contender, what in (("pipedream", "conv/fc cut"),
                             ("pipedream-balanced", "the profile's balanced cut")):
-        shares = [(r, v) for r in rates if (v := share(contender, r)) is not None]
+        # Of the balanced-pipeline limit: 2 x one rank alone, measured next to the run.
+        shares = [(r, by[("a", contender, r)]["samples_per_s"] / (2 * alone[("a", r)]))
+                  for r in rates if ("a", contender, r) in by and ("a", r) in alone]
         if shares:
-            out.append(f"| `pipedream` ({what}) against the balanced-pipeline limit (2 x one "
-                       f"rank alone, measured next to it), "
-                       f"{' / '.join(r for r, _ in shares)} | "
-                       f"{' / '.join(f'{v:.2f}' for _, v in shares)} of it | at least 0.9 at "
-                       f"every bandwidth: {goal(all(v >= 0.9 for _, v in shares))} | "
-                       f"`bench/results/vs_ddp.md` |")
+            out.append((f"`pipedream` ({what}) against the balanced-pipeline limit (2 x one "
+                        f"rank alone, measured next to it), {' / '.join(r for r, _ in shares)}",
+                        f"{' / '.join(f'{v:.2f}' for _, v in shares)} of it",
+                        f"at least 0.9 at every bandwidth: "
+                        f"{goal(all(v >= 0.9 for _, v in shares))}"))
     errors = [(r, (views[("a", r)]["ddp_ms"] * by[("a", "ddp", r)]["samples_per_s"] / 32e3 - 1)
                * 100) for r in rates if "ddp_ms" in views.get(("a", r), {})]
     if errors:
-        out.append(f"| the planner's DDP estimate (profile at the per-rank batch) against DDP "
-                   f"measured, {' / '.join(r for r, _ in errors)} | "
-                   f"{' / '.join(f'{e:+.0f}%' for _, e in errors)} | within 10%: "
-                   f"{goal(all(abs(e) <= 10 for _, e in errors))} | `bench/results/vs_ddp.md` |")
+        out.append((f"the planner's DDP estimate (profile at the per-rank batch) against DDP "
+                    f"measured, {' / '.join(r for r, _ in errors)}",
+                    " / ".join(f"{e:+.0f}%" for _, e in errors),
+                    f"within 10%: {goal(all(abs(e) <= 10 for _, e in errors))}"))
     return out
 
 
-def sim_rows(rows: list[dict[str, Any]]) -> list[str]:
+def sim_rows(rows: list[dict[str, Any]]) -> list[Row]:
     worst = max(rows, key=lambda r: abs(r["error_pct"]))
     within = sum(abs(r["error_pct"]) <= 10 for r in rows)
-    return [f"| simulator against the runtime, {len({r['schedule'] for r in rows})} schedules x "
-            f"microbatch sizes ({len(rows)} configurations) | {within} of {len(rows)} within "
-            f"10%; worst {worst['error_pct']:+.1f}% ({worst['config']}) | within 10% for "
-            f"every one: {goal(within == len(rows))} | `bench/results/sim_accuracy.md` |"
-            ] + calibrated_rows(rows)
-
-
-def calibrated_rows(rows: list[dict[str, Any]]) -> list[str]:
-    """The in-rank calibrated prediction of the next window (absent from older results)."""
+    out = [(f"simulator against the runtime, {len({r['schedule'] for r in rows})} schedules x "
+            f"microbatch sizes ({len(rows)} configurations)",
+            f"{within} of {len(rows)} within 10%; worst {worst['error_pct']:+.1f}% "
+            f"({worst['config']})", f"within 10% for every one: {goal(within == len(rows))}")]
+    # The in-rank calibrated prediction of the next window (absent from older results).
     rows = [r for r in rows if r.get("calibrated_error_pct") is not None]
-    if not rows:
-        return []
-    worst = max(rows, key=lambda r: abs(r["calibrated_error_pct"]))
-    within = sum(abs(r["calibrated_error_pct"]) <= 10 for r in rows)
-    same = max(abs(r["calibrated_same_error_pct"]) for r in rows)
-    return [f"| simulator in-rank calibrated on one window, predicting the next "
-            f"({len(rows)} configurations) | {within} of {len(rows)} within 10%; worst "
-            f"{worst['calibrated_error_pct']:+.1f}% ({worst['config']}); same window within "
-            f"{same:.1f}% | within 10% for every one: {goal(within == len(rows))} | "
-            f"`bench/results/sim_accuracy.md` |"]
+    if rows:
+        worst = max(rows, key=lambda r: abs(r["calibrated_error_pct"]))
+        within = sum(abs(r["calibrated_error_pct"]) <= 10 for r in rows)
+        same = max(abs(r["calibrated_same_error_pct"]) for r in rows)
+        out.append((f"simulator in-rank calibrated on one window, predicting the next "
+                    f"({len(rows)} configurations)",
+                    f"{within} of {len(rows)} within 10%; worst "
+                    f"{worst['calibrated_error_pct']:+.1f}% ({worst['config']}); same window "
+                    f"within {same:.1f}%", f"within 10% for every one: "
+                    f"{goal(within == len(rows))}"))
+    return out
 
 
-def overhead_rows(data: dict[str, Any]) -> list[str]:
+def overhead_rows(data: dict[str, Any]) -> list[Row]:
     plain, ours = data["rows"][0]["us_per_action"], data["rows"][1]["us_per_action"]
-    return [f"| executor overhead per action against plain `isend`/`irecv` on near-empty "
-            f"stages | {data['ratio']:.2f}x ({ours:.0f} against {plain:.0f} us) | - | "
-            f"`bench/results/overhead.md` |"]
+    return [("executor overhead per action against plain `isend`/`irecv` on near-empty stages",
+             f"{data['ratio']:.2f}x ({ours:.0f} against {plain:.0f} us)", "-")]
 
 
-def memory_rows(data: dict[str, Any]) -> list[str]:
+def memory_rows(data: dict[str, Any]) -> list[Row]:
     worst = data["worst_total_error"]
     runs = {(r["model"], r["ranks"], r["schedule"]) for r in data["rows"]}
-    return [f"| each rank's peak memory predicted by the simulator against measured at the "
-            f"tensors ({len(runs)} runs: models x 2 and 4 ranks x 7 schedules, processes) | "
-            f"worst {worst:.1%} over {len(data['rows'])} ranks | within 10% for every rank: "
-            f"{goal(worst <= 0.10)} | `bench/results/memory.md` |"]
+    return [(f"each rank's peak memory predicted by the simulator against measured at the "
+             f"tensors ({len(runs)} runs: models x 2 and 4 ranks x 7 schedules, processes)",
+             f"worst {worst:.1%} over {len(data['rows'])} ranks",
+             f"within 10% for every rank: {goal(worst <= 0.10)}")]
 
 
-def pipelining_rows(data: dict[str, Any]) -> list[str]:
+def pipelining_rows(data: dict[str, Any]) -> list[Row]:
     pairs = "; ".join(f"{r['schedule']} {r['stages']}x{r['microbatches']} "
                       + (f"{r['ratio']:.2f}x" if r.get("ratio") is not None else "failed")
                       for r in data["rows"])
@@ -192,12 +173,12 @@ def pipelining_rows(data: dict[str, Any]) -> list[str]:
         verdict += (f"; zero-bubble and looped schedules at least 1.05x torch's: "
                     f"{goal(data['new_goal']['met'])}")
     agree = "losses agree on every pair" if data["losses_agree"] else "**losses differ**"
-    return [f"| ours against torch.distributed.pipelining, same stages and microbatches "
-            f"(schedule stages x microbatches: ours/torch samples/s) | {pairs}; {agree} | "
-            f"{verdict} | `bench/results/vs_pipelining.md` |"]
+    return [("ours against torch.distributed.pipelining, same stages and microbatches "
+             "(schedule stages x microbatches: ours/torch samples/s)", f"{pairs}; {agree}",
+             verdict)]
 
 
-def accuracy_rows(data: dict[str, Any]) -> list[str]:
+def accuracy_rows(data: dict[str, Any]) -> list[Row]:
     if data.get("skipped") or not data.get("rows"):
         return []
     parts = []
@@ -210,12 +191,11 @@ def accuracy_rows(data: dict[str, Any]) -> list[str]:
             (ddp, how_d), (pd, how_p) = times["ddp"], times["pipedream"]
             parts.append(f"{rate}: DDP {ddp:.0f} s{how_d}, `pipedream` {pd:.0f} s{how_p} "
                          f"({ddp / pd:.1f}x)")
-    return [f"| time to {data['target'] * 100:.0f}% test accuracy on digits (wide MLP), "
-            f"`pipedream` against DDP | {'; '.join(parts) or 'see the file'} | - | "
-            f"`bench/results/time_to_accuracy.md` |"]
+    return [(f"time to {data['target'] * 100:.0f}% test accuracy on digits (wide MLP), "
+             f"`pipedream` against DDP", "; ".join(parts) or "see the file", "-")]
 
 
-def knob_rows(data: dict[str, Any]) -> list[str]:
+def knob_rows(data: dict[str, Any]) -> list[Row]:
     spans = []
     for knob in dict.fromkeys(r["knob"] for r in data["rows"]):
         ratios = [r["vs_default"] for r in data["rows"]
@@ -223,65 +203,45 @@ def knob_rows(data: dict[str, Any]) -> list[str]:
                   and not str(r["label"]).endswith("(default)")]
         if ratios:
             spans.append(f"`{knob}` {min(ratios):.2f}-{max(ratios):.2f}x")
-    return [f"| each knob of the core swept on model A (samples/s against its default) | "
-            f"{'; '.join(spans)}; `offload_stash` GPU only | - | `bench/results/knobs.md`, "
-            f"`TUNING.md` |"]
+    return [("each knob of the core swept on model A (samples/s against its default)",
+             f"{'; '.join(spans)}; `offload_stash` GPU only", "-")]
 
 
-def adaptive_rows(data: dict[str, Any]) -> list[str]:
+def adaptive_rows(data: dict[str, Any]) -> list[Row]:
     """Static plan, adaptive run and hindsight-best plan with one rank slowed part-way."""
     titles = {"a": "model A", "convs": "the conv-only model"}
     parts, met = [], True
     for model, got in data["summary"].items():
         if got.get("recovery") is None:
             continue
-        moves = got.get("moves") or []
-        took = (f", move {min(m['seconds'] for m in moves):.2f}-"
-                f"{max(m['seconds'] for m in moves):.2f} s" if moves else ", no move")
+        took = [m["seconds"] for m in got.get("moves") or []]
+        took = f", move {min(took):.2f}-{max(took):.2f} s" if took else ", no move"
         parts.append(f"{titles.get(model, model)}: static {got['static']:.1f}, adaptive "
                      f"{got['adaptive']:.1f}, hindsight {got['hindsight']:.1f} samples/s: "
                      f"{got['recovery']:.0%} of the gap recovered{took}")
         met = met and got["recovery"] >= 0.8
-    if not parts:
-        return []
-    return [f"| `adapt=True` with rank 1 slowed 1.5x part-way (2-stage 1f1b): the static plan, "
-            f"the adaptive run and the best static plan chosen with hindsight | "
-            f"{'; '.join(parts)} | at least 80% of the gap recovered: {goal(met)} | "
-            f"`bench/results/adaptive.md` |"]
+    return [("`adapt=True` with rank 1 slowed 1.5x part-way (2-stage 1f1b): the static plan, "
+             "the adaptive run and the best static plan chosen with hindsight",
+             "; ".join(parts), f"at least 80% of the gap recovered: {goal(met)}")] if parts else []
 
 
-SECTIONS: tuple[tuple[str, Callable[[Any], list[str]]], ...] = (
-    ("vs_ddp", ddp_rows),
-    ("time_to_accuracy", accuracy_rows),
-    ("vs_pipelining", pipelining_rows),
-    ("sim_accuracy", sim_rows),
-    ("adaptive", adaptive_rows),
-    ("overhead", overhead_rows),
-    ("memory", memory_rows),
-    ("knobs", knob_rows),
-)
+SECTIONS: dict[str, Callable[[Any], list[Row]]] = {
+    "vs_ddp": ddp_rows, "time_to_accuracy": accuracy_rows, "vs_pipelining": pipelining_rows,
+    "sim_accuracy": sim_rows, "adaptive": adaptive_rows, "overhead": overhead_rows,
+    "memory": memory_rows, "knobs": knob_rows}
 
 
 def table(results: Path) -> str:
     lines = ["| what | result | goal | file (command inside) |", "| --- | --- | --- | --- |"]
-    for name, rows in SECTIONS:
+    for name, rows in SECTIONS.items():
         data = load(results, name)
-        if data is not None:
-            lines += rows(data)
+        also = ", `TUNING.md`" if name == "knobs" else ""
+        lines += [f"| {' | '.join(row)} | `bench/results/{name}.md`{also} |"
+                  for row in (rows(data) if data is not None else [])]
     suite = load(results, "run_all")
     when = f" Suite run of {suite['date']}: `bench/run_all`." if suite else ""
     return "\n".join([BEGIN, "", f"Generated from the JSON in `bench/results/`.{when}", "",
                       *lines, "", END])
-
-
-def update_readme(readme: Path, text: str) -> None:
-    body = readme.read_text()
-    if BEGIN not in body or END not in body:
-        raise SystemExit(f"{readme} has no results markers ({BEGIN!r} ... {END!r}); add them "
-                         f"where the table belongs")
-    head, rest = body.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    readme.write_text(head + text + tail)
 
 
 def main() -> int:
@@ -290,18 +250,21 @@ def main() -> int:
     parser.add_argument("--no-readme", action="store_true",
                         help="print the table instead of writing it into docs/results.md")
     args = parser.parse_args()
-    ddp = load(args.results, "vs_ddp")
-    if ddp is not None:
-        plot_throughput(ddp, args.results / "throughput_vs_bandwidth.png")
-    sim = load(args.results, "sim_accuracy")
-    if sim is not None:
-        plot_prediction(sim, args.results / "predicted_vs_measured.png")
+    for name, plot, png in (("vs_ddp", plot_throughput, "throughput_vs_bandwidth.png"),
+                            ("sim_accuracy", plot_prediction, "predicted_vs_measured.png")):
+        if (data := load(args.results, name)) is not None:
+            plot(data, args.results / png)
     text = table(args.results)
     if args.no_readme:
         print(text)
-    else:
-        update_readme(ROOT / "docs" / "results.md", text)
-        print(f"docs/results.md: results table rewritten from {args.results}")
+        return 0
+    readme = ROOT / "docs" / "results.md"
+    body = readme.read_text()
+    if BEGIN not in body or END not in body:
+        raise SystemExit(f"{readme} has no results markers ({BEGIN!r} ... {END!r})")
+    head, rest = body.split(BEGIN, 1)
+    readme.write_text(head + text + rest.split(END, 1)[1])
+    print(f"docs/results.md: results table rewritten from {args.results}")
     return 0
 
 

@@ -5,14 +5,13 @@ pipedream (weight stashing) on 2 stages of a small MLP, `--microbatches` steps o
 microbatch, through `LocalPipeline` (2 threads) and `Pipeline` (2 processes, gloo); every
 `--every` steps each rank samples /proc/self. Reported: first sample after warm-up, last, spread.
 
-    python bench/soak.py [--microbatches 10000] [--every 250]   # writes bench/results/soak.md
+    python bench/soak.py [--microbatches 10000] [--every 250] [--out bench/results/soak.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,8 @@ from pipedream_fast.launch import launch
 from pipedream_fast.local_pipeline import LocalPipeline
 from pipedream_fast.pipeline import Pipeline
 
-RESULTS = Path(__file__).resolve().parent / "results" / "soak.md"
+import harness  # noqa: E402 - a sibling
+
 BATCH = 16
 
 
@@ -41,20 +41,12 @@ def plan() -> Plan:
                 bottleneck_ms=1.0, data_parallel_ms=1.0)
 
 
-class Batches:
-    """The same few minibatches again and again: `steps` of them, re-iterable, with len()."""
-
-    def __init__(self, steps: int) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.pool = [(torch.randn(BATCH, 32, generator=g), torch.randint(0, 8, (BATCH,), generator=g))
-                     for _ in range(16)]
-        self.steps = steps
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def __iter__(self) -> Any:
-        return (self.pool[i % len(self.pool)] for i in range(self.steps))
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same 16 minibatches again and again, `steps` of them."""
+    g = torch.Generator().manual_seed(1)
+    pool = [(torch.randn(BATCH, 32, generator=g), torch.randint(0, 8, (BATCH,), generator=g))
+            for _ in range(16)]
+    return [pool[i % len(pool)] for i in range(steps)]
 
 
 def sample() -> dict[str, int]:
@@ -68,7 +60,7 @@ def sample() -> dict[str, int]:
 def soak(train: Any, steps: int, every: int) -> dict[str, Any]:
     samples: list[tuple[int, dict[str, int]]] = []
     began = time.perf_counter()
-    for step, _ in enumerate(train(Batches(steps), steps), 1):
+    for step, _ in enumerate(train(batches(steps), steps=steps), 1):
         if step % every == 0 or step == steps:
             samples.append((step, sample()))
     return {"samples": samples, "seconds": time.perf_counter() - began}
@@ -82,62 +74,42 @@ def process_job(rank: int, world: int, steps: int, every: int) -> dict[str, Any]
     torch.set_num_threads(1)
     pipe = Pipeline(model(), nn.functional.cross_entropy, sgd, plan=plan(),
                     schedule="pipedream", timeout=120)
-    out = soak(lambda data, n: pipe.train(data, steps=n), steps, every)
+    out = soak(pipe.train, steps, every)
     pipe.close()
     return out
 
 
-def summary(samples: list[tuple[int, dict[str, int]]], steps: int) -> dict[str, Any]:
-    after = [(s, v) for s, v in samples if s > steps // 10]
-    first, last = after[0][1], after[-1][1]
-    spread = {k: max(v[k] for _, v in after) - min(v[k] for _, v in after) for k in first}
-    return {"first_step": after[0][0], "first": first, "last": last, "spread": spread,
-            "samples": len(after)}
-
-
-def row(name: str, s: dict[str, Any], seconds: float, steps: int) -> str:
-    first, last, spread = s["first"], s["last"], s["spread"]
-    return (f"| {name} | {steps:,} | {seconds:.0f} | {first['rss_kb'] / 1024:.1f} → "
-            f"{last['rss_kb'] / 1024:.1f} (±{spread['rss_kb'] / 1024:.1f}) | "
-            f"{first['threads']} → {last['threads']} | {first['fds']} → {last['fds']} |")
+def row(name: str, run: dict[str, Any], steps: int) -> list[str]:
+    """First sample after warm-up -> last (± the largest spread between samples)."""
+    after = [v for s, v in run["samples"] if s > steps // 10]
+    first, last = after[0], after[-1]
+    spread = {k: max(v[k] for v in after) - min(v[k] for v in after) for k in first}
+    return [name, f"{steps:,}", f"{run['seconds']:.0f}",
+            f"{first['rss_kb'] / 1024:.1f} → {last['rss_kb'] / 1024:.1f} "
+            f"(±{spread['rss_kb'] / 1024:.1f})",
+            f"{first['threads']} → {last['threads']}", f"{first['fds']} → {last['fds']}"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--microbatches", type=int, default=10_000)
     parser.add_argument("--every", type=int, default=250)
-    parser.add_argument("--out", default=str(RESULTS), help="the markdown (default %(default)s)")
+    parser.add_argument("--out", default="bench/results/soak.md")
     args = parser.parse_args()
     steps, every = args.microbatches, args.every
     torch.set_num_threads(1)
-
     local = LocalPipeline(model(), nn.functional.cross_entropy, sgd, plan(),
                           schedule="pipedream", timeout=120)
-    threads = soak(lambda data, n: local.train(data, steps=n), steps, every)
-    processes = launch(process_job, 2, steps, every, timeout=600)
-
-    rows = [row("LocalPipeline (2 threads, one process)", summary(threads["samples"], steps),
-                threads["seconds"], steps)]
-    for rank, result in enumerate(processes):
-        rows.append(row(f"Pipeline rank {rank} (2 processes, gloo)",
-                        summary(result["samples"], steps), result["seconds"], steps))
-    text = "\n".join([
-        "# Soak: memory, threads and descriptors over a long run",
-        "",
-        f"`python bench/soak.py --microbatches {steps} --every {every}` on "
-        f"{platform.machine()} with {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{time.strftime('%Y-%m-%d')}. pipedream schedule (weight stashing) on 2 stages of a "
-        f"small MLP, one microbatch of {BATCH} per step. Samples every {every} steps from the "
-        f"end of warm-up (the first 10%) to the end: first → last (± the largest spread "
-        f"between samples).",
-        "",
-        "| front end | microbatches | seconds | resident MB | threads | open fds |",
-        "| --- | --- | --- | --- | --- | --- |",
-        *rows,
-        "",
-    ])
-    Path(args.out).write_text(text)
-    print(text)
+    rows = [row("LocalPipeline (2 threads, one process)", soak(local.train, steps, every), steps)]
+    for rank, run in enumerate(launch(process_job, 2, steps, every, timeout=600)):
+        rows.append(row(f"Pipeline rank {rank} (2 processes, gloo)", run, steps))
+    harness.write_results(
+        args.out, "Soak: memory, threads and descriptors over a long run",
+        [f"pipedream schedule (weight stashing) on 2 stages of a small MLP, one microbatch of "
+         f"{BATCH} per step. Samples every {every} steps from the end of warm-up (the first "
+         f"10%) to the end: first → last (± the largest spread between samples)."],
+        ["front end", "microbatches", "seconds", "resident MB", "threads", "open fds"], rows)
+    print(Path(args.out).read_text())
 
 
 if __name__ == "__main__":

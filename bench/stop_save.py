@@ -1,10 +1,9 @@
 """A stop whose agreed step and checkpoint take longer than the launcher's grace period.
 
-Two 1 GiB stages (`Linear(16384, 16384)`, no bias), 1f1b under `pipedream-fast run --nproc 2`
-with a `checkpoint_dir`; SIGTERM to the launcher (default 5 s grace) after step `--after`.
-Reported: seconds from SIGTERM to the agreed step's end, the save's end and the launcher's
-exit; its exit status; whether the checkpoint is complete (checksums verified). Needs about
-6 GiB of memory and 2 GiB of disk.
+Two 1 GiB stages (`Linear(16384, 16384)`), 1f1b under `pipedream-fast run --nproc 2` with a
+`checkpoint_dir`; SIGTERM to the launcher (5 s grace) after step `--after`: seconds to the
+agreed step's end, the save's end and the launcher's exit, its exit status, and whether the
+checkpoint is complete (checksums verified). Needs about 6 GiB of memory and 2 GiB of disk.
 
     python bench/stop_save.py [--after 2] [--size 16384] [--out bench/results/stop_save.md]
 """
@@ -58,12 +57,12 @@ def main() -> int:
                                      "--nproc", "2", str(job), str(folder), str(args.size)],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert launcher.stdout is not None
-        steps: list[float] = []
+        steps = []
         for line in launcher.stdout:
             if line.startswith("step"):
                 steps.append(float(line.split()[2]))
-                if len(steps) > args.after:
-                    break
+            if len(steps) > args.after:
+                break
         sent = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
         rest, stderr = launcher.communicate(timeout=900)
@@ -87,10 +86,8 @@ def main() -> int:
             ("SIGTERM to the launcher's exit", f"{ended:.1f}"),
             ("launcher's exit status", str(launcher.returncode)),
             ("checkpoint complete", complete)]
-    for name, value in rows:
-        print(f"{name:34s} {value}")
-    for line in said:
-        print(f"launcher: {line}")
+    print("\n".join([*(f"{name:34s} {value}" for name, value in rows),
+                     *(f"launcher: {line}" for line in said)]))
     if args.out:
         write_results(args.out, "A stop that outlasts the grace period (1 GiB stages)",
                       [f"Two Linear({args.size}, {args.size}) stages (1 GiB each), 1f1b, "
