@@ -255,6 +255,7 @@ def run_layout(layout: Layout, models: list[str], steps: int, want: dict[str, li
                          timeout=timeout, threads_per_rank=None if layout.device != "cpu" else 1,
                          stop=stop)
     except Exception as err:  # noqa: BLE001 - a rank died: the whole layout failed
+        harness.unless_stopped(err)
         outcome = "failed (expected)" if layout.informational else "failed"
         why = (f"stopped after {wall:g} s: " if stop.is_set() else "") + harness.shorten(err, 500)
         return [Row(layout.name, m, outcome, note=why, check=not layout.informational)

@@ -220,6 +220,14 @@ def git(*args: str) -> str | None:
         return None
 
 
+def unless_stopped(err: BaseException) -> None:
+    """Raises `err` again if it is a launch the operator stopped (SIGTERM or SIGHUP to the
+    benchmark: `LaunchError.stopped_by`). A benchmark reports a run that fails and goes on to
+    the next; a stop must end it, not start the next run."""
+    if getattr(err, "stopped_by", None) is not None:
+        raise err
+
+
 def shorten(err: BaseException, limit: int = 240) -> str:
     """The exception, then its cause after "<-", and so on, each as `Type: message` cut to
     `limit` characters."""

@@ -236,6 +236,7 @@ def run(configs: list[Config], steps: int, repeats: int
             runs = [launch(measure_rank, 2, config, steps, timeout=600) for _ in range(repeats)]
             ranks = max(runs, key=lambda r: r[0]["samples_per_s"])
         except Exception as err:  # noqa: BLE001 - a configuration that cannot run is reported
+            harness.unless_stopped(err)
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
             harness.say(f"{config.name:32s} failed: {row['error']}")
             rows.append(row)

@@ -255,6 +255,7 @@ def run_pairs(sz: dict[str, int]) -> dict[str, Any]:
             try:
                 r = measure(ours, theirs, BOUNDS[stages], chunks, sz, placement)
             except Exception as error:  # noqa: BLE001 - a side that cannot run is a result
+                harness.unless_stopped(error)
                 r = {"schedule": ours, "torch_schedule": theirs, "stages": stages,
                      "bounds": BOUNDS[stages], "placement": placement,
                      "microbatches": chunks, "error": harness.shorten(error, 600)}
