@@ -143,19 +143,26 @@ def overhead_job(rank: int, world: int, steps: int, repeat: int,
     pipe, executor_run = executor_driver(steps, io_priority)
     executor_run()  # its transport (and its groups' I/O threads) exist from here
     set_io_priority(io_priority)
-    values = alternate({"plain torch.distributed": plain_driver(rank, world, steps),
+    plain_run = plain_driver(rank, world, steps)
+    values = alternate({"plain torch.distributed": plain_run,
                         "pipedream_fast executor": executor_run}, repeat)
     actions = int(pipe.last_stats["actions"])
-    where = None
+    where, calls = None, None
     if profile:
         import cProfile
-        profiler = cProfile.Profile()
-        profiler.enable()
-        executor_run()
-        profiler.disable()
-        where = top_functions(profiler, actions)
+        import pstats
+        calls = {}
+        for name, run in (("plain torch.distributed", plain_run),
+                          ("pipedream_fast executor", executor_run)):
+            profiler = cProfile.Profile()
+            profiler.enable()
+            run()
+            profiler.disable()
+            counted = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+            calls[name] = sum(v[1] for v in counted.values()) / actions
+        where = top_functions(profiler, actions)  # the executor's
     pipe.close()
-    return {"values": values, "actions": actions, "profile": where}
+    return {"values": values, "actions": actions, "profile": where, "calls": calls}
 
 
 def top_functions(profiler: Any, actions: int, count: int = 25) -> list[dict[str, Any]]:
@@ -201,7 +208,11 @@ def main() -> int:
              f"total: with what it calls."],
             ["function", "own us/action", "total us/action", "calls/action"],
             [(r["function"].replace("|", "/"), f"{r['own_us']:.1f}", f"{r['total_us']:.1f}",
-              f"{r['calls']:.2f}") for r in rows])
+              f"{r['calls']:.2f}") for r in rows],
+            ["Python function calls per action (cProfile's count, which load does not move), "
+             "one run of each driver: " + "; ".join(
+                 f"rank {rank}: " + ", ".join(f"{name} {n:.1f}" for name, n in res["calls"].items())
+                 for rank, res in enumerate(results)) + "."])
     values = result["values"]
     spreads = {name: Spread.of(v) for name, v in values.items()}
     ratio = paired_ratio(values, "pipedream_fast executor", "plain torch.distributed")
