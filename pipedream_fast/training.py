@@ -215,6 +215,12 @@ def check_backend(schedule: Schedule, backend: str) -> None:
                              f"with one stage per rank")
 
 
+# The computes a rank counts towards a step: each microbatch's forward and the action that ends
+# its backward.
+_COUNTED = frozenset(k for k in ActionKind
+                     if k is ActionKind.FORWARD or KIND_SPECS[k].ends_microbatch)
+
+
 class StepTracker:
     """Says when a rank is done with each step (minibatch), from the actions it performs.
 
@@ -237,24 +243,27 @@ class StepTracker:
                        for s in self._stages for mb in mbs)
 
     def done(self, action: Action, steps: int) -> list[int]:
-        """The steps (< `steps`) this action completes, in order."""
-        if action.kind is ActionKind.FORWARD or KIND_SPECS[action.kind].ends_microbatch:
+        """The steps (< `steps`) this action completes, in order. A step's count starts on its
+        first use. Called after every action: the common cases return early."""
+        left = self._left
+        if action.kind in _COUNTED:
             assert action.microbatch is not None
-            self._left[self._count(action.microbatch // self._chunks)] -= 1
-        elif self._left.get(self._next):  # nothing counted, the next step not done: the same
+            step = action.microbatch // self._chunks
+            count = left.get(step)
+            left[step] = (self._expected(step) if count is None else count) - 1
+        elif left.get(self._next):  # nothing counted, the next step not done: the same
             return []
         finished = []
-        while self._next < steps and self._left[self._count(self._next)] == 0:
-            del self._left[self._next]
+        while self._next < steps:
+            count = left.get(self._next)
+            if count is None:
+                count = left[self._next] = self._expected(self._next)
+            if count:
+                break
+            del left[self._next]
             finished.append(self._next)
             self._next += 1
         return finished
-
-    def _count(self, step: int) -> int:
-        """Starts counting down a step's computes on its first use; returns the step."""
-        if step not in self._left:
-            self._left[step] = self._expected(step)
-        return step
 
 
 def check_runtime_fits(runtime: StageRuntime, schedule: Schedule, rank: int) -> None:

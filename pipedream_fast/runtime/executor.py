@@ -233,6 +233,8 @@ class Executor:
         return text
 
     # --- one method per action kind ----------------------------------------------------------
+    # An action names the fields its kind needs (Action checks that when it is made): the
+    # asserts only tell the type checker, where `Action.needs` would be a call per action.
     def _split_target(self, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], Any]:
         """A received activation message: the activations, then the target's leaves."""
         n = self.target_spec.num_leaves
@@ -241,7 +243,8 @@ class Executor:
         return tuple(tensors[:-n]), pytree.tree_unflatten(tensors[-n:], self.target_spec)
 
     def _forward(self, a: Action) -> Any:
-        mb, version = a.needs("microbatch"), a.needs("version")
+        mb, version = a.microbatch, a.version
+        assert mb is not None and version is not None
         stage = self.stages[a.stage]
         if stage.is_first:
             assert self.inputs is not None, "the first stage needs an input source"
@@ -278,7 +281,8 @@ class Executor:
     def _output_grads(self, a: Action) -> tuple[list[torch.Tensor] | None, torch.Tensor | None]:
         """The gradient of a stage's output for a backward (None on the last stage), and the
         microbatch's loss that came back with it (None where the loss is already known)."""
-        mb = a.needs("microbatch")
+        mb = a.microbatch
+        assert mb is not None
         if self.stages[a.stage].is_last:
             return None, None
         if self.schedule.rank_of(a.stage + 1, mb) == self.rank:
@@ -299,7 +303,8 @@ class Executor:
             buckets.arm()
 
     def _send_act(self, a: Action) -> None:
-        mb, peer = a.needs("microbatch"), a.needs("peer")
+        mb, peer = a.microbatch, a.peer
+        assert mb is not None and peer is not None
         outputs = self._outputs.pop((a.stage, mb))
         target = self._carried.pop((a.stage, mb))
         leaves = _leaves(target)
@@ -307,13 +312,15 @@ class Executor:
                             [t.detach() for t in outputs if isinstance(t, torch.Tensor)] + leaves)
 
     def _send_grad(self, a: Action) -> None:
-        mb, peer = a.needs("microbatch"), a.needs("peer")
+        mb, peer = a.microbatch, a.peer
+        assert mb is not None and peer is not None
         grads = self.stages[a.stage].take_input_grads(mb)
         loss = self._losses.pop((a.stage, mb))
         self.transport.send(peer, GRADIENT, a.stage - 1, mb, [*grads, loss])
 
     def _post(self, channel: Any, a: Action) -> None:
-        mb, peer = a.needs("microbatch"), a.needs("peer")
+        mb, peer = a.microbatch, a.peer
+        assert mb is not None and peer is not None
         self._posted[(channel, a.stage, mb)] = peer
         self.transport.post_recv(peer, channel, a.stage, mb)
 
@@ -323,7 +330,8 @@ class Executor:
             buckets.flush()  # buckets that did not start during the backward start now
 
     def _step(self, a: Action) -> None:
-        version = a.needs("version")
+        version = a.version
+        assert version is not None
         buckets = self.stages[a.stage].buckets
         if buckets is not None:
             start = time.perf_counter()
@@ -339,20 +347,23 @@ class Executor:
         self.stages[a.stage].step(version, a.microbatches, skip, a.copy)
 
     def _backward(self, a: Action) -> torch.Tensor | None:
-        mb = a.needs("microbatch")
+        mb = a.microbatch
+        assert mb is not None
         self._arm_if_complete(a)
         grads, loss = self._output_grads(a)
         self.stages[a.stage].backward(mb, grads)
         return loss
 
     def _backward_input(self, a: Action) -> torch.Tensor | None:
-        mb = a.needs("microbatch")
+        mb = a.microbatch
+        assert mb is not None
         grads, loss = self._output_grads(a)
         self.stages[a.stage].backward_input(mb, grads)
         return loss
 
     def _backward_weight(self, a: Action) -> None:
-        mb = a.needs("microbatch")
+        mb = a.microbatch
+        assert mb is not None
         self._arm_if_complete(a)
         self.stages[a.stage].backward_weight(mb)
 

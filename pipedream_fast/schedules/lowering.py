@@ -44,13 +44,18 @@ class Lookahead:
         return True
 
     def pop(self) -> Action | None:
-        if self._head == len(self._buffer) and not self._pull():
-            return None
-        item = self._buffer[self._head]
-        self._head += 1
-        if self._head > 1024 and self._head * 2 > len(self._buffer):
-            del self._buffer[:self._head]  # amortised O(1): drop what was consumed
-            self._head = 0
+        buffer, head = self._buffer, self._head
+        if head == len(buffer):  # nothing looked at ahead (the usual case): from the source
+            if head:
+                buffer.clear()
+                self._head = 0
+            return next(self._source, None)
+        item = buffer[head]
+        head += 1
+        if head > 1024 and head * 2 > len(buffer):
+            del buffer[:head]  # amortised O(1): drop what was consumed
+            head = 0
+        self._head = head
         return item
 
     def ahead(self) -> Iterator[Action]:
