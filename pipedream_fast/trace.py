@@ -11,18 +11,24 @@ simulator, the runtime), one thread (track) per rank named "rank R (stage S)", o
 ("ph": "X") slice per action named like "F3 v1" (forward of microbatch 3 on version 1), with
 category = the action kind and args = stage, microbatch, version, the IR token and any extra.
 Timestamps and durations are in microseconds, as the format requires.
+
+Each message between ranks is also drawn (`transfers`): an async slice from the send to the
+moment the receiver had it, on a track of its own ("transfers"), with a flow arrow from the
+send to the compute that took it, so communication is seen beside the compute it overlaps;
+`overlap_summary` says per link how much of the transfers' time that compute hid.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipedream_fast.ir import ActionKind
+from pipedream_fast.ir import KIND_SPECS, ActionKind
 
 @dataclass(frozen=True)
 class TraceEvent:
@@ -80,7 +86,116 @@ def chrome_trace(events: Iterable[TraceEvent], *, process: str = "pipedream-fast
     for m in memory:
         out.append({"ph": "C", "pid": pid, "name": f"rank {m.rank} activations",
                     "ts": m.t_ms * 1e3, "args": {"MiB": m.bytes / (1 << 20)}})
-    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": dict(metadata or {})}
+    moved = transfers(events)
+    for i, t in enumerate(moved):
+        name = f"{t.tensor} {t.microbatch}: rank {t.src} > {t.dst}"
+        args = {"stage": t.stage, "microbatch": t.microbatch, "hidden_ms": t.hidden_ms,
+                "exposed_ms": t.exposed_ms}
+        out += [{"ph": "b", "pid": pid, "tid": t.dst, "cat": "transfer", "id": i, "name": name,
+                 "ts": t.sent_ms * 1e3, "args": args},
+                {"ph": "e", "pid": pid, "tid": t.dst, "cat": "transfer", "id": i, "name": name,
+                 "ts": t.taken_ms * 1e3},
+                # An arrow from the send's slice to the slice of the compute that took it.
+                {"ph": "s", "pid": pid, "tid": t.src, "cat": "message", "id": i, "name": name,
+                 "ts": t.sent_ms * 1e3},
+                {"ph": "f", "bp": "e", "pid": pid, "tid": t.dst, "cat": "message", "id": i,
+                 "name": name, "ts": t.taken_ms * 1e3}]
+    other = dict(metadata or {})
+    if moved:
+        other["transfers"] = overlap_summary(moved)
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": other}
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One message between ranks, read off a trace: sent when the sender's send action
+    started (`sent_ms`), had by the receiver at `taken_ms` (the start of the compute that took
+    it, plus `waited_ms`, what that compute waited for it). The exposed part of its time in
+    flight is the part of that wait after the send: the receiver idle for the transfer (a wait
+    before it is a wait for the sender's compute, the pipeline's bubble); the rest of its time
+    in flight is hidden, the receiver busy with other work. Times of ranks on different
+    machines are not comparable: there only `waited_ms` holds."""
+
+    tensor: str  # "act" or "grad"
+    src: int
+    dst: int
+    stage: int  # the stage that takes it
+    microbatch: int
+    sent_ms: float
+    taken_ms: float
+    waited_ms: float
+
+    @property
+    def in_flight_ms(self) -> float:
+        return max(0.0, self.taken_ms - self.sent_ms)
+
+    @property
+    def exposed_ms(self) -> float:
+        return min(self.waited_ms, self.in_flight_ms)
+
+    @property
+    def hidden_ms(self) -> float:
+        return self.in_flight_ms - self.exposed_ms
+
+
+_TAKES = {"act": frozenset({ActionKind.FORWARD.value}),
+          "grad": frozenset(k.value for k in ActionKind if KIND_SPECS[k].needs_output_grad)}
+
+
+def transfers(events: Iterable[TraceEvent]) -> list[Transfer]:
+    """Each send of a trace paired with the compute on another rank that took its message:
+    the forward of the next stage (an activation), the backward (or backward-input) of the
+    stage before (a gradient), same microbatch, first one at or after the send. Compute
+    events must carry their wait (args "waited_ms", as the runtime's and the simulator's do;
+    none counts as no wait). In time order of the sends."""
+    takes: dict[tuple[str, int, int], list[TraceEvent]] = defaultdict(list)
+    sends = []
+    for e in events:
+        if e.microbatch is None or e.stage is None:
+            continue
+        if e.kind in (ActionKind.SEND_ACT.value, ActionKind.SEND_GRAD.value):
+            sends.append(e)
+        for tensor, kinds in _TAKES.items():
+            if e.kind in kinds:
+                takes[(tensor, e.stage, e.microbatch)].append(e)
+    out = []
+    for send in sorted(sends, key=lambda e: e.start_ms):
+        assert send.stage is not None and send.microbatch is not None
+        tensor = "act" if send.kind == ActionKind.SEND_ACT.value else "grad"
+        stage = send.stage + (1 if tensor == "act" else -1)
+        took = min((e for e in takes.get((tensor, stage, send.microbatch), ())
+                    if e.rank != send.rank and e.start_ms + e.duration_ms >= send.start_ms),
+                   key=lambda e: e.start_ms, default=None)
+        if took is None:
+            continue  # taken after the trace's window
+        waited = float(took.args.get("waited_ms", 0.0))
+        out.append(Transfer(tensor, send.rank, took.rank, stage, send.microbatch,
+                            send.start_ms, took.start_ms + waited, waited))
+    return out
+
+
+def overlap_summary(moved: Iterable[Transfer]) -> list[dict[str, Any]]:
+    """Per link and tensor (rank src > dst, "act" or "grad"): how many messages, their mean
+    time in flight and mean exposed time (ms), and the share of their time in flight that
+    the receiver's other work hid."""
+    links: dict[tuple[int, int, str], list[Transfer]] = defaultdict(list)
+    for t in moved:
+        links[(t.src, t.dst, t.tensor)].append(t)
+    out = []
+    for (src, dst, tensor), ts in sorted(links.items()):
+        flight = sum(t.in_flight_ms for t in ts)
+        out.append({"src": src, "dst": dst, "tensor": tensor, "messages": len(ts),
+                    "in_flight_ms": flight / len(ts),
+                    "exposed_ms": sum(t.exposed_ms for t in ts) / len(ts),
+                    "hidden": sum(t.hidden_ms for t in ts) / flight if flight > 0 else 1.0})
+    return out
+
+
+def overlap_lines(summary: Iterable[Mapping[str, Any]]) -> list[str]:
+    """`overlap_summary` in words, a line per link."""
+    return [f"{row['tensor']} rank {row['src']} > {row['dst']}: {row['messages']} messages, "
+            f"{row['in_flight_ms']:.2f} ms in flight, {row['exposed_ms']:.2f} ms exposed "
+            f"(mean), {100 * row['hidden']:.0f}% hidden by compute" for row in summary]
 
 
 def write_chrome_trace(events: Iterable[TraceEvent], path: str | os.PathLike[str],

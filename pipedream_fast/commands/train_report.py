@@ -23,7 +23,8 @@ def _write(run_dir: Path, args: argparse.Namespace, s: Settings, setups: list[Ru
            say: Callable[[str], None]) -> list[str]:
     from pipedream_fast import run_report as rr
     from pipedream_fast.sim import write_simulation_trace
-    from pipedream_fast.trace import MemorySample, write_chrome_trace
+    from pipedream_fast.trace import (MemorySample, overlap_lines, overlap_summary,
+                                      transfers, write_chrome_trace)
 
     files: list[str] = []
     main = setups[0]
@@ -48,6 +49,9 @@ def _write(run_dir: Path, args: argparse.Namespace, s: Settings, setups: list[Ru
                            rank_stages={r: main.plan.stages_of_rank(r)
                                         for r in range(main.plan.workers)}, memory=memory)
         files.append("run_trace.json")
+        overlap = overlap_lines(overlap_summary(transfers(events)))
+        if overlap:
+            say("transfers in the traced steps (run_trace.json):\n  " + "\n  ".join(overlap))
         if memory and rr.have_matplotlib():
             rr.plot_memory(run_dir / "memory.png", memory)
             files.append("memory.png")
