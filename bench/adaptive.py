@@ -1,18 +1,12 @@
 """Adaptive re-planning against a rank slowed part-way: static plan, adaptive run, hindsight best.
 
-Two ranks (processes, gloo, 1 thread each), 1f1b, chunks 4, a straight 2-stage pipeline, one
-fixed batch of 32; models `a` (build_cnn) and `convs` (vs_ddp.build_convs). From step SLOW_FROM
-on, rank 1's StageRuntime compute calls sleep (SLOW - 1) x their own duration (the slowdown
-follows the rank, not the blocks). Each round launches, in alternating order: static (the plan
-Pipeline(stages=2) makes from a profile taken here), adaptive (the same plan, adapt=True) and
-hindsight (the hetero planner's split for speeds (1, 1/SLOW), +-NEIGHBOURS blocks, as plan=;
-the best counts). Rate: rank 0's samples/s from WARMUP steps after the slowdown to the end;
-recovery = (adaptive - static) / (hindsight - static).
+A 2-stage 1f1b pipeline on 2 ranks, rank 1 slowed SLOW x from step SLOW_FROM. Each round runs, in
+alternating order, static (Pipeline(stages=2)'s plan), adaptive (the same, adapt=True) and
+hindsight (the hetero planner's split +-NEIGHBOURS blocks, the best counting). Writes --out and
+beside it .json (every run), .png (time per step) and _trace.json (Perfetto).
 
     python bench/adaptive.py [--models a,convs] [--steps a=80,convs=80] [--repeats 2] \
         [--retries 1] [--out bench/results/adaptive.md]
-
-Writes --out and beside it .json (every run), .png (time per step) and _trace.json (Perfetto).
 """
 
 from __future__ import annotations
@@ -39,49 +33,36 @@ from pipedream_fast.profiler import profile_model
 from pipedream_fast.runtime.stage import StageRuntime
 from pipedream_fast.topology import Topology
 
-# Scripts next to this file (bench/ is on sys.path when this file runs as a script).
-import harness
+import harness  # noqa: E402 - a sibling
 from harness import DISTURBED, fmt, say
 from vs_ddp import build_convs, fixed_batch
 
-BATCH = 32
-CHUNKS = 4
-SCHEDULE = "1f1b"
-SLOW_FROM = 10  # rank 1 is slowed from this step on
-SLOW = 1.5  # ... by this factor
+BATCH, CHUNKS, SCHEDULE = 32, 4, "1f1b"
+SLOW_FROM, SLOW = 10, 1.5  # rank 1 is slowed from this step on, by this factor
 ADAPT_EVERY = 5  # adapt's check interval in steps
 NEIGHBOURS = 1  # hindsight candidates: the hetero planner's split +- this many blocks
 WARMUP = 3  # steps after the slowdown starts before the slowed window's clock starts
 MODELS = {"a": build_cnn, "convs": build_convs}
 TITLES = {"a": "model A (build_cnn)", "convs": "convs (vs_ddp.build_convs)"}
-DEFAULT_STEPS = {"a": 80, "convs": 80}
+STEPS = 80  # per run, by default
 
-# In the slowed process only: whether the slowdown is on and what it did.
-_SLOW: dict[str, Any] = {"on": False, "calls": 0, "compute_s": 0.0, "slept_s": 0.0}
+_SLOW: dict[str, Any] = {"on": False, "compute_s": 0.0, "slept_s": 0.0}  # in the slowed rank
 
 
-def install_slowdown() -> None:
-    """Wraps StageRuntime's compute methods (this process only): once `_SLOW["on"]`, each
-    call sleeps SLOW - 1 times its own duration after running."""
-    for name in ("forward", "backward", "backward_input", "backward_weight"):
-        original = getattr(StageRuntime, name, None)
-        if original is None or getattr(original, "_slowed", False):
-            continue
-
-        @functools.wraps(original)
-        def slowed(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            out = _original(self, *args, **kwargs)
-            if _SLOW["on"]:
-                took = time.perf_counter() - began
-                time.sleep((SLOW - 1.0) * took)
-                _SLOW["calls"] += 1
-                _SLOW["compute_s"] += took
-                _SLOW["slept_s"] += time.perf_counter() - began - took
-            return out
-
-        slowed._slowed = True  # type: ignore[attr-defined]
-        setattr(StageRuntime, name, slowed)
+def slowed(original: Any) -> Any:
+    """`original`, a StageRuntime compute method, sleeping SLOW - 1 times its own duration after
+    it runs once `_SLOW["on"]`."""
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        out = original(self, *args, **kwargs)
+        if _SLOW["on"]:
+            took = time.perf_counter() - began
+            time.sleep((SLOW - 1.0) * took)
+            _SLOW["compute_s"] += took
+            _SLOW["slept_s"] += time.perf_counter() - began - took
+        return out
+    return wrapper
 
 
 def describe(plan: Any) -> list[list[Any]]:
@@ -93,33 +74,26 @@ def rank_main(rank: int, world: int, model_name: str, plan: Plan, steps: int, ad
     """One rank of one contender: `plan`, adapting from `profile` if `adapt`."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    if rank == 1:
-        install_slowdown()
-    kwargs: dict[str, Any] = {"plan": plan}
-    if adapt:
-        kwargs.update(adapt=True, profile=profile, adapt_every=ADAPT_EVERY)
+    if rank == 1:  # a launched process of its own: the slowdown stays in it
+        for name in ("forward", "backward", "backward_input", "backward_weight"):
+            setattr(StageRuntime, name, slowed(getattr(StageRuntime, name)))
+    extra = {"adapt": True, "profile": profile, "adapt_every": ADAPT_EVERY} if adapt else {}
     pipe = Pipeline(MODELS[model_name](), nn.functional.cross_entropy,
                     lambda ps: torch.optim.SGD(ps, lr=0.01), schedule=SCHEDULE, chunks=CHUNKS,
-                    timeout=600.0, **kwargs)
-    began = time.perf_counter()
-    clock = harness.Clock()  # over the slowed window, for the other processes' share
+                    timeout=600.0, plan=plan, **extra)
+    began, clock = time.perf_counter(), harness.Clock()  # the clock: over the slowed window
     ends: list[float] = []
-    first_plan = last = window = None
+    last = None
     for loss in pipe.train([fixed_batch()] * steps, steps):
         ends.append(time.perf_counter())
         last = loss
-        first_plan = first_plan or describe(pipe.plan)
-        if len(ends) == SLOW_FROM and rank == 1:
-            _SLOW["on"] = True
+        _SLOW["on"] = _SLOW["on"] or (len(ends) == SLOW_FROM and rank == 1)
         if len(ends) == SLOW_FROM + WARMUP:
             clock.warmed_up()
-        if len(ends) == steps:
-            window = clock.done()
-    out = {"began": began, "ends": ends, "window": window, "first_plan": first_plan,
-           "final_plan": describe(pipe.plan),
-           "moves": harness.plain(list(getattr(pipe, "moves", []) or [])),
-           "checks": harness.plain(list(getattr(pipe, "adapt_checks", []) or [])),
-           "slow": dict(_SLOW) if rank == 1 else None,
+    out = {"began": began, "ends": ends, "window": clock.done(),
+           "final_plan": describe(pipe.plan), "moves": harness.plain(list(pipe.moves)),
+           "checks": harness.plain(list(pipe.adapt_checks)),
+           "slowdown": 1 + _SLOW["slept_s"] / _SLOW["compute_s"] if _SLOW["compute_s"] else None,
            "last_loss": float(last) if last is not None else None}
     pipe.close()
     return out
@@ -127,23 +101,8 @@ def rank_main(rank: int, world: int, model_name: str, plan: Plan, steps: int, ad
 
 # ---- the parent: plans, runs, summaries -----------------------------------------------------
 
-def profile_of(model_name: str) -> Any:
-    """The model's per-block profile here: one thread (as each rank runs), one microbatch."""
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    micro = BATCH // CHUNKS
-    return profile_model(MODELS[model_name](), fixed_batch()[0][:micro], micro,
-                         progress=False, model_name=model_name)
-
-
-def plan_2(profile: Any, topology: str, **options: Any) -> Plan:
-    return make_plan(profile, Topology.parse(topology), schedule=SCHEDULE, straight=True,
-                     **options)
-
-
 def split_plan(profile: Any, split: int) -> Plan:
-    """Two stages cut before block `split`, named after the profile's model and batch (so
-    that it matches the profile adapt re-plans from)."""
+    """Two stages cut before block `split`, named as the profile adapt re-plans from."""
     return Plan(profile.model, profile.batch_size, 2, SCHEDULE,
                 [StagePlan(0, split, 1, (0,), 0.0),
                  StagePlan(split, len(profile.blocks), 1, (1,), 0.0)], 0.0, 0.0)
@@ -158,36 +117,29 @@ def run_one(model_name: str, contender: str, plan: Plan, steps: int, profile: An
     w = SLOW_FROM + WARMUP - 1  # the step whose end starts the slowed window's clock
     before = BATCH * (SLOW_FROM - WARMUP) / (ends[SLOW_FROM - 1] - ends[WARMUP - 1])
     after = BATCH * (len(ends) - 1 - w) / (ends[-1] - ends[w])
-    # Other processes' cores in the slowed window: the machine's busy time less both ranks'.
     others = harness.other_cores([r0["window"], r1["window"]], ends[-1] - ends[w])
     for m in r0["moves"]:  # rank 0's perf_counter, relative to its first step's end
         m["started_rel_s"] = m.get("started", ends[0]) - ends[0]
         m["ended_rel_s"] = m.get("ended", ends[0]) - ends[0]
-    slow = r1["slow"] or {}
-    row = {"model": model_name, "contender": contender, "split": r0["first_plan"][0][1],
-           "steps": steps, "plan": r0["first_plan"], "final_plan": r0["final_plan"],
+    row = {"model": model_name, "contender": contender, "split": plan.stages[0].stop,
+           "steps": steps, "plan": describe(plan), "final_plan": r0["final_plan"],
            "unslowed": before, "slowed": after, "others_cores": others,
            "step_ms": [(b - a) * 1e3 for a, b in zip([r0["began"]] + ends[:-1], ends)],
            "ends_rel_s": [e - ends[0] for e in ends], "moves": r0["moves"],
            "checks": r0["checks"], "last_loss": r0["last_loss"],
-           "achieved_slowdown": (1 + slow["slept_s"] / slow["compute_s"]
-                                 if slow.get("compute_s") else None),
-           "wall_s": time.perf_counter() - t0}
+           "achieved_slowdown": r1["slowdown"], "wall_s": time.perf_counter() - t0}
     say(f"  {model_name:5s} {contender:9s} plan {row['plan']}  unslowed {before:6.1f}  slowed "
         f"{after:6.1f} samples/s  (rank 1 x{row['achieved_slowdown'] or 0:.2f}, others "
-        f"{others:.2f} cores, {row['wall_s']:.0f} s)" + "".join(
-            f"; move before step {m['step']} {m['from']} -> {m['to']} in {m['seconds']:.2f} s"
-            for m in row["moves"]))
+        f"{others:.2f} cores, {row['wall_s']:.0f} s)")
     return row
 
 
 def stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repeats of the slowed and unslowed rates and other processes' cores."""
-    def med(key: str) -> float | None:
-        return statistics.median([r[key] for r in rows]) if rows else None
-
-    return {"median": med("slowed"), "unslowed": med("unslowed"),
-            "others_cores": med("others_cores"), "runs": [r["slowed"] for r in rows],
+    med = {k: statistics.median([r[k] for r in rows]) if rows else None
+           for k in ("slowed", "unslowed", "others_cores")}
+    return {"median": med["slowed"], "unslowed": med["unslowed"],
+            "others_cores": med["others_cores"], "runs": [r["slowed"] for r in rows],
             "runs_others": [r["others_cores"] for r in rows]}
 
 
@@ -201,25 +153,23 @@ def summarise(mine: list[dict[str, Any]], candidates: list[int]) -> dict[str, An
                 or [r for r in static if r["split"] == s] for s in candidates}
     cand = {s: {**stats(rows), "is_static": s == split} for s, rows in by_split.items()}
     best = max(cand, key=lambda s: cand[s]["median"] or 0.0)
-    out: dict[str, Any] = {"static_split": split, "static_plans": [r["plan"] for r in static],
-                           "contenders": {"static": stats(static), "adaptive": stats(adaptive)},
-                           "candidates": {str(s): c for s, c in cand.items()},
-                           "hindsight": cand[best]["median"], "hindsight_split": best}
-    out["static"] = s = out["contenders"]["static"]["median"]
-    out["adaptive"] = a = out["contenders"]["adaptive"]["median"]
-    out["gap"] = gap = out["hindsight"] - s
-    out["gap_pct"] = gap / s * 100
-    out["recovery"] = (a - s) / gap if gap > 0 else None
-    out["moves"] = [{"repeat": r["repeat"], **{k: m.get(k) for k in (
-        "step", "seconds", "from", "to", "reason", "bytes")}} for r in adaptive for m in r["moves"]]
+    s, a, h = stats(static)["median"], stats(adaptive)["median"], cand[best]["median"]
     # per repeat: that round's adaptive against that round's static and best candidate
     per = []
     for i, run in enumerate(adaptive):
         s_i = static[i]["slowed"]
         h_i = max(rows[i]["slowed"] for rows in by_split.values() if i < len(rows))
         per.append((run["slowed"] - s_i) / (h_i - s_i) if h_i > s_i else None)
-    out["recovery_by_repeat"] = per
-    return out
+    return {"static_split": split, "static_plans": [r["plan"] for r in static],
+            "contenders": {"static": stats(static), "adaptive": stats(adaptive)},
+            "candidates": {str(k): c for k, c in cand.items()},
+            "hindsight": h, "hindsight_split": best, "static": s, "adaptive": a,
+            "gap": h - s, "gap_pct": (h - s) / s * 100,
+            "recovery": (a - s) / (h - s) if h > s else None,
+            "moves": [{"repeat": r["repeat"], **{k: m.get(k) for k in (
+                "step", "seconds", "from", "to", "reason", "bytes")}}
+                for r in adaptive for m in r["moves"]],
+            "recovery_by_repeat": per}
 
 
 # ---- outputs --------------------------------------------------------------------------------
@@ -231,6 +181,10 @@ def row_cells(name: str, plan: str, c: dict[str, Any]) -> list[str]:
     return [name, plan, fmt(c["unslowed"]), fmt(c["median"]), runs, fmt(c["others_cores"], ".2f")]
 
 
+def pct(value: float | None) -> str:
+    return fmt(None if value is None else value * 100, ".0f") + "%"
+
+
 def markdown(summary: dict[str, Any], runs: list[dict[str, Any]], meta: dict[str, Any],
              repeats: int, retries: int) -> str:
     steps = ", ".join(f"{m} {info['steps']}" for m, info in meta["models"].items())
@@ -238,19 +192,16 @@ def markdown(summary: dict[str, Any], runs: list[dict[str, Any]], meta: dict[str
              f"Command: `{meta['command']}`", "",
              harness.machine_line(meta["machine"], meta["wall_s"]), "",
              f"2 ranks (processes, gloo, 1 thread each), {SCHEDULE}, chunks {CHUNKS}, batch "
-             f"{BATCH}, steps per run: {steps}. Rank 1 slowed x{SLOW:g} from step {SLOW_FROM} "
-             f"(its compute calls sleep {SLOW - 1:g}x their own duration, whatever blocks it "
-             f"holds). Rates: rank 0's samples/s from the end of step {SLOW_FROM + WARMUP} to "
-             f"the last, moves included (unslowed: steps {WARMUP + 1}-{SLOW_FROM}); medians of "
-             f"{repeats} interleaved repeats. Static: the plan `Pipeline(stages=2)` makes from a "
-             f"profile of {BATCH // CHUNKS} samples (the ranks' microbatch) taken once here, "
-             f"passed as `plan=` (and to adaptive as `profile=`); adaptive: `adapt=True, "
-             f"adapt_every={ADAPT_EVERY}`; hindsight: the best candidate split, the hetero "
-             f"planner's for speeds (1, 1/{SLOW:g}) +-{NEIGHBOURS} blocks. \"others\": cores "
-             f"other processes took in the slowed window (the machine's busy time less the "
-             f"ranks'); a run over {DISTURBED} ran again (up to {retries} times), the least "
-             f"disturbed kept; runs still over it are starred (\\*). Plans: [start, stop, "
-             f"ranks] per stage.", ""]
+             f"{BATCH}, steps per run: {steps}. Rank 1's compute calls sleep {SLOW - 1:g}x their "
+             f"own duration from step {SLOW_FROM}. Rates: rank 0's samples/s from step "
+             f"{SLOW_FROM + WARMUP} to the end, moves included (unslowed: steps {WARMUP + 1}-"
+             f"{SLOW_FROM}); medians of {repeats} interleaved repeats. Static: "
+             f"`Pipeline(stages=2)`'s plan from a profile at the microbatch ({BATCH // CHUNKS}); "
+             f"adaptive: the same with `adapt=True, adapt_every={ADAPT_EVERY}`; hindsight: the "
+             f"best split within {NEIGHBOURS} of the hetero planner's for speeds (1, 1/{SLOW:g})."
+             f" \"others\": cores other processes took in the slowed window; a run over "
+             f"{DISTURBED} ran again (up to {retries} times); runs still over it are starred. "
+             f"Plans: [start, stop, ranks] per stage.", ""]
     for model_name, s in summary.items():
         info = meta["models"][model_name]
         mine = [r for r in runs if r["model"] == model_name and r["contender"] == "adaptive"]
@@ -262,7 +213,7 @@ def markdown(summary: dict[str, Any], runs: list[dict[str, Any]], meta: dict[str
                 " **hindsight**" if int(split) == s["hindsight_split"] else "")
             table.append(row_cells(f"split {split}{mark}",
                                    f"{split} + {info['blocks'] - int(split)} blocks", c))
-        rec = s["recovery"]
+        met = s["recovery"] is not None and s["recovery"] >= 0.8
         lines += [f"## {TITLES[model_name]}", "",
                   f"Profiled block ms (forward + backward, 1 thread, batch {BATCH // CHUNKS}): "
                   f"{', '.join(f'{v:.1f}' for v in info['block_ms'])}. Equal-speed split: "
@@ -271,29 +222,21 @@ def markdown(summary: dict[str, Any], runs: list[dict[str, Any]], meta: dict[str
                   *harness.markdown_table(["contender", "plan", "unslowed samples/s",
                                            "slowed samples/s", "runs", "others (cores)"], table,
                                           left=2),
-                  "", f"Gap hindsight - static: {fmt(s['gap'])} samples/s "
-                      f"({fmt(s['gap_pct'], '+.1f')}% of static).",
-                  f"**Recovery** (adaptive - static) / (hindsight - static): "
-                  f"**{fmt(None if rec is None else rec * 100, '.0f')}%** (by repeat: "
-                  + ", ".join(fmt(None if v is None else v * 100, ".0f") + "%"
-                              for v in s["recovery_by_repeat"])
-                  + f"): the issue's mark of 80% is "
-                  f"{'met' if rec is not None and rec >= 0.8 else '**not met**'}."]
-        lines += [f"- repeat {m['repeat'] + 1}: move before step {m['step']} (the slowdown "
-                  f"began at step {SLOW_FROM}), {m['from']} -> {m['to']}, "
-                  f"{fmt(m['seconds'], '.2f')} s, {m['bytes']} bytes as the runtime counts "
-                  f"them ({m['reason']})" for m in s["moves"]] or ["The adaptive runs made no move."]
+                  "", f"**Recovery** (adaptive - static) / (hindsight - static, {fmt(s['gap'])} "
+                      f"samples/s, {fmt(s['gap_pct'], '+.1f')}%): **{pct(s['recovery'])}** (by "
+                      f"repeat: {', '.join(map(pct, s['recovery_by_repeat']))}): the issue's "
+                      f"mark of 80% is {'met' if met else '**not met**'}."]
+        lines += [f"- repeat {m['repeat'] + 1}: move before step {m['step']}, {m['from']} -> "
+                  f"{m['to']}, {fmt(m['seconds'], '.2f')} s, {m['bytes']} bytes ({m['reason']})"
+                  for m in s["moves"]] or ["The adaptive runs made no move."]
         for run in (r for r in mine if r["checks"]):
-            lines += ["", f"Checks of the adaptive run of repeat {run['repeat'] + 1} (speeds: "
-                          f"rank 0, rank 1, the fastest 1):", ""]
-            lines += [f"- step {c.get('step')}: speeds "
-                      + (", ".join(f"{v:.2f}" for v in c["speeds"]) if c.get("speeds") else "-")
-                      + f"; {'**moved**' if c.get('moved') else 'stayed'}: {c.get('reason')}"
-                      for c in run["checks"]]
+            seen = [f"{c.get('step')}: " + "/".join(f"{v:.2f}" for v in c.get("speeds") or [])
+                    + (" **moved**" if c.get("moved") else "") for c in run["checks"]]
+            lines.append(f"- repeat {run['repeat'] + 1}, adapt's checks (step: speeds of rank 0/"
+                         f"rank 1, the fastest 1): {'; '.join(seen)}.")
         lines.append("")
-    lines += [f"Per-step times: {meta['png']}; rank 0's steps of every run as a Chrome / "
-              f"Perfetto trace, moves as spans: {meta['trace']}; every figure: "
-              f"{meta['json']}.", ""]
+    lines += [f"Per-step times: {meta['png']}; as a Perfetto trace with the moves: "
+              f"{meta['trace']}; every figure: {meta['json']}.", ""]
     return "\n".join(lines)
 
 
@@ -301,32 +244,21 @@ def plot(runs: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> Non
     styles = ("-", "--", ":", "-.")
     with harness.figure(path, len(summary), 1, (10, 4 * len(summary))) as (_, axes):
         for ax, (model_name, s) in zip(axes[:, 0], summary.items()):
-            best = s["hindsight_split"]
-            shown = [("static", None, "tab:red"), ("adaptive", None, "tab:blue"),
-                     # the best candidate's runs, the static ones where it is the static plan
-                     ("static" if s["candidates"][str(best)]["is_static"] else "hindsight",
-                      best, "tab:green")]
-            top = 0.0
-            for contender, split, colour in shown:
-                label = ("hindsight" if split is not None else contender) + (
-                    f" (split {split})" if split is not None else "")
-                for row in (r for r in runs if r["model"] == model_name
-                            and r["contender"] == contender
-                            and (split is None or r["split"] == split)):
+            best, top = s["hindsight_split"], 0.0
+            for row in (r for r in runs if r["model"] == model_name):
+                # the best split's runs: the static ones where it is the static plan
+                kinds = (("static", "tab:red", row["contender"] == "static"),
+                         ("adaptive", "tab:blue", row["contender"] == "adaptive"),
+                         (f"hindsight (split {best})", "tab:green",
+                          row["contender"] != "adaptive" and row["split"] == best))
+                for label, colour in ((k, c) for k, c, shown in kinds if shown):
                     repeat, steps = row["repeat"], len(row["step_ms"])
                     ax.plot(range(1, steps + 1), row["step_ms"], color=colour, lw=1,
                             ls=styles[repeat % len(styles)],
                             label=f"{label}, repeat {repeat + 1}: {row['slowed']:.1f} samples/s")
                     top = max(top, max(row["step_ms"][1:]))
-                    for m in row["moves"]:
-                        step = m["step"] + 1  # the move happens before step index m["step"]
-                        ax.axvspan(step - 0.5, step + 0.5, color=colour, alpha=0.25)
-                        right = step > 0.6 * steps  # the note on the span's left near the end
-                        ax.text(step + (-0.8 if right else 0.8), 0.97 - 0.06 * repeat,
-                                f"repeat {repeat + 1}: move {m['from']} -> {m['to']}, "
-                                f"{m['seconds']:.2f} s", color=colour, fontsize=7,
-                                ha="right" if right else "left", va="top",
-                                transform=ax.get_xaxis_transform())
+                    for m in row["moves"]:  # before step index m["step"]: plotted at +1
+                        ax.axvspan(m["step"] + 0.5, m["step"] + 1.5, color=colour, alpha=0.25)
             ax.axvline(SLOW_FROM + 0.5, color="k", ls="--", lw=1, label="rank 1 slowed")
             ax.axvline(SLOW_FROM + WARMUP + 0.5, color="grey", ls=":", lw=1,
                        label="slowed window's clock starts")
@@ -340,41 +272,33 @@ def chrome_trace(runs: list[dict[str, Any]], path: Path) -> None:
     """Rank 0's steps per run as Chrome trace events (one track per run), moves as spans."""
     events: list[dict[str, Any]] = []
     for i, r in enumerate(runs):
-        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {
-            "name": f"{r['model']} {r['contender']} split {r['split']} #{i}"}})
-        prev = r["ends_rel_s"][0] - r["step_ms"][0] / 1e3
-        for step, end in enumerate(r["ends_rel_s"]):
-            events.append({"ph": "X", "name": f"step {step}", "pid": 0, "tid": i,
-                           "ts": prev * 1e6, "dur": (end - prev) * 1e6,
-                           "args": {"ms": (end - prev) * 1e3}})
-            prev = end
-        events += [{"ph": "X", "name": "move", "pid": 0, "tid": i, "cat": "move",
-                    "ts": m["started_rel_s"] * 1e6,
-                    "dur": (m["ended_rel_s"] - m["started_rel_s"]) * 1e6,
-                    "args": {k: m.get(k) for k in ("step", "from", "to", "reason", "bytes",
-                                                   "seconds")}} for m in r["moves"]]
+        starts = [r["ends_rel_s"][0] - r["step_ms"][0] / 1e3, *r["ends_rel_s"][:-1]]
+        spans = [(f"step {n}", a, b, {"ms": (b - a) * 1e3})
+                 for n, (a, b) in enumerate(zip(starts, r["ends_rel_s"]))]
+        spans += [("move", m["started_rel_s"], m["ended_rel_s"], {k: m.get(k) for k in (
+            "step", "from", "to", "reason", "bytes", "seconds")}) for m in r["moves"]]
+        events += [{"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {
+            "name": f"{r['model']} {r['contender']} split {r['split']} #{i}"}}]
+        events += [{"ph": "X", "name": name, "cat": name.split()[0], "pid": 0, "tid": i,
+                    "ts": a * 1e6, "dur": (b - a) * 1e6, "args": args} for name, a, b, args in spans]
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="a,convs")
-    parser.add_argument("--steps", default=",".join(f"{m}={n}" for m, n in DEFAULT_STEPS.items()),
-                        help="steps per run: N, or MODEL=N pairs (default %(default)s)")
+    parser.add_argument("--steps", default=str(STEPS), help="per run: N, or MODEL=N,...")
     parser.add_argument("--repeats", type=harness.positive, default=2)
-    parser.add_argument("--retries", type=int, default=1,
-                        help=f"runs again a run during which other processes took more than "
-                             f"{DISTURBED} cores, up to this many times (default 1)")
+    parser.add_argument("--retries", type=int, default=1, help="runs again, up to this many "
+                        f"times, a run in which other processes took over {DISTURBED} cores")
     parser.add_argument("--out", default="bench/results/adaptive.md")
     args = parser.parse_args()
     models = args.models.split(",")
     if set(models) - set(MODELS):
         parser.error(f"--models {args.models}: choose from {', '.join(MODELS)}")
-    steps = {m: DEFAULT_STEPS[m] for m in models}
+    given = dict(part.rpartition("=")[::2] for part in args.steps.split(","))  # "": all
     try:
-        for part in args.steps.split(","):
-            name, _, value = part.rpartition("=")
-            steps.update({m: int(value) for m in models if not name or m == name.strip()})
+        steps = {m: int(given.get(m) or given.get("") or STEPS) for m in models}
     except ValueError:
         parser.error(f"--steps {args.steps!r}: give N or MODEL=N,...")
     if min(steps.values()) <= SLOW_FROM + WARMUP + 1:
@@ -382,11 +306,16 @@ def main() -> int:
     began = time.perf_counter()
     load = [", ".join(f"{v:.2f}" for v in os.getloadavg())]
     profiles, equal, info = {}, {}, {}
+    torch.set_num_threads(1)  # the profile: one thread and one microbatch, as each rank runs
     for m in models:
         say(f"profiling {m} (1 thread, batch {BATCH // CHUNKS}) ...")
-        profiles[m] = profile = profile_of(m)
-        equal[m] = plan_2(profile, "2x1e9", strategy="time")  # as Pipeline(stages=2)
-        hetero = plan_2(profile, f"2x1e9@speeds=1,{1 / SLOW:.4f}", chunks=CHUNKS)
+        torch.manual_seed(0)
+        profiles[m] = profile = profile_model(MODELS[m](), fixed_batch()[0][:BATCH // CHUNKS],
+                                              BATCH // CHUNKS, progress=False, model_name=m)
+        equal[m] = make_plan(profile, Topology.parse("2x1e9"), schedule=SCHEDULE, straight=True,
+                             strategy="time")  # as Pipeline(stages=2)
+        hetero = make_plan(profile, Topology.parse(f"2x1e9@speeds=1,{1 / SLOW:.4f}"),
+                           schedule=SCHEDULE, straight=True, chunks=CHUNKS)
         if len(hetero.stages) != 2:
             raise RuntimeError(f"the hetero planner chose {len(hetero.stages)} stage(s) for "
                                f"{m}: {describe(hetero)}")
@@ -409,10 +338,8 @@ def main() -> int:
                 row, rest = harness.least_disturbed(
                     functools.partial(run_one, m, contender, plan, steps[m], profiles[m]),
                     lambda r: r["others_cores"], args.retries, say)
-                row["disturbed_runs"] = [{k: r[k] for k in ("slowed", "unslowed",
-                                                            "others_cores")} for r in rest]
-                row["repeat"] = repeat
-                runs.append(row)
+                runs.append({**row, "repeat": repeat, "disturbed_runs": [
+                    {k: r[k] for k in ("slowed", "unslowed", "others_cores")} for r in rest]})
     out = Path(args.out)
     png, data, trace = (out.with_suffix(".png"), out.with_suffix(".json"),
                         out.with_name(out.stem + "_trace.json"))
@@ -425,10 +352,9 @@ def main() -> int:
             "png": png.name, "json": data.name, "trace": trace.name}
     summary = {m: summarise([r for r in runs if r["model"] == m], info[m]["candidates"])
                for m in models}
-    for m, s in summary.items():
-        say(f"{m}: static {s['static']:.1f}  hindsight {s['hindsight']:.1f} (split "
-            f"{s['hindsight_split']})  gap {s['gap_pct']:+.1f}%  adaptive {s['adaptive']:.1f}"
-            f"  recovery {fmt(None if s['recovery'] is None else s['recovery'] * 100, '.0f')}%")
+    say("; ".join(f"{m}: static {s['static']:.1f}, adaptive {s['adaptive']:.1f}, hindsight "
+                  f"{s['hindsight']:.1f}, recovery {pct(s['recovery'])}"
+                  for m, s in summary.items()))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(markdown(summary, runs, meta, args.repeats, args.retries))
     harness.write_json(data, {"meta": meta, "args": vars(args), "summary": summary,

@@ -1,40 +1,44 @@
-"""Microbenchmarks of the core; `--set ring` writes its section of bench/results/core.md,
-`--set streams` bench/results/streams.md (`--no-write`: print only).
+"""Microbenchmarks of the core: `--set handoff` and `--set ring` write their sections of
+bench/results/core.md, `--set streams` bench/results/streams.md (`--no-write`: print only).
 
+    python bench/bench_core.py --set handoff [--count 1000] [--trips 2000] [--rounds 6]
     python bench/bench_core.py --set ring [--reps 10] [--rounds 10]
     python bench/bench_core.py --set streams [--seconds 150]
-    python -m pytest bench/bench_core.py --benchmark-only [-k plan]
+    python -m pytest bench/bench_core.py --benchmark-only
 
-ring (issue 2): `WeightRing.snapshot()` of a stage of 100 Linear(360, 360) (52 MB) against a
-flat `copy_` of the same bytes (goal: >= 80% of its bandwidth) and PipeDream's `state_dict`
-clone stash, dropped at once or the last 4 kept (goal: >= 3x faster); a `copy_` into kept
-tensors is the stash without its allocations. Rounds of rotating order after a warm-up.
-streams: per trainable schedule and N = 1k .. 1M microbatches, the time to a validated schedule
-and every rank's first action, and the peak Python memory of that plus rank 0's first 20,000
-actions (neither may grow with N); then `pipedream-fast train` for a million steps on the CNN.
-pytest: ping-pong between two threads (ActivationQueue, Lock floor, queue.Queue; placements as
-bench/handoff.py), ring's variants, paced hand-offs, and the planner (issue 3: 100 blocks, 64
-workers, 3 levels under 1 s; bench/results/planner.md). Only the planner asserts its speed.
+handoff (issue 2): (a) one-way latency from a native producer thread to a Python consumer
+blocked in `pop`, against `queue.Queue` (goal: at most half); (b) round trips between two Python
+threads through ActivationQueues, against `threading.Lock`s (the floor; goal: within 10%).
+ring (issue 2): `WeightRing.snapshot()` of a 52 MB stage against a flat `copy_` (goal: >= 80% of
+its bandwidth) and PipeDream's `state_dict` clone stash (goal: >= 3x faster). streams: per
+schedule and N = 1k .. 1M microbatches, the start-up time and peak memory (neither may grow with
+N); then `pipedream-fast train` for a million steps. pytest: the planner (issue 3: 100 blocks,
+64 workers, 3 levels under 1 s; bench/results/planner.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import functools
 import itertools
+import math
 import os
+import platform
 import queue
 import random
+import re
 import resource
-import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -48,8 +52,257 @@ from pipedream_fast.schedules import TRAINABLE, make_schedule
 from pipedream_fast.schedules import kind as schedule_kind
 from pipedream_fast.topology import Topology
 
-import handoff  # noqa: E402 - siblings
-import harness
+import harness  # noqa: E402 - siblings
+import native_ext  # the bench-only extension with ThreadedProducer, built on first use
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PLACEMENTS = ("split", "same", "free")
+Started = Callable[[], None]
+
+
+# ---- handoff ---------------------------------------------------------------------------------
+
+def check_clocks(samples: int = 1000) -> int:
+    """The largest gap (ns) between a `_C.now_ns()` reading and the `time.monotonic_ns()`
+    readings around it; raises if the two clocks disagree."""
+    worst = 0
+    for _ in range(samples):
+        before, native, after = time.monotonic_ns(), _C.now_ns(), time.monotonic_ns()
+        worst = max(worst, before - native, native - after)
+    if worst > 1_000_000:
+        raise RuntimeError(f"_C.now_ns() is not time.monotonic_ns(): off by {worst} ns")
+    return worst
+
+
+@contextlib.contextmanager
+def placement(kind: str) -> Iterator[Started]:
+    """Pins this thread, so the partner it starts in the block (inheriting its CPU mask) lands
+    on CPU b; the yielded function then moves it to CPU a (`split`) or leaves it on b (`same`)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if kind == "free" or len(cpus) < 2:
+        yield lambda: None
+        return
+    a, b = cpus[0], cpus[1]
+    os.sched_setaffinity(0, {b})
+    try:
+        yield lambda: os.sched_setaffinity(0, {a if kind == "split" else b})
+    finally:
+        os.sched_setaffinity(0, set(cpus))
+
+
+def native_to_python(count: int, interval_us: int, payload: list[torch.Tensor],
+                     started: Started, spin_us: float = 0.0) -> list[int]:
+    """Latencies (ns) of `count` hand-offs from a ThreadedProducer to a blocked Python pop."""
+    q = _C.ActivationQueue(4, "handoff", spin_us=spin_us)
+    producer = native_ext.load().ThreadedProducer(q, payload, count, interval_us)
+    started()
+    latencies = []
+    for _ in range(count):
+        bundle = q.pop()
+        latencies.append(_C.now_ns() - bundle.enqueued_ns)
+    producer.join()
+    return latencies
+
+
+def python_to_python_queue(count: int, interval_us: int, payload: list[torch.Tensor],
+                           started: Started) -> list[int]:
+    """The baseline: a Python thread sleeping `interval_us`, then `queue.Queue.put`."""
+    q: queue.Queue[tuple[int, list[torch.Tensor]]] = queue.Queue(4)
+
+    def produce() -> None:
+        for _ in range(count):
+            time.sleep(interval_us * 1e-6)
+            q.put((time.monotonic_ns(), payload))
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    started()
+    latencies = []
+    for _ in range(count):
+        stamp, _tensors = q.get()
+        latencies.append(time.monotonic_ns() - stamp)
+    producer.join()
+    return latencies
+
+
+def split_native_latency(count: int, interval_us: int, payload: list[torch.Tensor],
+                         started: Started) -> tuple[list[int], list[int]]:
+    """Each native hand-off as (wake-up, after wake-up) in ns: the pop's blocked time (its
+    pop_wait growth) ends at `start + waited`; hand-offs without a wait are left out."""
+    q = _C.ActivationQueue(4, "split")
+    producer = native_ext.load().ThreadedProducer(q, payload, count, interval_us)
+    started()
+    wake, after = [], []
+    waited_before = 0.0
+    for _ in range(count):
+        start = _C.now_ns()
+        bundle = q.pop()
+        end = _C.now_ns()
+        waited = q.stats()["pop_wait_s"]
+        delta = round((waited - waited_before) * 1e9)
+        waited_before = waited
+        if delta > 0:
+            wake.append(start + delta - bundle.enqueued_ns)
+            after.append(end - start - delta)
+    producer.join()
+    return wake, after
+
+
+def channel(kind: str, name: str, spin_us: float) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(put, get) of an ActivationQueue (`aq`), held `threading.Lock` (`lock`) or `queue.Queue`."""
+    if kind == "aq":
+        q = _C.ActivationQueue(1, name, spin_us=spin_us)
+        return (lambda: q.push([])), q.pop
+    if kind == "lock":
+        lock = threading.Lock()
+        lock.acquire()
+        return lock.release, lock.acquire
+    box: queue.Queue[None] = queue.Queue(1)
+    return (lambda: box.put(None)), box.get
+
+
+def ping_pong(kind: str, rounds: int, started: Started, spin_us: float = 0.0) -> list[int]:
+    """Round-trip times (ns) to a partner thread that echoes each message, through two
+    `channel`s of `kind` (`lock`: the floor)."""
+    (send, take), (reply, receive) = channel(kind, "ping", spin_us), channel(kind, "pong", spin_us)
+
+    def echo() -> None:
+        for _ in range(rounds):
+            take()
+            reply()
+
+    partner = threading.Thread(target=echo)
+    partner.start()
+    started()
+    times = []
+    clock = time.perf_counter_ns
+    for _ in range(rounds):
+        t0 = clock()
+        send()
+        receive()
+        times.append(clock() - t0)
+    partner.join()
+    return times
+
+
+def machine() -> str:
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{harness.machine()}, {platform.system()} {platform.release()}, "
+            f"{torch.get_num_threads()} intra-op threads, load average at start {load}")
+
+
+def publish(key: str, section: str, write: bool) -> None:
+    """Prints a results section and, if `write`, puts it between the `<!-- key -->` markers
+    of bench/results/core.md (replaced, or appended)."""
+    print(section)
+    if not write:
+        return
+    core = RESULTS / "core.md"
+    text = core.read_text() if core.exists() else "# Core microbenchmarks (issue 2)\n"
+    block = f"<!-- {key} -->\n{section.strip()}\n<!-- /{key} -->"
+    pattern = re.compile(rf"<!-- {re.escape(key)} -->.*?<!-- /{re.escape(key)} -->", re.DOTALL)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else (
+        text.rstrip() + "\n\n" + block + "\n")
+    core.write_text(text)
+    print(f"\nwritten to {core}")
+
+
+def measure(count: int, interval_us: int, trips: int, rounds: int,
+            spin_us: float) -> dict[str, dict[str, list[int]]]:
+    """Samples (ns) per placement and variant, pooled over `rounds` interleaved rounds."""
+    placements = PLACEMENTS if len(os.sched_getaffinity(0)) >= 2 else ("free",)
+    payload = [torch.zeros(64, 64)]
+    one_way: dict[str, Callable[..., Any]] = {
+        "native": native_to_python, "queue": python_to_python_queue,
+        "native_spin": functools.partial(native_to_python, spin_us=spin_us),
+        "split": split_native_latency}
+    round_trip = {k: functools.partial(ping_pong, kind, spin_us=spin) for k, kind, spin in
+                  (("aq", "aq", 0.0), ("lock", "lock", 0.0), ("pyq", "pyq", 0.0),
+                   ("aq_spin", "aq", spin_us))}
+
+    def driver(pl: str, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+        def run() -> Any:
+            with placement(pl) as started:
+                return fn(*args, started)
+        return run
+
+    drivers: dict[tuple[str, str], Callable[[], Any]] = {}
+    for pl in placements:
+        drivers |= {(pl, k): driver(pl, fn, count, interval_us, payload)
+                    for k, fn in one_way.items()}
+        drivers |= {(pl, k): driver(pl, fn, trips) for k, fn in round_trip.items()}
+    pooled: dict[str, dict[str, list[int]]] = {pl: {} for pl in placements}
+    for (pl, key), runs in harness.alternate(drivers, rounds).items():
+        if key == "split":  # (wake-up, after it) per run
+            pooled[pl]["wake"] = [x for wake, _ in runs for x in wake]
+            pooled[pl]["after"] = [x for _, after in runs for x in after]
+        else:
+            pooled[pl][key] = [x for run in runs for x in run]
+    return pooled
+
+
+def percentiles(values: Sequence[float]) -> tuple[float, float, float]:
+    """The median, 10th and 90th percentile of `values`."""
+    ordered = sorted(values)
+    n = len(ordered)
+    return statistics.median(ordered), ordered[n // 10], ordered[9 * n // 10]
+
+
+def ratio(s: dict[str, list[float]], key: str, floor: str, goal: float) -> str:
+    """Median of `key` over median of `floor`, and whether it meets `goal`."""
+    value = s[key][0] / s[floor][0]
+    met = "met" if value <= goal else (f"missed by {value / goal:.2f}x" if goal < 1 else
+                                       f"missed: {100 * (value - 1):.0f}% over")
+    return f"**{value:.2f}** {met}"
+
+
+DETAILS = (("(a) ActivationQueue, C++ ThreadedProducer", "native"),
+           ("(a) queue.Queue, Python producer thread", "queue"),
+           ("(a) split run: consumer wake-up (C++ side)", "wake"),
+           ("(a) split run: after wake-up (mutex, GIL, Bundle to Python)", "after"),
+           ("(b) round trip, two ActivationQueues", "aq"),
+           ("(b) round trip, two threading.Lock (floor)", "lock"),
+           ("(b) round trip, two queue.Queue", "pyq"),
+           ("(a) ActivationQueue with spin_us={}", "native_spin"),
+           ("(b) round trip, two ActivationQueues with spin_us={}", "aq_spin"))
+
+
+def handoff_section(count: int, interval_us: int, trips: int, rounds: int,
+                    spin_us: float) -> str:
+    clock_gap, setting = check_clocks(), machine()
+    summary, details = [], []
+    for pl, got in measure(count, interval_us, trips, rounds, spin_us).items():
+        # per variant: median, p10, p90 (µs) and the number of samples
+        s = {k: [*(x / 1e3 for x in percentiles(v)), len(v)] for k, v in got.items()}
+        med = {k: f"{v[0]:.1f}" for k, v in s.items()}
+        summary.append([pl, med["native"], med["queue"], ratio(s, "native", "queue", 0.5),
+                        med["aq"], med["lock"], med["pyq"], ratio(s, "aq", "lock", 1.1),
+                        med["native_spin"], ratio(s, "native_spin", "queue", 0.5),
+                        med["aq_spin"], ratio(s, "aq_spin", "lock", 1.1)])
+        details += [f"#### placement `{pl}`", "", *harness.markdown_table(
+            ["variant", "median µs", "p10 µs", "p90 µs", "samples"],
+            [(label.format(f"{spin_us:g}"), *(f"{x:.1f}" for x in s[key][:3]), s[key][3])
+             for label, key in DETAILS]), ""]
+    spin = f"spin {spin_us:g} µs"
+    table = harness.markdown_table(
+        ["placement", "(a) ActivationQueue µs", "(a) queue.Queue µs", "(a) ratio, goal <= 0.50",
+         "(b) ActivationQueue µs", "(b) Lock floor µs", "(b) queue.Queue µs",
+         "(b) ratio, goal <= 1.10", f"(a) {spin}", "(a) ratio", f"(b) {spin}", "(b) ratio"],
+        summary)
+    table[1] = "| --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | --- | ---: | --- |"
+    return "\n".join([
+        "## Queue hand-off (bench/bench_core.py --set handoff)", "",
+        f"Command: `python bench/bench_core.py --set handoff --count {count} --interval-us "
+        f"{interval_us} --trips {trips} --rounds {rounds} --spin-us {spin_us:g}`  ",
+        f"Machine: {setting}  ",
+        f"Clock check: `_C.now_ns()` always lay within {clock_gap} ns of the bracketing "
+        "`time.monotonic_ns()` readings (same CLOCK_MONOTONIC).  ",
+        f"(a): one-way latency, producer thread -> Python consumer blocked in pop, "
+        f"{interval_us} µs between pushes, payload one 64x64 float tensor. "
+        "(b): round trip between two Python threads. Placements: `split` = the two threads "
+        "pinned to different CPUs, `same` = both on one CPU, `free` = unpinned.", "",
+        *table, "", "### Distributions", "", *details]).rstrip()
+
 
 # ---- ring ------------------------------------------------------------------------------------
 
@@ -60,36 +313,27 @@ STASH_KEEP = "state_dict clone stash, last 4 kept"
 COPY_KEPT = "breakdown: state_dict copy_ into 200 kept tensors"
 
 
-def build_stage() -> tuple[nn.Module, _C.WeightRing, int]:
-    """The stage, its ring of 4 slots and its bytes of parameters."""
+def variants() -> tuple[dict[str, Callable[[], object]], _C.WeightRing, int]:
+    """The stage's variants, its ring of 4 slots and its bytes of parameters."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return model, _C.WeightRing(list(model.parameters()), 4), nbytes
-
-
-def variants(model: nn.Module, ring: _C.WeightRing, nbytes: int
-             ) -> dict[str, Callable[[], object]]:
+    ring = _C.WeightRing(list(model.parameters()), 4)
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
     kept = {k: v.clone() for k, v in model.state_dict().items()}
 
     def stash(keep: int) -> Callable[[], None]:
-        """The PipeDream stash; with keep > 0, the last `keep` stashes stay alive."""
-        alive: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=keep or 1)
-
-        def run() -> None:
-            copy = {k: v.clone() for k, v in model.state_dict().items()}
-            if keep:
-                alive.append(copy)
-        return run
+        """The PipeDream stash, the last `keep` stashes kept alive."""
+        alive: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=keep)
+        return lambda: alive.append({k: v.clone() for k, v in model.state_dict().items()})
 
     def copy_into_kept() -> None:
         for k, v in model.state_dict().items():
             kept[k].copy_(v)
 
     return {SNAPSHOT: lambda: ring.release(ring.snapshot()), FLAT: lambda: dst.copy_(src),
-            STASH_DROP: stash(0), STASH_KEEP: stash(4), COPY_KEPT: copy_into_kept}
+            STASH_DROP: stash(0), STASH_KEEP: stash(4), COPY_KEPT: copy_into_kept}, ring, nbytes
 
 
 def timed(fn: Callable[[], object], reps: int) -> tuple[list[float], int]:
@@ -104,29 +348,18 @@ def timed(fn: Callable[[], object], reps: int) -> tuple[list[float], int]:
 
 
 def ring_section(reps: int, rounds: int) -> str:
-    setting = handoff.machine()
-    model, ring, nbytes = build_stage()
-    fns = variants(model, ring, nbytes)
-    names = list(fns)
-    samples: dict[str, list[float]] = {k: [] for k in names}
-    faults = dict.fromkeys(names, 0)
-    for name in names:
-        timed(fns[name], 10)  # warm-up
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times, n_faults = timed(fns[name], reps)
-            samples[name] += times
-            faults[name] += n_faults
-        print(f"  round {r + 1}/{rounds} done", file=sys.stderr)
+    setting = machine()
+    fns, ring, nbytes = variants()
+    runs = harness.alternate({k: functools.partial(timed, fn, reps) for k, fn in fns.items()},
+                             rounds)
+    samples = {k: [t for times, _ in v for t in times] for k, v in runs.items()}
+    faults = {k: sum(n for _, n in v) for k, v in runs.items()}
     median = {k: statistics.median(v) for k, v in samples.items()}
     snap = median[SNAPSHOT]
     of_flat, vs_drop, vs_keep = (median[k] / snap for k in (FLAT, STASH_DROP, STASH_KEEP))
-    rows = []
-    for name, values in samples.items():
-        ordered, n = sorted(values), len(values)
-        rows.append((name, f"{median[name] * 1e3:.2f}", f"{ordered[n // 10] * 1e3:.2f}",
-                     f"{ordered[(9 * n) // 10] * 1e3:.2f}", f"{nbytes / median[name] / 1e9:.2f}",
-                     f"{median[name] / snap:.2f}x", f"{faults[name] / n:.0f}"))
+    rows = [(name, *(f"{x * 1e3:.2f}" for x in percentiles(values)),
+             f"{nbytes / median[name] / 1e9:.2f}", f"{median[name] / snap:.2f}x",
+             f"{faults[name] / len(values):.0f}") for name, values in samples.items()]
     goal_bw = "met" if of_flat >= 0.8 else f"MISSED by {100 * (0.8 - of_flat):.0f} points"
     met = [name for name, x in (("dropped", vs_drop), ("kept", vs_keep)) if x >= 3]
     verdict = ("met for both stash variants" if len(met) == 2 else
@@ -148,7 +381,6 @@ def ring_section(reps: int, rounds: int) -> str:
 
 # ---- streams ---------------------------------------------------------------------------------
 
-STREAMS = Path(__file__).resolve().parent / "results" / "streams.md"
 LENGTHS = (1_000, 10_000, 100_000, 1_000_000)
 WALK = 20_000
 
@@ -189,10 +421,8 @@ def start_up(name: str, n: int) -> str:
 
 def rss_mib(pid: int) -> float:
     """Resident memory of the process (the ranks are threads: one process)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    status = Path(f"/proc/{pid}/status").read_text()  # no VmRSS once it has exited
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024 if "VmRSS:" in status else math.nan
 
 
 def million_steps(seconds: float) -> list[str]:
@@ -202,23 +432,20 @@ def million_steps(seconds: float) -> list[str]:
     began = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
-    os.set_blocking(proc.stdout.fileno(), False)
-    first_loss, last_line, next_sample = None, "", 0.0
+    stop = threading.Timer(seconds, proc.kill)  # which ends its output, and the loop
+    stop.start()
+    first_loss, next_sample = None, 0.0
     samples: list[tuple[float, float, str]] = []
     try:
-        while time.perf_counter() - began < seconds and proc.poll() is None:
-            for line in iter(proc.stdout.readline, ""):
-                if "loss" in line:
-                    last_line = line.strip()
-                    if first_loss is None:
-                        first_loss = time.perf_counter() - began
+        for line in proc.stdout:
             now = time.perf_counter() - began
-            if first_loss is not None and now >= next_sample:
-                samples.append((now, rss_mib(proc.pid), last_line))
+            if "loss" in line and now >= next_sample:  # the first loss line, then every 10%
+                first_loss = now if first_loss is None else first_loss
+                samples.append((now, rss_mib(proc.pid), line.strip()))
                 next_sample = now + seconds / 10
-            time.sleep(0.05)
     finally:
-        proc.send_signal(signal.SIGKILL)
+        stop.cancel()
+        proc.kill()
         proc.wait()
     return [f"Command: `{' '.join(['pipedream-fast'] + command[3:])}`, stopped after "
             f"{seconds:.0f} s.", "",
@@ -247,104 +474,26 @@ def streams_text(seconds: float) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--set", choices=("ring", "streams"), required=True)
+    parser.add_argument("--set", choices=("handoff", "ring", "streams"), required=True)
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (handoff 6, ring 10)")
+    parser.add_argument("--count", type=int, default=1000, help="handoff: hand-offs a run (a)")
+    parser.add_argument("--interval-us", type=int, default=200, help="handoff: producer pause")
+    parser.add_argument("--trips", type=int, default=2000, help="handoff: round trips a run (b)")
+    parser.add_argument("--spin-us", type=float, default=500.0,
+                        help="handoff: spin_us of the spinning variants (above --interval-us)")
     parser.add_argument("--reps", type=int, default=10, help="ring: timed calls per round")
-    parser.add_argument("--rounds", type=int, default=10, help="ring: rounds")
     parser.add_argument("--seconds", type=float, default=150.0,
                         help="streams: how long the million-step run trains")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
-    if args.set == "ring":
-        handoff.publish("ring", ring_section(args.reps, args.rounds), write=not args.no_write)
-        return 0
-    text = streams_text(args.seconds)
-    print(text)
-    if not args.no_write:
-        STREAMS.write_text(text)
-        print(f"written to {STREAMS}")
-    return 0
-
-
-# ---- pytest-benchmark: ping-pong, snapshot, hand-off -------------------------------------------
-
-def _pair(kind: str) -> Iterator[Callable[[], object]]:
-    """A round trip to a partner thread and back; the partner starts at the first next() and
-    stops at the second."""
-    if kind == "activation_queue":
-        ends = [(lambda q=q: q.push([]), q.pop)
-                for q in (_C.ActivationQueue(1, "ping"), _C.ActivationQueue(1, "pong"))]
-    elif kind == "lock_floor":
-        locks = [threading.Lock(), threading.Lock()]
-        for lock in locks:
-            lock.acquire()
-        ends = [(lock.release, lock.acquire) for lock in locks]
+    rounds = args.rounds or (6 if args.set == "handoff" else 10)
+    if args.set == "streams":
+        harness.emit(None if args.no_write else RESULTS / "streams.md", streams_text(args.seconds))
     else:
-        ends = [(lambda q=q: q.put(1), q.get) for q in (queue.Queue(1), queue.Queue(1))]
-    (send, wait), (reply, receive) = ends
-    stop = []
-
-    def echo() -> None:
-        while True:
-            wait()
-            if stop:
-                return
-            reply()
-
-    partner = threading.Thread(target=echo, daemon=True)
-    partner.start()
-    yield lambda: (send(), receive())
-    stop.append(True)
-    send()
-    partner.join(10)
-
-
-@pytest.mark.benchmark(group="pingpong", warmup=True)
-@pytest.mark.parametrize("placement", ["split", "same"])
-@pytest.mark.parametrize("kind", ["activation_queue", "lock_floor", "queue_queue"])
-def test_pingpong(benchmark, kind: str, placement: str) -> None:
-    with handoff.placement(placement) as started:
-        pair = _pair(kind)
-        round_trip = next(pair)  # the partner thread starts here, on the partner's CPU
-        started()
-        benchmark.pedantic(round_trip, rounds=3000, iterations=1, warmup_rounds=300)
-        next(pair, None)
-
-
-@pytest.fixture(scope="module")
-def stage() -> tuple[dict[str, Callable[[], object]], int]:
-    model, ring, nbytes = build_stage()
-    return variants(model, ring, nbytes), nbytes
-
-
-SNAPSHOT_IDS = {"ring_snapshot": SNAPSHOT, "flat_copy": FLAT, "state_dict_dropped": STASH_DROP,
-                "state_dict_keep4": STASH_KEEP}
-
-
-@pytest.mark.benchmark(group="snapshot", warmup=True)
-@pytest.mark.parametrize("kind", list(SNAPSHOT_IDS))
-def test_snapshot(benchmark, stage, kind: str) -> None:
-    fns, nbytes = stage
-    benchmark.pedantic(fns[SNAPSHOT_IDS[kind]], rounds=60, iterations=1, warmup_rounds=5)
-    benchmark.extra_info["bytes"] = nbytes
-    benchmark.extra_info["GB_per_s_median"] = nbytes / benchmark.stats.stats.median / 1e9
-
-
-@pytest.mark.benchmark(group="handoff")
-@pytest.mark.parametrize("placement", ["split", "same"])
-@pytest.mark.parametrize("kind", ["native_producer_to_activation_queue",
-                                  "python_producer_to_queue_queue"])
-def test_handoff_latency(benchmark, kind: str, placement: str) -> None:
-    run = {"native_producer_to_activation_queue": handoff.native_to_python,
-           "python_producer_to_queue_queue": handoff.python_to_python_queue}[kind]
-    payload = [torch.zeros(64, 64)]
-    medians: list[float] = []
-
-    def one_run() -> None:
-        with handoff.placement(placement) as started:
-            medians.append(statistics.median(run(100, 200, payload, started)) / 1e3)
-
-    benchmark.pedantic(one_run, rounds=10, iterations=1, warmup_rounds=1)
-    benchmark.extra_info["median_latency_us"] = statistics.median(medians[1:])
+        publish(args.set, handoff_section(args.count, args.interval_us, args.trips, rounds,
+                                          args.spin_us) if args.set == "handoff"
+                else ring_section(args.reps, rounds), write=not args.no_write)
+    return 0
 
 
 # ---- pytest-benchmark: the planner (issue 3; the original PipeDream took up to 8 s) -------------

@@ -1,6 +1,5 @@
-"""PipeDream's steady-state weight delay against the number of stages S, with unit costs,
-against the theory paper's S^2 - S/2 + O(1) and the closed form in `pipedream_fast.staleness`:
-pipedream simulated for S = 2..max-S, N = 2S + 2; a table and a plot (same name, .png).
+"""PipeDream's steady-state weight delay against the number of stages S (unit costs), against
+the paper's S^2 - S/2 + O(1) and `pipedream_fast.staleness`'s closed form: a table and a plot.
 
     python bench/delay_law.py [--max-s 64] [--out bench/results/delay_law.md]
 """
@@ -31,30 +30,22 @@ def measure(max_s: int) -> list[dict[str, float]]:
 
 
 def table(rows: list[dict[str, float]], seconds: float, exact: bool) -> str:
-    lines = [
-        "# PipeDream's weight delay against the number of stages (unit costs)",
-        "",
+    return "\n".join([
+        "# PipeDream's weight delay against the number of stages (unit costs)", "",
         f"`python bench/delay_law.py --max-s {int(rows[-1]['S'])}` ({seconds:.0f} s of CPU). "
         "Schedule `pipedream` (1F1B with weight stashing, one stage per rank), forward = "
         "backward = 1, updates and transfers 0, N = 2S + 2 microbatches; delays over the "
-        "steady state S <= m < N - S, measured by `staleness.weight_delays`: updates are "
-        "counted in one global order (by the instant they end, ties by stage), an update is "
-        "seen by every forward that starts at or after the instant it ends, and the delay of "
-        "the update of microbatch m on stage s for the weights of stage j is the number of "
-        "updates before it minus those the forward of m on stage j had seen.",
-        "",
+        "steady state S <= m < N - S as `staleness.weight_delays` counts them (updates in one "
+        "global order, seen by every forward that starts at or after their end).", "",
         "Closed form (derived in `pipedream_fast/staleness.py`): max = S^2 - ceil(S/2), i.e. "
-        "exactly the paper's S^2 - S/2 for even S and S^2 - S/2 - 1/2 for odd S; mean over the "
-        "S x S (update stage, read stage) pairs = S^2/2 + S/4 - 1/2 - (S mod 2)/(4S). "
+        "the paper's S^2 - S/2 for even S and S^2 - S/2 - 1/2 for odd S; mean over the S x S "
+        "(update stage, read stage) pairs = S^2/2 + S/4 - 1/2 - (S mod 2)/(4S). "
         + ("Every row below matches both exactly."
-           if exact else "**Some rows do not match the closed form.**"),
-        "",
+           if exact else "**Some rows do not match the closed form.**"), "",
         *harness.markdown_table(
             ["S", "max delay", "mean delay", "S^2 - S/2", "max - (S^2 - S/2)"],
             [(int(r["S"]), int(r["max"]), f"{r['mean']:.4f}", f"{r['paper']:g}",
-              f"{r['max'] - r['paper']:+g}") for r in rows], left=0),
-    ]
-    return "\n".join(lines) + "\n"
+              f"{r['max'] - r['paper']:+g}") for r in rows], left=0)]) + "\n"
 
 
 def plot(rows: list[dict[str, float]], path: Path) -> None:

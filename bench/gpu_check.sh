@@ -1,18 +1,12 @@
 #!/usr/bin/env bash
-# bench/gpu_check.sh: the project's GPU check, for a machine with one CUDA GPU (a bare image whose
-# python3 holds a CUDA torch, plus nvcc, ninja and pytest; no network). 5-8 min on one H200; it
-# stops itself within GPU_CHECK_BUDGET_S (540 s). Run: bash bench/gpu_check.sh (from anywhere).
-#
-# Steps, each with a banner, a clock and a time limit (a hung step is killed; a failed one does
-# not stop the rest, but a failed build skips the steps that need the extension):
-#   preflight  nvidia-smi -L, torch.cuda.is_available(); else "no CUDA GPU: <why>", exit 2 at once
-#   facts      read-only: nvidia-smi, nvcc, Python, torch, CUDA, cuDNN, NCCL, packages, machine
-#   build      setup.py build_ext --inplace (FORCE_CUDA=1, arch 9.0); asserts _C.cuda_enabled
-#   tests      pytest -m cuda tests/ (the 2-GPU test skips on one); fails when none passed
-#   pipeline   bench/gpu_pipeline.py: model A 2-stage 1f1b on cuda:0 vs one process; samples/s
-#   memory     bench/gpu_memory.py: peak memory counted vs predicted (10%) vs the allocator's
-#   micro      bench/gpu_micro.py: WeightRing offload vs host copies; ActivationQueue hand-off
-#   zoo        bench/gpu_zoo.py: the zoo's transformers through Pipeline (NCCL) vs one process
+# bench/gpu_check.sh: the project's GPU check, for a machine with one CUDA GPU (python3 with a CUDA
+# torch, nvcc, ninja, pytest; no network). 5-8 min on one H200, within GPU_CHECK_BUDGET_S (540 s).
+# Run: bash bench/gpu_check.sh (from anywhere). Steps, each with a banner, a clock and a time limit
+# (a hung step is killed, a failed one does not stop the rest; a failed build skips the steps that
+# need it): preflight (no CUDA GPU: say why, exit 2), facts (read-only: GPU, nvcc, Python, torch,
+# packages, machine), build (build_ext --inplace, FORCE_CUDA=1, arch 9.0; asserts
+# _C.cuda_enabled), tests (pytest -m cuda; fails when none passed), then `bench/gpu.py --set`
+# pipeline, memory, micro and zoo (see its docstring).
 #
 # Output in $OUT (default: a new /tmp/gpu_check.*): gpu_check.log (all printed), the reports
 # gpu_{pipeline,memory,micro,zoo}.md, and gpu_check.md (facts, step table and reports: copy it
@@ -33,7 +27,7 @@ export PY ROOT OUT WORK
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export MAX_JOBS="${MAX_JOBS:-16}"
 START=$SECONDS
-BENCHES=(gpu_pipeline gpu_memory gpu_micro gpu_zoo)
+BENCHES=(pipeline memory micro zoo)  # the steps of bench/gpu.py, in order
 
 banner() { printf '\n==== [%s, +%ds] %s\n' "$(date +%H:%M:%S)" "$((SECONDS - START))" "$*"; }
 
@@ -44,7 +38,8 @@ step_facts() {
   {
     echo "-- nvidia-smi -L"; nvidia-smi -L || echo "(nvidia-smi failed)"
     echo "-- nvidia-smi (query)"
-    nvidia-smi --format=csv --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.max.sm,power.limit,temperature.gpu,utilization.gpu,compute_mode \
+    local query=name,driver_version,memory.total,memory.used,clocks.sm,clocks.max.sm,power.limit
+    nvidia-smi --format=csv --query-gpu="$query,temperature.gpu,utilization.gpu,compute_mode" \
       || echo "(nvidia-smi query failed)"
     echo "-- nvcc --version"; nvcc --version || echo "(nvcc not on PATH)"
     echo "-- Python and torch"
@@ -52,26 +47,20 @@ step_facts() {
 import platform, sys
 print("python", platform.python_version(), sys.executable)
 import torch
-try:
-    import torch.utils.cpp_extension  # CUDA_HOME, as the build finds it (needs setuptools)
-except Exception as err:  # noqa: BLE001
-    print("torch.utils.cpp_extension:", err)
 for what in ("torch.__version__", "torch.version.cuda", "torch.backends.cudnn.version()",
              "torch.cuda.nccl.version()", "torch.cuda.is_available()",
              "torch.cuda.device_count()", "torch.cuda.get_arch_list()",
-             "torch.utils.cpp_extension.CUDA_HOME"):
-    try:
+             "[torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]",
+             "__import__('torch.utils.cpp_extension').utils.cpp_extension.CUDA_HOME"):
+    try:  # CUDA_HOME: as the build finds it (needs setuptools)
         print(what, eval(what))
     except Exception as err:  # noqa: BLE001
         print(what, f"({type(err).__name__}: {err})")
-for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
-    p = torch.cuda.get_device_properties(i)
-    print(f"  cuda:{i} {p.name}, capability {p.major}.{p.minor}, "
-          f"{p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs")
 PY
     echo "-- packages"
+    local names='torch|numpy|pytest|pytest-timeout|hypothesis|rich|scikit-learn|ninja|setuptools'
     "$PY" -m pip list 2>/dev/null \
-      | grep -iE '^(torch|numpy|pytest|pytest-timeout|hypothesis|rich|scikit-learn|ninja|setuptools|pybind11|matplotlib|transformers|torchvision) ' \
+      | grep -iE "^($names|pybind11|matplotlib|transformers|torchvision) " \
       || echo "(pip list failed)"
     echo "-- machine"; uname -srm; echo "cores: $(nproc)"; free -g | head -2 || true
   } 2>&1 | tee "$WORK/facts.txt"
@@ -108,8 +97,9 @@ step_tests() {
   fi
 }
 
-step_bench() {  # bench/gpu_NAME.py on cuda, its report to $OUT/gpu_NAME.md
-  NCCL_DEBUG="${NCCL_DEBUG:-WARN}" "$PY" "bench/gpu_$1.py" --device cuda --out "$OUT/gpu_$1.md"
+step_bench() {  # bench/gpu.py --set NAME on cuda, its report to $OUT/gpu_NAME.md
+  NCCL_DEBUG="${NCCL_DEBUG:-WARN}" "$PY" bench/gpu.py --set "$1" --device cuda \
+    --out "$OUT/gpu_$1.md"
 }
 
 # ---- the runner --------------------------------------------------------------------------------
@@ -157,8 +147,8 @@ summary() {
       echo; echo "## Machine"; echo; echo '```'; cat "$WORK/facts.txt"; echo '```'
     fi
     for part in "${BENCHES[@]}"; do
-      [ -s "$OUT/$part.md" ] || continue
-      echo; sed 's/^#/##/' "$OUT/$part.md"; written+=", $OUT/$part.md"
+      [ -s "$OUT/gpu_$part.md" ] || continue
+      echo; sed 's/^#/##/' "$OUT/gpu_$part.md"; written+=", $OUT/gpu_$part.md"
     done
   } > "$OUT/gpu_check.md"
   printf '%s\n' "${STEPS[@]}"
@@ -223,7 +213,7 @@ main() {
     run_step micro 120 step_bench micro
     run_step zoo 200 step_bench zoo
   else
-    for name in tests pipeline memory micro zoo; do
+    for name in tests "${BENCHES[@]}"; do
       banner "$name: skipped, there is no CUDA build of the extension"
       record "$name" "skipped (no build)" 0
     done

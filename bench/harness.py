@@ -1,11 +1,9 @@
 """What every benchmark here shares: interleaved repeats, medians with their spread, a rank's
-clock and the other processes' share of the machine, the machine's notes, and the results files
-(markdown tables, JSON, plots).
+clock, the machine's notes, and the results files (markdown tables, JSON, plots).
 
-Only ratios measured side by side mean anything on a shared machine (its speed drifts within
-minutes). So drivers are never run in blocks: `alternate` runs them in rounds, A B then B A ...,
-after a warm-up round that is not counted, and `paired_ratio` takes ratios round by round, so a
-slow minute slows both sides of the ratios it touches.
+A shared machine's speed drifts within minutes, so only ratios measured side by side mean
+anything: `alternate` runs drivers in rounds (A B, B A, ...) after an uncounted warm-up round,
+and `paired_ratio` takes ratios round by round.
 """
 
 from __future__ import annotations
@@ -29,15 +27,15 @@ from typing import Any, TypeVar
 import torch
 
 T = TypeVar("T")
+K = TypeVar("K")
 
 
-def alternate(drivers: Mapping[str, Callable[[], T]], rounds: int,
-              warmup: bool = True) -> dict[str, list[T]]:
-    """Each driver's measurement (whatever it returns: seconds, us per action...) in each
-    of `rounds` rounds, the order of the drivers reversed every other round; a first
-    warm-up round is run and dropped."""
+def alternate(drivers: Mapping[K, Callable[[], T]], rounds: int,
+              warmup: bool = True) -> dict[K, list[T]]:
+    """Each driver's result in each of `rounds` rounds, their order reversed every other round,
+    after a warm-up round (dropped)."""
     names = list(drivers)
-    values: dict[str, list[T]] = {name: [] for name in names}
+    values: dict[K, list[T]] = {name: [] for name in names}
     for index in range(rounds + (1 if warmup else 0)):
         order = names if index % 2 == 0 else names[::-1]
         measured = {name: drivers[name]() for name in order}
@@ -80,8 +78,7 @@ def positive(text: str) -> int:
 
 def sizes(args: argparse.Namespace, default: Mapping[str, int], quick: Mapping[str, int],
           is_quick: bool) -> dict[str, int]:
-    """Each of `default`'s keys from `args` where given (not None), else from `quick` or
-    `default`."""
+    """Each of `default`'s keys from `args` where not None, else from `quick` or `default`."""
     base = quick if is_quick else default
     return {k: base[k] if getattr(args, k) is None else getattr(args, k) for k in default}
 
@@ -99,9 +96,8 @@ def machine_busy_s() -> float:
 
 
 class Clock:
-    """A rank's stamps: the end of the warm-up and of the last step (system-wide monotonic
-    clock, comparable across the ranks), with the machine's busy and this process's CPU time
-    over that window."""
+    """A rank's stamps at the end of the warm-up and of the last step (a clock comparable
+    across the ranks), with the machine's busy and this process's CPU time in between."""
 
     def __init__(self) -> None:
         self.start = self.busy = self.cpu = 0.0
@@ -116,8 +112,7 @@ class Clock:
 
 def window(ranks: Sequence[Mapping[str, Any]], samples: int) -> dict[str, float]:
     """One run from every rank's `Clock.done()`: from the latest end of warm-up to the latest
-    end, as barriers would place it; `other_cores`: the CPU that processes other than the
-    ranks took meanwhile (the machine's busy time less the ranks' own), in cores."""
+    end, as barriers would place it, and the cores other processes took meanwhile."""
     seconds = max(r["end"] for r in ranks) - max(r["start"] for r in ranks)
     return {"samples_per_s": samples / seconds, "seconds": seconds,
             "other_cores": other_cores(ranks, seconds)}
@@ -134,9 +129,8 @@ _STORE: list[Any] = []  # the launcher's store, kept past the default group's en
 
 def fresh_group(rank: int, world: int, index: int, backend: str = "gloo",
                 timeout_s: float = 60.0) -> None:
-    """In a launched rank: a process group of its own for run number `index` (a run that
-    fails on one rank must not leave the next a broken group), on the launcher's loopback
-    store under a prefix of its own."""
+    """In a launched rank: a process group of its own for run number `index` (a failed run
+    must not leave the next a broken group), on the launcher's store under its own prefix."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -158,8 +152,7 @@ def print_result(value: Any) -> None:
 
 
 def cluster_results(cluster: Any, argv: Sequence[str], timeout: float) -> list[dict[str, Any]]:
-    """Runs `argv` on every rank of a `netcluster.Cluster` (one thread each, unbuffered) and
-    returns each rank's `print_result` value."""
+    """Each rank's `print_result` value from `argv` run on every rank of a `netcluster.Cluster`."""
     done = cluster.run(list(argv), timeout=timeout,
                        env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     out = []
@@ -221,27 +214,22 @@ def git(*args: str) -> str | None:
 
 
 def unless_stopped(err: BaseException) -> None:
-    """Raises `err` again if it is a launch the operator stopped (SIGTERM or SIGHUP to the
-    benchmark: `LaunchError.stopped_by`). A benchmark reports a run that fails and goes on to
-    the next; a stop must end it, not start the next run."""
+    """Raises `err` again if the operator stopped the launch (`LaunchError.stopped_by`): a
+    failed run is reported and the next one started, a stop must end the benchmark."""
     if getattr(err, "stopped_by", None) is not None:
         raise err
 
 
 def shorten(err: BaseException, limit: int = 240) -> str:
-    """The exception, then its cause after "<-", and so on, each as `Type: message` cut to
-    `limit` characters."""
+    """The exception and its causes, joined by "<-", each `Type: message` cut to `limit`."""
     chain: list[BaseException] = []
     current: BaseException | None = err
     while current is not None and current not in chain and len(chain) < 6:
         chain.append(current)
         current = current.__cause__ or current.__context__
-    parts = []
-    for e in chain:
-        text = " ".join(str(e).split())
-        parts.append(f"{type(e).__name__}: "
-                     + (text if len(text) <= limit else text[:limit - 3] + "..."))
-    return " <- ".join(parts)
+    texts = [" ".join(str(e).split()) for e in chain]
+    return " <- ".join(f"{type(e).__name__}: " + (t if len(t) <= limit else t[:limit - 3] + "...")
+                       for e, t in zip(chain, texts))
 
 
 def command() -> str:
@@ -258,8 +246,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]],
 
 
 def emit(out: str | os.PathLike[str] | None, text: str, data: Any = None) -> None:
-    """Prints the markdown `text`; with `out`, writes it there and `data` (if given) beside it
-    as JSON (same name, .json)."""
+    """Prints the markdown `text`; with `out`, writes it there and `data` beside it (.json)."""
     print(text)
     if out:
         Path(out).write_text(text)
@@ -271,8 +258,7 @@ def emit(out: str | os.PathLike[str] | None, text: str, data: Any = None) -> Non
 def write_results(path: str | os.PathLike[str], title: str, intro: Sequence[str],
                   header: Sequence[str], rows: Sequence[Sequence[Any]],
                   outro: Sequence[str] = (), data: Mapping[str, Any] | None = None) -> None:
-    """`path` (markdown): the title, the command and machine, `intro`, a table, `outro`;
-    and beside it (`.json`) `data`, when given."""
+    """`path`: title, command, machine, `intro`, a table, `outro`; `data` beside it (.json)."""
     lines = [f"# {title}", "", f"Command: `{command()}`", "", f"Machine: {machine()}.", ""]
     lines += [*intro, ""] if intro else []
     lines += markdown_table(header, rows)
@@ -289,8 +275,7 @@ def write_json(path: str | os.PathLike[str], data: Any, indent: int | None = 1) 
 
 
 def plain(value: Any) -> Any:
-    """A JSON-able copy: tuples as lists, keys as strings, non-finite floats as None, a
-    one-element tensor as its number, any other object as its string."""
+    """A JSON-able copy: non-finite floats as None, a one-element tensor as its number."""
     if isinstance(value, dict):
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -326,8 +311,7 @@ def axes_text(ax: Any, title: str | None, xlabel: str, ylabel: str, legend: Any 
     """An axes' title, labels, legend (`legend`: its keyword arguments; None: none) and grid."""
     if title is not None:
         ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    ax.set(xlabel=xlabel, ylabel=ylabel)
     if legend is not None:
         ax.legend(**legend)
     if grid is not None:
@@ -342,9 +326,8 @@ DISTURBED = 0.25  # cores other processes took during a run beyond which it is r
 def least_disturbed(run: Callable[[], T], others: Callable[[T], float], retries: int,
                     say: Callable[[str], None] = print, deadline: float | None = None
                     ) -> tuple[T, list[T]]:
-    """`run()`, and again while other processes took more than DISTURBED cores during it (up
-    to `retries` more times, and before the monotonic `deadline`): the least disturbed run
-    and the others."""
+    """`run()`, again while other processes took more than DISTURBED cores during it (up to
+    `retries` more times, before the monotonic `deadline`): the least disturbed run, the rest."""
     best, rest = run(), []
     for _ in range(retries):
         if others(best) <= DISTURBED or (deadline is not None and time.monotonic() >= deadline):

@@ -1,10 +1,9 @@
 """The core's speed knobs (`pipedream_fast.Tuning`) on model A, one knob at a time.
 
-Batch 32, 2 ranks of one torch thread, gloo on loopback. queue_depth, spin_us, recv_pool and
-weight_slots with `pipedream` on 2 stages cut conv | fc; bucket_mb with `data-parallel`
-(chunks=2), the only configuration with buckets; offload_stash only with 2 GPUs and a CUDA build.
-Every value of every knob once a round, all in the same two processes; a figure is the median
-over the rounds of samples/s after the warm-up (the slower rank's), and its ratio to the default.
+Batch 32, 2 ranks of one torch thread, gloo on loopback; `pipedream` on 2 stages cut conv | fc,
+bucket_mb with `data-parallel` (the only configuration with buckets), offload_stash only on 2
+GPUs. Every value once a round, all in the same two processes: the median over the rounds of
+samples/s after the warm-up (the slower rank's), and its ratio to the default.
 
     python bench/knobs.py [--steps 20] [--rounds 3] [--quick] [--out bench/results/knobs.md]
 """
@@ -12,7 +11,6 @@ over the rounds of samples/s after the warm-up (the slower rank's), and its rati
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -120,8 +118,7 @@ def sweep(knobs: list[Knob], quick: bool, rounds: int, steps: int, on_gpus: bool
     runs = [(knob.schedule, knob.field, value) for _ in range(rounds) for knob in knobs
             for value in knob.sweeps(quick)]
     # Ranks that see no GPU: `launch` then picks gloo and the CPU.
-    hide = mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": ""})
-    with contextlib.nullcontext() if on_gpus else hide:
+    with mock.patch.dict(os.environ, {} if on_gpus else {"CUDA_VISIBLE_DEVICES": ""}):
         seconds = launch(rank_job, 2, runs, steps, timeout=600.0, threads_per_rank=1)
     samples: dict[tuple[str, Any], list[float]] = {}
     for (_, field, value), *per_rank in zip(runs, *seconds):
@@ -155,8 +152,8 @@ def main() -> int:
                         help="fewer steps, rounds and values: the sweep in under 4 minutes")
     parser.add_argument("--out", help="write the table here (markdown) and knobs.json beside it")
     args = parser.parse_args()
-    steps = args.steps or (6 if args.quick else 20)
-    rounds = args.rounds or (2 if args.quick else 3)
+    steps, rounds = harness.sizes(args, {"steps": 20, "rounds": 3}, {"steps": 6, "rounds": 2},
+                                  args.quick).values()
     began = time.perf_counter()
     rows = sweep(cpu_knobs(WARMUP + steps), args.quick, rounds, steps, on_gpus=False)
     if _C.cuda_enabled and torch.cuda.device_count() >= 2:

@@ -1,12 +1,10 @@
 """Each rank's memory predicted against measured, for every schedule; plans under a memory cap
 (issue 28).
 
-Matrix: per model (cnn, charlm, the test zoo's small BERT), schedule and depth, one run on rank
-processes (gloo, 1 thread) measures what every rank holds (`measure_memory=True`) and the
-simulator predicts it from a profile at the microbatch (`sim_memory.predict_memory`). Cap: the
-char LM's straight 2-rank 1f1b plan with no limit, under a cap that forces recomputation, and
-recomputing every stage, in interleaved rounds: peaks against the cap, samples/s against the
-unlimited plan's, and the simulator's predicted ratio.
+Per model, schedule and depth, one run on rank processes measures what every rank holds
+(`measure_memory=True`) and the simulator predicts it from a profile at the microbatch. Cap:
+the char LM's 2-rank 1f1b plan with no limit, under a cap that forces recomputation and
+recomputing every stage, in interleaved rounds: peaks against the cap, samples/s, prediction.
 
     python bench/memory.py [--models cnn,charlm,bert] [--ranks 2,4] [--cap-rounds 3] [--out F]
 """
@@ -15,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from pipedream_fast.sim_memory import predict_memory
 from pipedream_fast.tracing import trace
 from pipedream_fast.training import build_schedule
 
-from harness import Spread, alternate, markdown_table, paired_ratio, write_results  # noqa: E402 - a sibling
+import harness  # noqa: E402 - a sibling
 
 BATCH, STEPS = 32, 3
 SCHEDULES = (("gpipe", 4), ("1f1b", 4), ("interleaved-1f1b", 4), ("zb-h1", 4), ("2bw", 4),
@@ -74,13 +73,13 @@ def batches(name: str, steps: int = STEPS) -> list[Any]:
     if name == "bert":
         return [{"input_ids": torch.randint(0, ZOO_VOCAB, (BATCH, ZOO_SEQ), generator=g),
                  "labels": torch.randint(0, 3, (BATCH,), generator=g)} for _ in range(steps)]
-    _, example = build_model(name, BATCH)
+    net, example = build_model(name, BATCH)
+    with torch.no_grad():
+        classes = net(example[:1]).shape
     out = []
     for _ in range(steps):
         x = (torch.randn(example.shape, generator=g) if example.is_floating_point()
              else torch.randint(0, int(example.max()) + 1, example.shape, generator=g))
-        with torch.no_grad():
-            classes = model(name)(x[:1]).shape
         out.append((x, torch.randint(0, classes[-1], (BATCH, *classes[1:-1]), generator=g)))
     return out
 
@@ -95,13 +94,11 @@ def blocks_of(name: str) -> int:
 
 def plan_for(name: str, schedule: str, ranks: int, chunks: int) -> Plan:
     """Stages cut evenly by blocks; stage i on rank i mod ranks (interleaved: two a rank)."""
-    n = blocks_of(name)
-    count = stages_for(schedule, ranks)
-    sizes = [n // count + (1 if i < n % count else 0) for i in range(count)]
-    starts = [sum(sizes[:i]) for i in range(count)]
+    n, count = blocks_of(name), stages_for(schedule, ranks)
+    cuts = [i * (n // count) + min(i, n % count) for i in range(count + 1)]  # first longer
     return Plan(type(model(name)).__name__, BATCH // chunks, ranks, schedule,
-                [StagePlan(start, start + size, 1, (i % ranks,), 0.0)
-                 for i, (start, size) in enumerate(zip(starts, sizes))], 0.0, 0.0)
+                [StagePlan(cuts[i], cuts[i + 1], 1, (i % ranks,), 0.0) for i in range(count)],
+                0.0, 0.0)
 
 
 def stages_for(schedule: str, ranks: int) -> int:
@@ -136,12 +133,17 @@ def microbatch_profile(name: str, chunks: int, repeat: int = 1) -> Any:
                          chain=chain)
 
 
+def simulated(profile: Any, plan: Plan, schedule: str, steps: int, chunks: int) -> Any:
+    """The simulator's run of `plan`, renamed after the profile's model (which it checks)."""
+    plan.model = profile.model
+    return simulate(build_schedule(plan, schedule, steps, chunks),
+                    ProfileCosts.from_plan(profile, plan))
+
+
 def predicted(name: str, schedule: str, chunks: int, plan: Any) -> dict[int, Any]:
     profile = microbatch_profile(name, chunks)
-    plan.model = profile.model
-    result = simulate(build_schedule(plan, schedule, STEPS, chunks),
-                      ProfileCosts.from_plan(profile, plan))
-    return predict_memory(result, profile, plan, BATCH // chunks, chunks)
+    return predict_memory(simulated(profile, plan, schedule, STEPS, chunks), profile, plan,
+                          BATCH // chunks, chunks)
 
 
 # ---- plans under a memory cap: no limit, a cap that forces recomputation, all recomputing ----
@@ -187,10 +189,7 @@ def cap_plans(profile: Any) -> tuple[dict[str, Plan], int, int, int]:
 
 
 def simulated_rate(profile: Any, plan: Plan) -> float:
-    plan = copy.deepcopy(plan)
-    plan.model = profile.model
-    result = simulate(build_schedule(plan, CAP_SCHEDULE, 8 * CAP_CHUNKS, CAP_CHUNKS),
-                      ProfileCosts.from_plan(profile, plan))
+    result = simulated(profile, copy.deepcopy(plan), CAP_SCHEDULE, 8 * CAP_CHUNKS, CAP_CHUNKS)
     return 8 * CAP_CHUNKS * profile.batch_size / result.makespan
 
 
@@ -199,40 +198,35 @@ def cap_experiment(rounds: int) -> tuple[list[str], list[tuple[Any, ...]], dict[
     plans, cap, recomputing, keeping = cap_plans(profile)
     last: dict[str, Any] = {}
 
-    def driver(name: str) -> Any:
-        def run() -> float:
-            results = launch(cap_job, 2, plans[name], timeout=600, threads_per_rank=1)
-            last[name] = results
-            return min(r["samples_per_s"] for r in results)  # the slowest rank's view
-        return run
+    def run(name: str) -> float:
+        last[name] = launch(cap_job, 2, plans[name], timeout=600, threads_per_rank=1)
+        return min(r["samples_per_s"] for r in last[name])  # the slowest rank's view
 
-    rates = alternate({name: driver(name) for name in plans}, rounds)
+    rates = harness.alternate({name: functools.partial(run, name) for name in plans}, rounds)
     rows, data = [], {"cap_bytes": cap, "smallest_recomputing": recomputing,
                       "smallest_keeping": keeping, "runs": {}}
     base = simulated_rate(profile, plans["no limit"])
     for name, results in last.items():
         plan = plans[name]
         peaks = [r["memory"]["rank"]["total_peak"] for r in results]
-        measured = paired_ratio(rates, name, "no limit")
+        measured = harness.paired_ratio(rates, name, "no limit")
         predicted = simulated_rate(profile, plan) / base
         stages = " / ".join(f"{s.start}-{s.stop - 1}{' R' if s.extra.get('recompute') else ''}"
                             for s in plan.stages)
         rows.append((name, stages, " / ".join(f"{p / 2**20:.2f}" for p in peaks),
                      "-" if name != "cap" else ("yes" if max(peaks) <= cap else "NO"),
-                     Spread.of(rates[name]).text(0), measured.text(3), f"{predicted:.3f}"))
+                     harness.Spread.of(rates[name]).text(0), measured.text(3), f"{predicted:.3f}"))
         data["runs"][name] = {"plan": plan.to_dict(), "peaks": peaks,
                               "samples_per_s": rates[name], "predicted_ratio": predicted}
         print(f"cap: {name}: {rows[-1]}", flush=True)
     intro = [f"Plans under a memory cap: {CAP_MODEL}, {CAP_SCHEDULE} with {CAP_CHUNKS} "
-             f"microbatches of {BATCH // CAP_CHUNKS} on 2 rank processes; straight 2-stage "
-             f"plans of the dynamic program (as `pipedream-fast train` plans) from a profile at "
-             f"the microbatch. The cap, {cap / 2**20:.2f} MiB ({cap} bytes) per worker, lies "
-             f"half-way between the smallest requirement of any plan recomputing where needed "
-             f"({recomputing} bytes) and keeping every activation ({keeping} bytes). "
-             f"{rounds} interleaved rounds after a warm-up; samples/s over {CAP_STEPS - CAP_WARM} "
-             f"steps after {CAP_WARM}, the slowest rank's; ratios to the unlimited plan taken "
-             f"round by round; predicted: the simulator on each run's plan (a recomputing "
-             f"stage's backward runs its forward again). Stages: blocks, R = recomputes."]
+             f"microbatches of {BATCH // CAP_CHUNKS} on 2 rank processes, straight 2-stage "
+             f"plans as `pipedream-fast train` makes them. The cap, {cap / 2**20:.2f} MiB ({cap} "
+             f"bytes) per worker, lies half-way between the least any plan needs recomputing "
+             f"({recomputing} bytes) and keeping every activation ({keeping} bytes). {rounds} "
+             f"interleaved rounds; samples/s over {CAP_STEPS - CAP_WARM} steps after {CAP_WARM}, "
+             f"the slowest rank's; ratios to the unlimited plan round by round; predicted: the "
+             f"simulator on each plan. Stages: blocks, R = recomputes."]
     return intro, rows, data
 
 
@@ -260,12 +254,11 @@ def main() -> int:
                     act = want.activations_peak / max(1, got["activations_peak"]) - 1
                     worst = max(worst, abs(total))
                     rows.append((name, ranks, schedule, rank,
-                                 f"{got['total_peak'] / 2**20:.2f}",
-                                 f"{got['activations_peak'] / 2**20:.2f}",
+                                 *(f"{got[k] / 2**20:.2f}" for k in ("total_peak",
+                                                                     "activations_peak")),
                                  f"{total:+.1%}", f"{act:+.1%}"))
                     data.append({"model": name, "ranks": ranks, "schedule": schedule,
-                                 "rank": rank, "measured": got,
-                                 "predicted": want.to_dict()})
+                                 "rank": rank, "measured": got, "predicted": want.to_dict()})
                 print(f"{name} {ranks} ranks {schedule}: " + "; ".join(
                     f"rank {r[3]} {r[6]} (activations {r[7]})" for r in rows[-ranks:]),
                     flush=True)
@@ -273,18 +266,16 @@ def main() -> int:
     cap_intro, cap_rows, cap_data = (cap_experiment(args.cap_rounds) if args.cap_rounds
                                      else ([], [], {}))
     if args.out:
-        write_results(
+        harness.write_results(
             args.out, "Memory per rank: predicted against measured",
-            [f"Minibatch {BATCH}, {STEPS} steps, Adam; gpipe, 1f1b, interleaved-1f1b (2 "
-             f"stages per rank), zb-h1 and 2bw with 4 microbatches, pipedream and "
-             f"pipedream-vsync with 1; stages cut evenly by blocks. Measured: "
-             f"`measure_memory=True` on rank processes (every storage a rank's stages hold, "
-             f"`runtime/memory.py`). Predicted: the simulator from a profile at the "
-             f"microbatch size (`sim_memory.py`). Errors are predicted / measured - 1."],
+            [f"Minibatch {BATCH}, {STEPS} steps, Adam; 4 microbatches (pipedream and "
+             f"pipedream-vsync: 1), interleaved-1f1b 2 stages per rank; stages cut evenly by "
+             f"blocks. Measured: `measure_memory=True` on rank processes. Predicted: "
+             f"`sim_memory.py` from a profile at the microbatch. Error: predicted / measured - 1."],
             ["model", "ranks", "schedule", "rank", "measured peak (MiB)",
              "of it activations (MiB)", "predicted peak error", "activations error"],
             rows, [f"Worst error of a rank's predicted peak: {worst:.1%}.", ""]
-            + ([*cap_intro, "", *markdown_table(
+            + ([*cap_intro, "", *harness.markdown_table(
                 ["run", "stages", "measured peak per rank (MiB)", "under the cap",
                  "samples/s (median, range)", "x the unlimited plan, measured",
                  "predicted"], cap_rows)] if cap_rows else []),

@@ -1,8 +1,6 @@
-"""The bench-only C++ extension `pipedream_fast_bench` (`ThreadedProducer`, a native thread
-pushing into a `pipedream_fast._C.ActivationQueue`), built on first use so none of it ships in
-the library: `load()` compiles bench/csrc/*.cpp with csrc/activation_queue.cpp through
-`torch.utils.cpp_extension.load` into build/bench_ext/ and reuses that build until a source
-changes. `missing_tools()` says what stops a build here (no C++ compiler, no ninja).
+"""The bench-only C++ extension `pipedream_fast_bench` (`ThreadedProducer`: a native thread
+pushing into a `pipedream_fast._C.ActivationQueue`), so none of it ships in the library: `load()`
+builds bench/csrc/*.cpp with csrc/activation_queue.cpp into build/bench_ext/ on first use.
 """
 
 from __future__ import annotations
@@ -17,12 +15,6 @@ BUILD_DIR = ROOT / "build" / "bench_ext"
 NAME = "pipedream_fast_bench"
 
 _module: ModuleType | None = None
-
-
-def sources() -> list[str]:
-    """The extension's sources: the bench-only ones and the queue it pushes into."""
-    return [str(p) for p in sorted((ROOT / "bench" / "csrc").glob("*.cpp"))] + \
-        [str(ROOT / "csrc" / "activation_queue.cpp")]
 
 
 def missing_tools() -> str | None:
@@ -50,8 +42,10 @@ def load(verbose: bool = False) -> ModuleType:
         if _C.cuda_enabled:  # a Bundle carries a CUDA event then: the layouts must agree
             flags.append("-DPIPEDREAM_FAST_WITH_CUDA")
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        sources = [*sorted((ROOT / "bench" / "csrc").glob("*.cpp")),
+                   ROOT / "csrc" / "activation_queue.cpp"]
         _module = cpp_extension.load(
-            name=NAME, sources=sources(),
+            name=NAME, sources=[str(p) for p in sources],
             extra_include_paths=[str(ROOT / "csrc"), str(ROOT / "bench" / "csrc")],
             extra_cflags=flags, with_cuda=bool(_C.cuda_enabled),
             build_directory=str(BUILD_DIR), verbose=verbose)

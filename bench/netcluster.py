@@ -1,11 +1,10 @@
-"""An emulated bandwidth-limited cluster on one machine, and the launcher of the benchmarks
-run on it (bench/vs_ddp.py, bench/time_to_accuracy.py). Each rank runs in a network namespace
-on a bridge, its veth shaped both ways by `tc tbf`, with torchrun's environment and
-GLOO_SOCKET_IFNAME = its veth. Needs root and iproute2 (`available()` says why not). Leaving
-the `with` block (also by SIGINT/SIGTERM) kills the ranks and deletes everything; what a
-killed harness left (`pdn<dead pid>...`) goes at the next cluster (`remove_stale()`).
+"""An emulated bandwidth-limited cluster on one machine (each rank in a network namespace on a
+bridge, its veth shaped both ways by `tc tbf`; needs root and iproute2), and the launcher of
+bench/vs_ddp.py and bench/time_to_accuracy.py. Leaving the `with` block, also by SIGINT or
+SIGTERM, kills the ranks and deletes everything; what a killed harness left goes at the next
+cluster, or with:
 
-    python bench/netcluster.py --remove-stale        # delete what dead harnesses left
+    python bench/netcluster.py --remove-stale
 """
 
 from __future__ import annotations
@@ -13,18 +12,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import datetime
 import functools
 import itertools
+import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
@@ -38,6 +38,7 @@ FAIL_GRACE_S = 5.0  # after one rank fails, how long the others get to exit on t
 KILL_GRACE_S = 2.0  # between SIGTERM and SIGKILL of a rank's process group
 OUTPUT_TAIL = 3000  # characters of a rank's output quoted in an error
 WORLD = 2  # ranks of the benchmarks' clusters
+BATCH = 32  # the benchmarks' global batch
 
 _NAME = re.compile(rf"^{PREFIX}(\d+)([a-z])")
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
@@ -46,30 +47,23 @@ _sequence = itertools.count()
 
 
 class ClusterError(RuntimeError):
-    """The emulated cluster could not be built, or a run on it failed."""
+    """The cluster could not be built, or a run on it failed; `facts` become attributes."""
+
+    def __init__(self, message: str, **facts: Any) -> None:
+        super().__init__(message)
+        self.__dict__.update(facts)
 
 
 class RankFailed(ClusterError):
-    """A rank exited with a non-zero code (the first to fail is named; the rest were killed)."""
-
-    def __init__(self, message: str, rank: int, returncode: int, output: str) -> None:
-        super().__init__(message)
-        self.rank, self.returncode, self.output = rank, returncode, output
+    """The first rank to exit non-zero: `rank`, `returncode`, `output`; the rest were killed."""
 
 
 class RunTimeout(ClusterError):
-    """Ranks were still running at the run's timeout; every rank was killed."""
-
-    def __init__(self, message: str, ranks: list[int]) -> None:
-        super().__init__(message)
-        self.ranks = ranks
+    """`ranks` were still running at the run's timeout; every rank was killed."""
 
 
 class Interrupted(BaseException):
     """SIGTERM inside a `Cluster` block (a BaseException: `except Exception` lets it through)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
 
 
 def parse_rate(rate: str | float | None) -> int | None:
@@ -107,40 +101,18 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 @functools.lru_cache(maxsize=1)
 def available() -> tuple[bool, str]:
-    """(True, "") when clusters can be built here, else (False, why): probes a veth, a bridge
-    and a tbf qdisc in a throwaway namespace."""
-    if sys.platform != "linux":
-        return False, f"network namespaces need Linux, this is {sys.platform}"
-    if os.geteuid() != 0:
-        return False, "network namespaces need root (or CAP_NET_ADMIN and CAP_SYS_ADMIN)"
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing:
-        return False, f"{' and '.join(missing)} not found (install iproute2)"
-    probe = f"{PREFIX}{os.getpid()}zprobe"
+    """(True, "") when clusters can be built here (a throwaway one is), else (False, why)."""
+    if sys.platform != "linux" or os.geteuid() != 0:
+        return False, "network namespaces need Linux and root (or CAP_NET_ADMIN, CAP_SYS_ADMIN)"
     try:
-        _sh("ip", "netns", "add", probe)
-        _sh("ip", "-n", probe, "link", "add", "name", "pa", "type", "veth", "peer", "name", "pb")
-        _sh("ip", "-n", probe, "link", "add", "name", "pbr", "type", "bridge")
-        _sh("tc", "-n", probe, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1mbit",
-            "burst", str(MIN_BURST), "latency", LATENCY)
+        with Cluster(world=2, rate="1mbit"):
+            return True, ""
     except (ClusterError, OSError, subprocess.SubprocessError) as err:
         return False, f"cannot build an emulated cluster here: {err}"
-    finally:
-        _sh("ip", "netns", "del", probe, check=False)
-    return True, ""
-
-
-def _die_with_parent() -> None:
-    """In a rank, before exec: SIGKILL it when the harness dies (PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _kill_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the rank's process group (what the rank started too), SIGKILL it KILL_GRACE_S
-    later."""
+    """SIGTERM the rank's process group, SIGKILL it KILL_GRACE_S later."""
     for signum in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signum)
@@ -153,19 +125,16 @@ def _pids_in(namespace: str) -> list[int]:
     return [int(p) for p in done.stdout.split() if p.isdigit()]
 
 
-def _our_names() -> tuple[list[str], list[str]]:
-    """(namespaces, links) in the root namespace whose names start with PREFIX."""
-    namespaces = [line.split()[0] for line in _sh("ip", "netns", "list").stdout.splitlines()
-                  if line.startswith(PREFIX)]
+def _names(prefix: str = PREFIX) -> tuple[list[str], ...]:
+    """(namespaces, links) in the root namespace whose names start with `prefix`."""
+    namespaces = [line.split()[0] for line in _sh("ip", "netns", "list").stdout.splitlines()]
     links = [line.split(":", 2)[1].strip().split("@")[0]
              for line in _sh("ip", "-o", "link", "show").stdout.splitlines()]
-    return namespaces, [n for n in links if n.startswith(PREFIX)]
+    return tuple([n for n in names if n.startswith(prefix)] for names in (namespaces, links))
 
 
 def leftovers(prefix: str = PREFIX) -> list[str]:
-    """Namespaces and links in the root namespace whose names start with `prefix`."""
-    namespaces, links = _our_names()
-    return [n for n in namespaces + links if n.startswith(prefix)]
+    return [name for names in _names(prefix) for name in names]
 
 
 def _delete(namespaces: Sequence[str], links: Sequence[str]) -> None:
@@ -176,27 +145,20 @@ def _delete(namespaces: Sequence[str], links: Sequence[str]) -> None:
             os.kill(pid, signal.SIGKILL)
     for namespace in namespaces:
         _sh("ip", "netns", "del", namespace, check=False)
-    present = set(_our_names()[1])
-    for link in links:
-        if link in present:
-            _sh("ip", "link", "del", link, check=False)
+    for link in set(links) & set(_names()[1]):
+        _sh("ip", "link", "del", link, check=False)
 
 
 def remove_stale() -> list[str]:
     """Delete (and return) the namespaces and links named after PIDs that no longer run."""
-    namespaces, links = _our_names()
-
-    def stale(name: str) -> bool:
-        match = _NAME.match(name)
-        return match is not None and not os.path.exists(f"/proc/{match.group(1)}")
-
-    dead = [n for n in namespaces if stale(n)], [n for n in links if stale(n)]
+    dead = [[n for n in names if (m := _NAME.match(n)) and not os.path.exists(f"/proc/{m[1]}")]
+            for names in _names()]
     _delete(*dead)
     return dead[0] + dead[1]
 
 
 @dataclass
-class RankResult:  # returncode < 0: killed by that signal; output: stdout and stderr
+class RankResult:  # returncode < 0: killed by that signal; output: stdout and stderr; veth bytes
     rank: int
     returncode: int
     output: str
@@ -207,7 +169,6 @@ class RankResult:  # returncode < 0: killed by that signal; output: stdout and s
 @dataclass
 class RunResult:
     ranks: list[RankResult]
-    elapsed_s: float
 
 
 class Cluster:
@@ -218,8 +179,7 @@ class Cluster:
         if isinstance(world, bool) or not isinstance(world, int) or not 2 <= world <= 254:
             raise ValueError(f"world must be an integer from 2 to 254 ranks, got {world!r}")
         self.world, self.rate_bits = world, parse_rate(rate)
-        # a letter per cluster of this process ('z' is available()'s probe)
-        self.prefix = f"{PREFIX}{os.getpid()}{'abcdefghijklmnopqrstuvwxy'[next(_sequence) % 25]}"
+        self.prefix = f"{PREFIX}{os.getpid()}{'abcdefghijklmnopqrstuvwxyz'[next(_sequence) % 26]}"
         self.bridge = f"{self.prefix}br"
         self.namespaces = [f"{self.prefix}s{i}" for i in range(world)]
         self.ifnames = [f"{self.prefix}n{i}" for i in range(world)]  # inside the namespaces
@@ -247,9 +207,6 @@ class Cluster:
         self.close()
 
     def _build(self) -> None:
-        ok, why = available()
-        if not ok:
-            raise ClusterError(why)
         remove_stale()
         self._built = True  # from here on close() has something to delete
         _sh("ip", "link", "add", "name", self.bridge, "type", "bridge")
@@ -292,10 +249,9 @@ class Cluster:
             if self._built:
                 _delete(self.namespaces, [self.bridge, *self.host_ifnames])
                 self._built = False
-                left = leftovers(self.prefix)
-                if left:
-                    print(f"netcluster: could not delete {', '.join(left)}; run "
-                          f"`python bench/netcluster.py --remove-stale`", file=sys.stderr)
+                if leftovers(self.prefix):
+                    print(f"netcluster: could not delete {', '.join(leftovers(self.prefix))}; "
+                          f"run `python bench/netcluster.py --remove-stale`", file=sys.stderr)
         finally:
             for number, handler in self._previous_handlers.items():
                 signal.signal(number, handler if handler is not None else signal.SIG_DFL)
@@ -318,10 +274,8 @@ class Cluster:
         it; at `timeout` all are killed (`RunTimeout`)."""
         if not self._built:
             raise ClusterError("the cluster is not built: use `with Cluster(...) as cluster:`")
-        before = self._counters()
-        self._processes = []
+        before, self._processes = self._counters(), []
         logs = [tempfile.TemporaryFile() for _ in range(self.world)]
-        began = time.monotonic()
         try:
             for rank in range(self.world):  # one by one: a failed spawn still kills the rest
                 self._processes.append(subprocess.Popen(
@@ -331,19 +285,16 @@ class Cluster:
                          "MASTER_ADDR": self.addresses[0], "MASTER_PORT": str(MASTER_PORT),
                          "GLOO_SOCKET_IFNAME": self.ifnames[rank], **(env or {})},
                     stdin=subprocess.DEVNULL, stdout=logs[rank], stderr=subprocess.STDOUT,
-                    start_new_session=True, preexec_fn=_die_with_parent))
-            hung, failed_first = self._wait(began + timeout, fail_grace)
-            elapsed = time.monotonic() - began
+                    start_new_session=True,  # and PR_SET_PDEATHSIG: it dies with the harness
+                    preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)))
+            hung, failed_first = self._wait(time.monotonic() + timeout, fail_grace)
         finally:
             for process in self._processes:
                 _kill_group(process)
         after = self._counters()
-        outputs = []
         for log in logs:
             log.seek(0)
-            outputs.append(log.read().decode(errors="replace"))
-            log.close()
-        results = [RankResult(rank, p.returncode, outputs[rank],
+        results = [RankResult(rank, p.returncode, logs[rank].read().decode(errors="replace"),
                               after[rank][0] - before[rank][0], after[rank][1] - before[rank][1])
                    for rank, p in enumerate(self._processes)]
         self._processes = []
@@ -351,69 +302,58 @@ class Cluster:
             names = ", ".join(f"rank {r} ({self.namespaces[r]})" for r in hung)
             raise RunTimeout(f"{names} still running at the {timeout:g} s timeout; every rank "
                              f"was killed. Last output of rank {hung[0]}:\n"
-                             f"{outputs[hung[0]][-OUTPUT_TAIL:] or '(none)'}", hung)
+                             f"{results[hung[0]].output[-OUTPUT_TAIL:] or '(none)'}", ranks=hung)
         if failed_first is not None:
             bad = results[failed_first]
             how = (f"exited with code {bad.returncode}" if bad.returncode >= 0
                    else f"was killed by signal {-bad.returncode}")
             raise RankFailed(f"rank {bad.rank} (namespace {self.namespaces[bad.rank]}) {how}; "
                              f"the other ranks were stopped. Its output:\n"
-                             f"{bad.output[-OUTPUT_TAIL:]}", bad.rank, bad.returncode, bad.output)
-        return RunResult(results, elapsed)
+                             f"{bad.output[-OUTPUT_TAIL:]}", rank=bad.rank,
+                             returncode=bad.returncode, output=bad.output)
+        return RunResult(results)
 
     def _wait(self, deadline: float, fail_grace: float) -> tuple[list[int], int | None]:
-        """Poll until all exit, one fails (then `fail_grace` more), or the deadline. Returns
-        (ranks still running at the deadline, first rank that failed)."""
-        failed_first: int | None = None
-        give_up = deadline
+        """Poll until all exit, one fails (then `fail_grace` more), or the deadline: (the ranks
+        still running at the deadline, the first rank that failed)."""
+        failed: int | None = None
         while True:
             codes = [p.poll() for p in self._processes]
-            if failed_first is None:
-                failed = [r for r, code in enumerate(codes) if code not in (None, 0)]
-                if failed:
-                    failed_first = failed[0]
-                    give_up = min(deadline, time.monotonic() + fail_grace)
+            if failed is None and any(code not in (None, 0) for code in codes):
+                failed = next(r for r, code in enumerate(codes) if code not in (None, 0))
+                deadline = min(deadline, time.monotonic() + fail_grace)
             running = [r for r, code in enumerate(codes) if code is None]
-            if not running:
-                return [], failed_first
-            if time.monotonic() >= give_up:  # a failure is blamed on its rank, not a hang
-                return ([] if failed_first is not None else running), failed_first
+            if not running or time.monotonic() >= deadline:
+                return ([] if failed is not None else running), failed  # a failure is no hang
             time.sleep(0.02)
 
 
 def _raise_for_signal(signum: int, frame: FrameType | None) -> None:
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
-    raise Interrupted(signum)
+    raise Interrupted(f"interrupted by {signal.Signals(signum).name}")
 
 
-# Rank `dst` receives, rank `src` sends `nbytes`; other ranks exit at once. The receiver times
-# from its first chunk to the last byte, so connection set-up does not count.
+# Rank 1 sends `nbytes` to rank 0, which times from its first chunk to the last byte (so
+# connection set-up does not count); other ranks exit at once.
 _TCP_PROBE = r"""
-import os, socket, sys, time
-rank = int(os.environ["RANK"])
-nbytes, src, dst, port, dst_addr = *map(int, sys.argv[1:5]), sys.argv[5]
-if rank == dst:
-    conn, _ = socket.create_server((dst_addr, port)).accept()
-    buf = bytearray(1 << 20)
-    got, first, first_size = 0, 0.0, 0
-    while got < nbytes:
-        n = conn.recv_into(buf)
-        if n == 0:
-            break
+import contextlib, os, socket, sys, time
+nbytes, addr = int(sys.argv[1]), (sys.argv[2], 45123)
+if os.environ["RANK"] == "0":
+    conn = socket.create_server(addr).accept()[0]
+    got, buf = 0, bytearray(1 << 20)
+    while got < nbytes and (n := conn.recv_into(buf)):
         if not got:
             first, first_size = time.perf_counter(), n
         got += n
-    seconds = time.perf_counter() - first
+    print(f"RECEIVED {got} {got - first_size} {time.perf_counter() - first:.6f}", flush=True)
     conn.sendall(b"k")
-    print(f"RECEIVED {got} {got - first_size} {seconds:.6f}", flush=True)
-elif rank == src:
-    while True:  # until rank `dst` listens (the run's timeout bounds it)
-        try:
-            sock = socket.create_connection((dst_addr, port), timeout=30)
+elif os.environ["RANK"] == "1":
+    while True:  # until rank 0 listens (the run's timeout bounds it)
+        with contextlib.suppress(ConnectionRefusedError):
+            sock = socket.create_connection(addr, timeout=30)
             break
-        except ConnectionRefusedError:
-            time.sleep(0.02)
+        time.sleep(0.02)
     sock.sendall(bytes(nbytes))
     sock.recv(1)
 """
@@ -422,34 +362,72 @@ elif rank == src:
 @dataclass
 class Throughput:
     payload_bytes_per_s: float
-    seconds: float
     tx_bytes: int  # the sender's veth: frames, headers included
 
 
-def measure_throughput(cluster: Cluster, nbytes: int = 8 << 20, src: int = 1,
-                       dst: int = 0) -> Throughput:
-    """Send `nbytes` over TCP from rank `src` to rank `dst`; payload bytes/s at the receiver."""
-    argv = [sys.executable, "-c", _TCP_PROBE, str(nbytes), str(src), str(dst), "45123",
-            cluster.addresses[dst]]
-    output = cluster.run(argv, timeout=120.0).ranks
-    match = re.search(r"RECEIVED (\d+) (\d+) ([0-9.]+)", output[dst].output)
-    if match is None or int(match.group(1)) != nbytes:
-        raise ClusterError(f"the throughput probe did not complete: {output[dst].output!r}")
-    timed, seconds = int(match.group(2)), float(match.group(3))
-    return Throughput(timed / seconds, seconds, output[src].tx_bytes)
+def measure_throughput(cluster: Cluster, nbytes: int = 8 << 20) -> Throughput:
+    """Send `nbytes` over TCP from rank 1 to rank 0; payload bytes/s at the receiver."""
+    ranks = cluster.run([sys.executable, "-c", _TCP_PROBE, str(nbytes), cluster.addresses[0]],
+                        timeout=120.0).ranks
+    match = re.search(r"RECEIVED (\d+) (\d+) ([0-9.]+)", ranks[0].output)
+    if match is None or int(match[1]) != nbytes:
+        raise ClusterError(f"the throughput probe did not complete: {ranks[0].output!r}")
+    return Throughput(int(match[2]) / float(match[3]), ranks[1].tx_bytes)
 
 
-# ---- the benchmarks' launcher ----------------------------------------------------------------
+# ---- the benchmarks (bench/ is on their sys.path, not on the tests') -------------------------
 
-def rates_arg(text: str) -> list[str]:
-    """argparse type: comma-separated finite link rates."""
-    rates = [r.strip() for r in text.split(",") if r.strip()]
-    try:
-        if not rates or None in map(parse_rate, rates):
-            raise ValueError("give finite link rates (the planner needs a bandwidth)")
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return rates
+def snapshot() -> dict[str, float]:
+    """In a rank: its clock, its veth's tx_bytes (0 outside a cluster), the machine's busy CPU
+    seconds and this process's; `since(snapshot())` gives a window's deltas."""
+    import harness
+
+    tx, veth = 0, os.environ.get("GLOO_SOCKET_IFNAME")
+    if veth:
+        with open(f"/sys/class/net/{veth}/statistics/tx_bytes") as f:
+            tx = int(f.read())
+    return {"seconds": time.perf_counter(), "tx_bytes": tx, "busy_s": harness.machine_busy_s(),
+            "cpu_s": time.process_time()}
+
+
+def since(start: Mapping[str, float]) -> dict[str, float]:
+    now = snapshot()
+    return {key: now[key] - start[key] for key in now}
+
+
+def trainer(model: Any, ddp: bool,
+            optimizer: Callable[[Any], Any]) -> Callable[[Iterable[Any]], None]:
+    """In a rank: `train(batches)`, cross-entropy steps on (x, y) batches of BATCH; with `ddp`,
+    DDP over gloo on this rank's share of each batch, and a barrier at the end."""
+    import torch.distributed as dist
+    from torch.nn.functional import cross_entropy
+    from torch.nn.parallel import DistributedDataParallel
+
+    net, mine = model, slice(None)
+    if ddp:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+        net, rank = DistributedDataParallel(model), dist.get_rank()
+        mine = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    opt = optimizer(net.parameters())
+
+    def train(batches: Iterable[Any]) -> None:
+        for x, y in batches:
+            opt.zero_grad()
+            cross_entropy(net(x[mine]), y[mine]).backward()
+            opt.step()
+        if ddp:
+            dist.barrier()
+
+    return train
+
+
+def two_stage_plan(model_name: str, split: int, blocks: int, schedule: str) -> Any:
+    """2 stages of one rank each, stage 1 from block `split`, at a batch of BATCH."""
+    from pipedream_fast.formats import Plan, StagePlan
+
+    return Plan(model_name, BATCH, WORLD, schedule,
+                [StagePlan(0, split, 1, (0,), 0.0), StagePlan(split, blocks, 1, (1,), 0.0)],
+                1.0, 1.0)
 
 
 def sweep(rates: Sequence[str], each: Callable[[Cluster, str], None]) -> dict[str, float]:
@@ -468,48 +446,65 @@ def sweep(rates: Sequence[str], each: Callable[[Cluster, str], None]) -> dict[st
 
 def run_workers(cluster: Cluster, script: str, args: Sequence[Any],
                 timeout: float) -> list[dict[str, Any]]:
-    """`python script --worker *args` on every rank (one thread each); each rank's result
-    (`harness.print_result`)."""
-    import harness  # bench/ is on sys.path in the benchmarks, not in tests/test_netcluster.py
+    """Each rank's result of `script`'s worker(*args) (see `launch`), one thread each."""
+    import harness
 
-    argv = [sys.executable, os.path.abspath(script), "--worker", *map(str, args)]
+    argv = [sys.executable, os.path.abspath(script), "--worker", json.dumps(list(args))]
     return harness.cluster_results(cluster, argv, timeout)
 
 
-def cluster_note(links: Mapping[str, float]) -> str:
-    """The results' line on the cluster, with the link checks."""
-    return ("- Cluster: 2 ranks, each in a network namespace, joined through a bridge by veth "
-            "links shaped with `tc tbf` both ways (bench/netcluster.py); one torch thread per "
-            "rank, gloo. Link check, one TCP stream's payload rate: "
-            + ", ".join(f"{rate} {mbs:.1f} MB/s" for rate, mbs in links.items()) + ".")
-
-
-def snapshot() -> dict[str, float]:
-    """In a rank: its clock, its veth's tx_bytes (0 outside a cluster), the machine's busy CPU
-    seconds and this process's; `since(snapshot())` gives a window's deltas."""
+def header(title: str, links: Mapping[str, float], total_s: float) -> list[str]:
+    """The results' title, command, machine and cluster (with the link checks) lines."""
     import harness
 
-    tx = 0
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        with open(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes") as f:
-            tx = int(f.read())
-    return {"seconds": time.perf_counter(), "tx_bytes": tx, "busy_s": harness.machine_busy_s(),
-            "cpu_s": time.process_time()}
+    return [f"# {title}", "", f"Command: `{harness.command()}`", "",
+            harness.machine_line(harness.machine_info(), total_s), "",
+            "- Cluster: 2 ranks, each in a network namespace, joined through a bridge by veth "
+            "links shaped with `tc tbf` both ways (bench/netcluster.py); one torch thread per "
+            "rank, gloo. Link check, one TCP stream's payload rate: "
+            + ", ".join(f"{rate} {mbs:.1f} MB/s" for rate, mbs in links.items()) + "."]
 
 
-def since(start: Mapping[str, float]) -> dict[str, float]:
-    now = snapshot()
-    return {key: now[key] - start[key] for key in now}
+def _rates(text: str) -> list[str]:
+    """argparse type: comma-separated finite link rates."""
+    rates = [r.strip() for r in text.split(",") if r.strip()]
+    try:
+        if not rates or None in map(parse_rate, rates):
+            raise ValueError("give finite link rates (the planner needs a bandwidth)")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return rates
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--remove-stale", action="store_true", required=True,
-                        help="delete what harnesses that no longer run left behind")
-    parser.parse_args()
-    print("removed", ", ".join(remove_stale()) or "nothing")
+def launch(doc: str, worker: Callable[..., Any], rates: str,
+           measure: Callable[[argparse.Namespace], tuple[str, Any]],
+           options: Mapping[str, Mapping[str, Any]]) -> int:
+    """A benchmark's main. As a rank (`--worker JSON`, from `run_workers`): prints
+    `worker(*JSON)`'s result. Else: reads --rates (default `rates`), `options` (flag: keyword
+    arguments) and --out; rc 2 where no cluster can be built; else emits `measure(args)`'s
+    markdown and data."""
+    import harness
+
+    if sys.argv[1:2] == ["--worker"]:
+        harness.print_result(worker(*json.loads(sys.argv[2])))
+        return 0
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--rates", type=_rates, default=rates,
+                        help=f"comma-separated link rates (default {rates})")
+    for flag, kwargs in options.items():
+        parser.add_argument(flag, **kwargs)
+    parser.add_argument("--out", help="write the markdown here, its data (.json) beside it")
+    args = parser.parse_args()
+    ok, why = available()
+    if not ok:
+        print(f"{os.path.basename(sys.argv[0])}: cannot run here: {why}", file=sys.stderr)
+        return 2
+    harness.emit(args.out, *measure(args))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:] != ["--remove-stale"]:
+        sys.exit("usage: python bench/netcluster.py --remove-stale (deletes what dead harnesses "
+                 "left)")
+    print("removed", ", ".join(remove_stale()) or "nothing")

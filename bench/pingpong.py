@@ -1,12 +1,8 @@
-"""One message's round trip between two rank processes: the CommEngine on link threads
-(`background=True`, the GPU path), the CommEngine issuing transfers on the caller's thread
-(the CPU default), and plain `dist.isend`/`dist.irecv` (the floor), in alternating rounds.
-
-Each round trip: rank 0 sends a small activation (a 4x16 float tensor and its target, packed in
-one message) and waits for rank 1's reply of the same size; rank 1 posts its receive ahead of
-time, as the executor does. Microseconds per round trip, medians over rounds.
-
-    python bench/pingpong.py [--trips 2000] [--rounds 5] [--out bench/results/pingpong.md]
+"""One small message's round trip between two rank processes, in alternating rounds: the
+CommEngine on link threads (`background=True`, the GPU path), the CommEngine issuing transfers
+on the caller's thread (the CPU default), and plain `dist.isend`/`dist.irecv` (the floor).
+Rank 0 sends a 4x16 activation and its target in one message and waits for rank 1's echo; rank
+1 posts its receive ahead, as the executor does. Microseconds per round trip, medians.
 """
 
 from __future__ import annotations
@@ -14,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,81 +21,69 @@ from pipedream_fast.launch import launch
 
 from harness import Spread, alternate, paired_ratio, write_results  # noqa: E402 - a sibling
 
-ACT = _C.Channel.ACTIVATION
+ACT, PLAIN = _C.Channel.ACTIVATION, "plain dist.isend/irecv"
 
 
-def engine_driver(rank: int, trips: int, background: bool) -> Any:
-    group = dist.new_group([0, 1])  # each driver on a group of its own, as the runtime's links
-    engine = _C.CommEngine(group, timeout=60.0, background=background)
-    message = [torch.randn(4, 16), torch.randint(0, 4, (4,))]
-    peer, stage_in, stage_out = 1 - rank, rank, 1 - rank
-    mb = [0]
-
-    def run() -> float:
-        first = mb[0]
-        engine.post_recv(peer, ACT, stage_in, first)
-        began = time.perf_counter()
-        for i in range(first, first + trips):
-            if rank == 0:
-                engine.send(peer, ACT, stage_out, i, message)
-                got = engine.wait_recv(peer, ACT, stage_in, i)
-                engine.post_recv(peer, ACT, stage_in, i + 1)
-            else:
-                got = engine.wait_recv(peer, ACT, stage_in, i)
-                engine.post_recv(peer, ACT, stage_in, i + 1)
-                engine.send(peer, ACT, stage_out, i, got)
-        elapsed = time.perf_counter() - began
-        engine.wait_recv(peer, ACT, stage_in, first + trips) if rank == 1 else None
-        if rank == 0:
-            engine.send(peer, ACT, stage_out, first + trips, message)
-            engine.wait_recv(peer, ACT, stage_in, first + trips)
-        else:
-            engine.send(peer, ACT, stage_out, first + trips, message)
-        engine.flush()
-        mb[0] = first + trips + 1
-        dist.barrier()
-        return elapsed / trips * 1e6
-
-    return run, engine
-
-
-def plain_driver(rank: int, trips: int) -> Any:
-    message = torch.randn(4 * 16 + 4)  # the same bytes, one tensor
-    buffer = torch.empty_like(message)
-    peer = 1 - rank
-    group = dist.new_group([0, 1])
+def round_trips(rank: int, trips: int, post: Callable[[int], Any], wait: Callable[[int], Any],
+                send: Callable[[int, Any], Any], flush: Callable[[], Any]) -> Callable[[], float]:
+    """A round's driver: us per round trip over `trips` (message numbers go on from round to
+    round); one more trip, not timed, takes the receive posted last."""
+    count = [0]
 
     def run() -> float:
+        first, end = count[0], count[0] + trips
+        post(first)
         began = time.perf_counter()
-        pending = dist.irecv(buffer, src=peer, group=group)
-        for _ in range(trips):
+        for i in range(first, end + 1):
+            if i == end:
+                elapsed = time.perf_counter() - began
             if rank == 0:
-                dist.isend(message, dst=peer, group=group).wait()
-                pending.wait()
-                pending = dist.irecv(buffer, src=peer, group=group)
-            else:
-                pending.wait()
-                pending = dist.irecv(buffer, src=peer, group=group)
-                dist.isend(buffer.clone(), dst=peer, group=group).wait()
-        elapsed = time.perf_counter() - began
-        if rank == 0:
-            dist.isend(message, dst=peer, group=group).wait()
-        pending.wait()
-        if rank == 1:
-            dist.isend(message, dst=peer, group=group).wait()
+                send(i, None)
+            got = wait(i)
+            if i < end:
+                post(i + 1)
+            if rank == 1:
+                send(i, got)
+        flush()
+        count[0] = end + 1
         dist.barrier()
         return elapsed / trips * 1e6
-
     return run
+
+
+def engine(rank: int, trips: int, background: bool) -> tuple[Callable[[], float], Any]:
+    """The CommEngine on a group of its own, as each of the runtime's links."""
+    comm = _C.CommEngine(dist.new_group([0, 1]), timeout=60.0, background=background)
+    message, peer = [torch.randn(4, 16), torch.randint(0, 4, (4,))], 1 - rank
+    return round_trips(rank, trips, lambda i: comm.post_recv(peer, ACT, rank, i),
+                       lambda i: comm.wait_recv(peer, ACT, rank, i),
+                       lambda i, got: comm.send(peer, ACT, peer, i, message if got is None
+                                                else got), comm.flush), comm
+
+
+def plain(rank: int, trips: int) -> Callable[[], float]:
+    """isend/irecv of one tensor of the same bytes; rank 1 sends a copy of what it got."""
+    group, peer, pending = dist.new_group([0, 1]), 1 - rank, []
+    message = torch.randn(4 * 16 + 4)
+    buffer = torch.empty_like(message)
+
+    def wait(i: int) -> torch.Tensor:
+        pending.pop().wait()
+        return buffer
+
+    return round_trips(rank, trips,
+                       lambda i: pending.append(dist.irecv(buffer, src=peer, group=group)),
+                       wait, lambda i, got: dist.isend(message if got is None else got.clone(),
+                                                       dst=peer, group=group).wait(),
+                       lambda: None)
 
 
 def job(rank: int, world: int, trips: int, rounds: int) -> dict[str, list[float]]:
     torch.set_num_threads(1)
-    direct, a = engine_driver(rank, trips, background=False)
-    threaded, b = engine_driver(rank, trips, background=True)
+    direct, a = engine(rank, trips, background=False)
+    threaded, b = engine(rank, trips, background=True)
     try:
-        return alternate({"plain dist.isend/irecv": plain_driver(rank, trips),
-                          "CommEngine, link threads": threaded,
+        return alternate({PLAIN: plain(rank, trips), "CommEngine, link threads": threaded,
                           "CommEngine, direct": direct}, rounds)
     finally:
         a.shutdown()
@@ -109,14 +94,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trips", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out")
+    parser.add_argument("--out", help="e.g. bench/results/pingpong.md (and .json beside it)")
     args = parser.parse_args()
     values = launch(job, 2, args.trips, args.rounds, timeout=1200)[0]
-    rows = []
-    for name, v in values.items():
-        ratio = paired_ratio(values, name, "plain dist.isend/irecv")
-        rows.append((name, Spread.of(v).text(1), f"{ratio.text(2)}x"))
-        print(f"{name:26s} {Spread.of(v).text(1)} us per round trip ({ratio.text(2)}x plain)")
+    rows = [(name, Spread.of(v).text(1), f"{paired_ratio(values, name, PLAIN).text(2)}x")
+            for name, v in values.items()]
+    for name, us, ratio in rows:
+        print(f"{name:26s} {us} us per round trip ({ratio} plain)")
     if args.out:
         write_results(args.out, "Round trip of one small message between two rank processes",
                       [f"gloo on 127.0.0.1, 1 thread per rank; {args.trips} round trips per "

@@ -1,8 +1,7 @@
 """Does planning the same job again give the same plan? (issue 32, item 3)
 
-Plans the main job (`pipedream-fast train` on its defaults) and a small MLP as a Pipeline in a
-script plans it, `--repeat` times each, and counts the distinct plans: profile noise must not
-flip a plan (the planner keeps the simplest plan within 5% of the fastest).
+Plans the main job (`pipedream-fast train`'s defaults) and a small MLP in a script `--repeat`
+times each and counts the distinct plans: profile noise must not flip a plan.
 
     python bench/plan_stability.py --repeat 10 --out bench/results/plan_stability.md
 """
@@ -78,12 +77,9 @@ def main() -> None:
     if args.out:
         write_results(args.out, "Plan stability: the same job planned again",
                       ["Each row: a distinct plan and how many of the plannings gave it; the "
-                       "last column is the predicted samples/s over all plannings (median, "
-                       "range), which shows the profile's noise."],
-                      ["job", "plan", "plannings", "predicted samples/s"], rows,
-                      ["A plan that flips shows the profile's noise beyond the margin: the "
-                       "range of the predictions says how large it was on this machine at "
-                       "the time (other jobs shared its 2 cores)."])
+                       "predicted samples/s over all plannings (median, range) show the "
+                       "profile's noise, which a plan that flips exceeds the margin by."],
+                      ["job", "plan", "plannings", "predicted samples/s"], rows)
 
 
 if __name__ == "__main__":

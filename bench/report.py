@@ -1,10 +1,7 @@
-"""Plots and the results table of docs/results.md, from the JSON the benchmarks wrote.
+"""Plots (`throughput_vs_bandwidth.png` from vs_ddp, `predicted_vs_measured.png` from
+sim_accuracy) and the results table of docs/results.md, from whichever JSON the benchmarks wrote.
 
     python bench/report.py [--results bench/results] [--no-readme]
-
-From whichever of the suite's JSON files exist: `throughput_vs_bandwidth.png` (vs_ddp),
-`predicted_vs_measured.png` (sim_accuracy) and the table between the results markers of
-docs/results.md (--no-readme: printed instead).
 """
 
 from __future__ import annotations
@@ -61,8 +58,7 @@ def plot_prediction(rows: list[dict[str, Any]], path: Path) -> None:
         for r in rows:
             ax.annotate(r["config"], (r["measured"], r["predicted"]), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
-        ax.set_xlim(0, top)
-        ax.set_ylim(0, top)
+        ax.set(xlim=(0, top), ylim=(0, top))
         harness.axes_text(ax, "simulator against the runtime, model A",
                           "measured samples/s (runtime)", "predicted samples/s (simulator)",
                           {"loc": "upper left"}, grid=None)
@@ -127,25 +123,25 @@ def ddp_rows(data: dict[str, Any]) -> list[Row]:
     return out
 
 
+def within_10(rows: list[dict[str, Any]], key: str) -> tuple[str, str]:
+    """How many of the errors (%) under `key` lie within 10%, the worst, and the goal."""
+    worst = max(rows, key=lambda r: abs(r[key]))
+    within = sum(abs(r[key]) <= 10 for r in rows)
+    return (f"{within} of {len(rows)} within 10%; worst {worst[key]:+.1f}% ({worst['config']})",
+            f"within 10% for every one: {goal(within == len(rows))}")
+
+
 def sim_rows(rows: list[dict[str, Any]]) -> list[Row]:
-    worst = max(rows, key=lambda r: abs(r["error_pct"]))
-    within = sum(abs(r["error_pct"]) <= 10 for r in rows)
     out = [(f"simulator against the runtime, {len({r['schedule'] for r in rows})} schedules x "
-            f"microbatch sizes ({len(rows)} configurations)",
-            f"{within} of {len(rows)} within 10%; worst {worst['error_pct']:+.1f}% "
-            f"({worst['config']})", f"within 10% for every one: {goal(within == len(rows))}")]
+            f"microbatch sizes ({len(rows)} configurations)", *within_10(rows, "error_pct"))]
     # The in-rank calibrated prediction of the next window (absent from older results).
     rows = [r for r in rows if r.get("calibrated_error_pct") is not None]
     if rows:
-        worst = max(rows, key=lambda r: abs(r["calibrated_error_pct"]))
-        within = sum(abs(r["calibrated_error_pct"]) <= 10 for r in rows)
+        result, verdict = within_10(rows, "calibrated_error_pct")
         same = max(abs(r["calibrated_same_error_pct"]) for r in rows)
         out.append((f"simulator in-rank calibrated on one window, predicting the next "
-                    f"({len(rows)} configurations)",
-                    f"{within} of {len(rows)} within 10%; worst "
-                    f"{worst['calibrated_error_pct']:+.1f}% ({worst['config']}); same window "
-                    f"within {same:.1f}%", f"within 10% for every one: "
-                    f"{goal(within == len(rows))}"))
+                    f"({len(rows)} configurations)", f"{result}; same window within {same:.1f}%",
+                    verdict))
     return out
 
 

@@ -5,8 +5,8 @@ rewritten only for the default results folder). Run it on a quiet machine.
     python bench/run_all.py --only vs_ddp,sim_accuracy
     python bench/run_all.py --smoke --results /tmp/smoke   # the smallest settings: does it run?
 
-Each benchmark runs as its own process; one that fails or cannot run here (rc 2 and no output:
-the emulated cluster needs root) is reported and the suite goes on.
+Each benchmark runs in its own process; one that fails or cannot run here (rc 2, no output) is
+reported and the suite goes on.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 DEFAULT_RESULTS = BENCH / "results"
 
-# name: (the suite's settings, the smallest that still runs every path, minutes expected on 2
-# cores with the suite's settings[, the script bench/<script>.py when it is not <name>.py]);
-# results go to <name>.md
+# name (results in <name>.md): (the suite's settings, the smallest that still runs every path,
+# minutes on 2 cores with the suite's settings[, bench/<script>.py when not <name>.py])
 SUITE: dict[str, tuple] = {
     "overhead": ("--steps 200 --repeat 3", "--steps 10 --repeat 1", 1.0),
     "memory": ("--models cnn,charlm,bert --ranks 2,4 --cap-rounds 3",
@@ -36,6 +35,7 @@ SUITE: dict[str, tuple] = {
     # Set-up dominates (torch.export of each model: 2-3 s quiet, 5-20 s on a busy machine).
     "zoo_vs_pipelining": ("--set zoo", "--set zoo --quick --models nanogpt,gpt2", 2.5,
                           "vs_pipelining"),
+    "transformer_pair": ("--set transformer", "--set transformer --quick", 3.0, "vs_pipelining"),
     "knobs": ("--quick", "--quick --steps 4", 3.5),
     "vs_ddp": ("--scale 0.5 --retries 0",
                "--models convs --rates 1gbit --scale 0.1 --retries 0", 6.5),
@@ -51,8 +51,7 @@ def run_one(name: str, results: Path, smoke: bool) -> dict[str, object]:
     # Relative to the checkout where possible: each report quotes its command.
     shown = os.path.relpath(out, ROOT) if out.resolve().is_relative_to(ROOT) else str(out)
     argv = [sys.executable, f"bench/{(script or [name])[0]}.py",
-            *(smallest if smoke else args).split(),
-            "--out", shown]
+            *(smallest if smoke else args).split(), "--out", shown]
     print(f"\n==== {name} ({time.strftime('%H:%M:%S')}, about {minutes:g} min)\n"
           f"$ {' '.join(argv[1:])}", flush=True)
     began = time.monotonic()
@@ -76,15 +75,13 @@ def main() -> int:
                         help="the smallest settings of each: checks the suite runs, measures "
                              "nothing worth keeping (use with --results elsewhere)")
     args = parser.parse_args()
-    chosen = list(SUITE)
-    if args.only:
-        chosen = [n.strip() for n in args.only.split(",") if n.strip()]
-        unknown = sorted(set(chosen) - set(SUITE))
-        if unknown or not chosen:
-            parser.error(f"--only: unknown benchmark(s) {', '.join(unknown) or '(none given)'}; "
-                         f"choose among {', '.join(SUITE)}")
-        chosen = [n for n in SUITE if n in chosen]
-    if args.smoke and args.results.resolve() == DEFAULT_RESULTS:
+    wanted = {n.strip() for n in (args.only or ",".join(SUITE)).split(",") if n.strip()}
+    if not wanted or wanted - set(SUITE):
+        unknown = ", ".join(sorted(wanted - set(SUITE))) or "(none given)"
+        parser.error(f"--only: unknown benchmark(s) {unknown}; choose among {', '.join(SUITE)}")
+    chosen = [n for n in SUITE if n in wanted]
+    default = args.results.resolve() == DEFAULT_RESULTS
+    if args.smoke and default:
         parser.error("--smoke measures nothing worth keeping: give --results another folder")
     args.results.mkdir(parents=True, exist_ok=True)
     print(f"{len(chosen)} benchmarks, about {sum(SUITE[n][2] for n in chosen):.0f} min with the "
@@ -95,10 +92,8 @@ def main() -> int:
     (args.results / "run_all.json").write_text(json.dumps(
         {"date": time.strftime("%Y-%m-%d"), "smoke": args.smoke, "total_s": total,
          "benchmarks": outcomes}, indent=1) + "\n")
-    command = [sys.executable, str(BENCH / "report.py"), "--results", str(args.results)]
-    if args.results.resolve() != DEFAULT_RESULTS:
-        command.append("--no-readme")
-    report_rc = subprocess.run(command, cwd=ROOT).returncode
+    report = [sys.executable, str(BENCH / "report.py"), "--results", str(args.results)]
+    report_rc = subprocess.run(report + ([] if default else ["--no-readme"]), cwd=ROOT).returncode
     print(f"\nsuite: {total / 60:.1f} min")
     for o in outcomes:
         print(f"  {o['name']:18s} {o['status']:28s} {o['seconds'] / 60:5.1f} min")

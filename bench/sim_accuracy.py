@@ -1,11 +1,8 @@
 """The simulator against the runtime: every trainable schedule, several microbatch sizes.
 
-Per configuration: profile model A's blocks at its microbatch (1 thread), simulate the plan
-from that profile (`ProfileCosts`, with the loopback all-reduce bandwidth and compute scaled by
-how much slower two ranks compute at once than one, both measured first), train the plan on 2
-ranks (gloo, 1 thread each) and compare rank 0's steady-state rate, and per stage and action
-the runtime's mean duration against the profile's. In-rank calibrated: the ranks' `Calibration`
-of a first window of steps predicts the second (`MeasuredCosts.from_calibration`).
+Per configuration: simulate the plan from a profile of model A at its microbatch, train it on 2
+ranks (gloo, 1 thread each) and compare rank 0's steady-state rate and each action's mean time;
+and let the ranks' `Calibration` of a first window of steps predict the second.
 
     python bench/sim_accuracy.py [--steps 20] [--only 1f1b,pipedream] [--out FILE.md]
 """
@@ -56,15 +53,10 @@ class Config:
         return f"{self.schedule}, {self.chunks} x {self.microbatch}"
 
 
-CONFIGS = [
-    Config("pipedream", 32, 1), Config("pipedream", 8, 1),
-    Config("2bw", 32, 2), Config("2bw", 32, 4),
-    Config("1f1b", 32, 2), Config("1f1b", 32, 4),
-    Config("gpipe", 32, 2), Config("gpipe", 32, 4),
-    Config("zb-h1", 32, 4),
-    Config("interleaved-1f1b", 32, 4),
-    Config("data-parallel", 32, 2),
-]
+CONFIGS = [Config(*c) for c in (
+    ("pipedream", 32, 1), ("pipedream", 8, 1), ("2bw", 32, 2), ("2bw", 32, 4), ("1f1b", 32, 2),
+    ("1f1b", 32, 4), ("gpipe", 32, 2), ("gpipe", 32, 4), ("zb-h1", 32, 4),
+    ("interleaved-1f1b", 32, 4), ("data-parallel", 32, 2))]
 
 
 def batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,38 +64,30 @@ def batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(size, 3, 32, 32, generator=g), torch.randint(0, 10, (size,), generator=g)
 
 
-def allreduce_rank(rank: int, world: int, megabytes: int) -> float:
-    """Seconds of one gloo all-reduce of `megabytes` MB between the 2 ranks (median of 3)."""
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    buffer = torch.ones(megabytes << 18)  # float32: 4 bytes each
-    times = []
-    for _ in range(4):
-        dist.barrier()
-        began = time.perf_counter()
-        dist.all_reduce(buffer)
-        times.append(time.perf_counter() - began)
-    return statistics.median(times[1:])
-
-
-def compute_rank(rank: int, world: int, alone: bool) -> float:
-    """Seconds per forward+backward of model A on 16 samples (1 thread), with the other rank
-    idle (`alone`) or doing the same at the same time."""
+def probe_rank(rank: int, world: int) -> tuple[float, float, float]:
+    """Seconds of a gloo all-reduce of 64 MB between the 2 ranks, and of a forward+backward of
+    model A on 16 samples (1 thread) with the other rank idle, then doing the same at once."""
     import torch.distributed as dist
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = build_cnn()
-    x, y = batch(16)
-    times = []
-    for _ in range(8):
+    model, (x, y), buffer = build_cnn(), batch(16), torch.ones(64 << 18)  # float32: 4 bytes
+
+    def timed(work: Any, rounds: int, idle: bool = False) -> float:
+        times = []
+        for _ in range(rounds):
+            dist.barrier()
+            if not idle:
+                began = time.perf_counter()
+                work()
+                times.append(time.perf_counter() - began)
         dist.barrier()
-        if alone and rank == 1:
-            continue
-        began = time.perf_counter()
+        return statistics.median(times[rounds // 4:]) if times else 0.0
+
+    def step() -> None:
         nn.functional.cross_entropy(model(x), y).backward()
-        times.append(time.perf_counter() - began)
-    dist.barrier()
-    return statistics.median(times[2:]) if times else 0.0
+
+    return (timed(lambda: dist.all_reduce(buffer), 4), timed(step, 8, idle=rank == 1),
+            timed(step, 8))
 
 
 def scaled(profile: Profile, factor: float) -> Profile:
@@ -125,13 +109,6 @@ def plan_for(config: Config) -> Plan:
     else:
         stages = [StagePlan(0, SPLIT, 1, (0,), 0.0), StagePlan(SPLIT, BLOCKS, 1, (1,), 0.0)]
     return Plan("cnn", config.microbatch, 2, config.schedule, stages, 1.0, 1.0)
-
-
-def profile_at(microbatch: int) -> Profile:
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    return profile_model(build_cnn(), batch(microbatch)[0], microbatch, progress=False,
-                         model_name="cnn")
 
 
 def middle(steps: int) -> int:
@@ -184,20 +161,17 @@ def kinds(ranks: list[dict[str, Any]], profile: Profile, plan: Plan, bandwidth: 
     for r in ranks:
         seen: dict[tuple[str, int], list[float]] = defaultdict(list)
         for what, stage, ms in r["events"]:
-            if stage is not None:
-                seen[(what, stage)].append(ms)
-        measured.update({k: statistics.fmean(v[2:] or v) for k, v in seen.items()})
-    costs = ProfileCosts.from_plan(profile, plan, bandwidth)
+            seen[(what, stage)].append(ms)
+        measured.update({k: statistics.fmean(v[2:] or v) for k, v in seen.items()
+                         if k[1] is not None})
+    c = ProfileCosts.from_plan(profile, plan, bandwidth)
     profiled: dict[tuple[str, int], float] = {}
-    for stage in range(plan.num_stages):
-        profiled[("forward", stage)] = costs.forward_ms[stage]
-        profiled[("backward", stage)] = costs.backward_ms[stage]
-        for what, values in (("optimizer_step", costs.stage_optimizer_ms),
-                             ("snapshot", costs.snapshot_ms)):
-            if values:
-                profiled[(what, stage)] = values[stage]
-        if plan.stages[stage].replicas > 1:
-            profiled[("allreduce", stage)] = costs.allreduce(stage, plan.stages[stage].ranks)
+    for i, stage in enumerate(plan.stages):
+        profiled.update({("forward", i): c.forward_ms[i], ("backward", i): c.backward_ms[i]})
+        profiled.update({(what, i): v[i] for what, v in (("optimizer_step", c.stage_optimizer_ms),
+                                                         ("snapshot", c.snapshot_ms)) if v})
+        if stage.replicas > 1:
+            profiled[("allreduce", i)] = c.allreduce(i, stage.ranks)
     return [{"kind": k, "stage": s, "measured_ms": measured.get((k, s)),
              "profiled_ms": profiled.get((k, s))}
             for k, s in sorted(set(measured) | set(profiled), key=lambda x: (x[1], x[0]))
@@ -206,40 +180,40 @@ def kinds(ranks: list[dict[str, Any]], profile: Profile, plan: Plan, bandwidth: 
 
 def run(configs: list[Config], steps: int, repeats: int
         ) -> tuple[list[dict[str, Any]], float, float]:
-    harness.say("measuring the loopback all-reduce bandwidth ...")
-    # A 2-rank ring moves the whole buffer once: the simulator's bytes per second.
-    bandwidth = (64 << 20) / launch(allreduce_rank, 2, 64, timeout=300)[0]
-    harness.say(f"  {bandwidth / 1e9:.2f} GB/s\nmeasuring how much slower ranks compute "
-                "together than alone ...")
-    # Shared caches and memory bandwidth: the profile times blocks alone, a pipeline runs its
-    # ranks at once.
-    alone = launch(compute_rank, 2, True, timeout=300)[0]
-    factor = statistics.fmean(launch(compute_rank, 2, False, timeout=300)) / alone
-    harness.say(f"  {factor:.2f}x")
+    harness.say("measuring the loopback all-reduce and how much slower ranks compute together "
+                "than alone ...")
+    probes = launch(probe_rank, 2, timeout=300)
+    # A 2-rank ring moves the whole buffer once: the simulator's bytes per second. Shared
+    # caches and memory bandwidth: the profile times blocks alone, a pipeline runs its ranks
+    # at once.
+    bandwidth = (64 << 20) / probes[0][0]
+    factor = statistics.fmean(p[2] for p in probes) / probes[0][1]
+    harness.say(f"  {bandwidth / 1e9:.2f} GB/s; {factor:.2f}x")
     profiles: dict[int, Profile] = {}
     rows = []
+    torch.set_num_threads(1)  # the profiles: 1 thread, as each rank runs
     for config in configs:
-        began = time.perf_counter()
         if config.microbatch not in profiles:
             harness.say(f"profiling model A at microbatch {config.microbatch} ...")
-            profiles[config.microbatch] = profile_at(config.microbatch)
-        profile = profiles[config.microbatch]
+            torch.manual_seed(0)
+            profiles[config.microbatch] = profile_model(
+                build_cnn(), batch(config.microbatch)[0], config.microbatch, progress=False,
+                model_name="cnn")
+        profile, plan = profiles[config.microbatch], plan_for(config)
         row: dict[str, Any] = {"config": config.name, "schedule": config.schedule,
                                "chunks": config.chunks, "microbatch": config.microbatch}
-        plan = plan_for(config)
+        rows.append(row)
         try:
             row["predicted_alone"], row["predicted"] = (simulated_rate(
                 config, ProfileCosts.from_plan(p, plan, bandwidth), steps, WARMUP)
                 for p in (profile, scaled(profile, factor)))
-            # Neighbours slow some runs by up to a third: the fastest (least disturbed) of
-            # `repeats` runs is what the simulator predicts.
+            # Neighbours slow some runs by up to a third: the fastest of `repeats` counts.
             runs = [launch(measure_rank, 2, config, steps, timeout=600) for _ in range(repeats)]
             ranks = max(runs, key=lambda r: r[0]["samples_per_s"])
         except Exception as err:  # noqa: BLE001 - a configuration that cannot run is reported
             harness.unless_stopped(err)
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
             harness.say(f"{config.name:32s} failed: {row['error']}")
-            rows.append(row)
             continue
         row["measured"] = ranks[0]["samples_per_s"]
         row["measured_runs"] = [r[0]["samples_per_s"] for r in runs]
@@ -253,40 +227,35 @@ def run(configs: list[Config], steps: int, repeats: int
         for key in ("calibrated", "calibrated_same"):
             row[f"{key}_error_pct"] = (row[key] / row["measured_next"] - 1) * 100
         row["kinds"] = kinds(ranks, scaled(profile, factor), plan, bandwidth)
-        harness.say(f"{config.name:32s} predicted {row['predicted']:7.1f} (alone "
-                    f"{row['predicted_alone']:.1f}), measured "
-                    f"{', '.join(f'{v:.1f}' for v in row['measured_runs'])}; next "
-                    f"window: calibrated {row['calibrated']:7.1f} (same window "
-                    f"{row['calibrated_same']:.1f}), measured {row['measured_next']:7.1f} "
-                    f"({time.perf_counter() - began:.0f} s)")
-        rows.append(row)
+        harness.say(f"{config.name:32s} predicted {row['predicted']:7.1f}, measured "
+                    f"{averages(row['measured_runs'])}; next window: calibrated "
+                    f"{row['calibrated']:7.1f}, measured {row['measured_next']:7.1f}")
     return rows, bandwidth, factor
+
+
+def averages(values: list[float]) -> str:
+    return ", ".join(f"{v:.1f}" for v in values)
+
+
+def over(pct: float) -> str:
+    return f"{pct:+.1f}%" + ("" if abs(pct) <= 10 else " (over 10%)")
 
 
 def markdown(rows: list[dict[str, Any]], bandwidth: float, factor: float, steps: int,
              load: tuple[list[float], list[float]]) -> str:
     ok = [r for r in rows if "error" not in r]
     failed = [r for r in rows if "error" in r]
-
-    def over(pct: float) -> str:
-        return f"{pct:+.1f}%" + ("" if abs(pct) <= 10 else " (over 10%)")
-
-    def averages(values: list[float]) -> str:
-        return ", ".join(f"{v:.1f}" for v in values)
-
     return "\n".join([
         "# Simulator against reality: model A, batch 32, CPU, 2 ranks", "",
         f"Command: `{harness.command()}`", "",
         f"Machine: {harness.machine()}. Load average (1, 5, 15 min) at the start "
         f"{averages(load[0])}, at the end {averages(load[1])} (the machine is shared).", "",
-        "Each schedule runs the plan's stages (conv | fc; interleaved-1f1b: 4 stages on 2 "
-        "ranks; data-parallel: 2 replicas), blocks profiled at its microbatch. Rates: rank 0's "
-        f"steady state after {WARMUP} warm-up steps, the same window simulated. Bandwidth (gloo "
-        f"all-reduce on loopback): {bandwidth / 1e9:.2f} GB/s. Two ranks computing at once run "
-        f"{factor:.2f}x slower than one alone: the prediction scales the profile's compute by "
-        "that, \"profile alone\" does not. Each configuration runs "
-        f"{max(len(r.get('measured_runs', [])) for r in rows)} times; the fastest (least "
-        "disturbed) counts.", "",
+        "Stages: conv | fc (interleaved-1f1b: 4 on 2 ranks; data-parallel: 2 replicas). Rates: "
+        f"rank 0's steady state after {WARMUP} warm-up steps, the same window simulated, with "
+        f"the loopback all-reduce's {bandwidth / 1e9:.2f} GB/s and the profile's compute scaled "
+        f"by {factor:.2f}x, how much slower two ranks compute at once than one (\"profile "
+        f"alone\": unscaled). The fastest (least disturbed) of "
+        f"{max(len(r.get('measured_runs', [])) for r in rows)} runs counts.", "",
         *harness.markdown_table(
             ["schedule, microbatches x size", "predicted samples/s", "measured samples/s",
              "error", "error, profile alone", "runs"],
@@ -295,12 +264,9 @@ def markdown(rows: list[dict[str, Any]], bandwidth: float, factor: float, steps:
               averages(r["measured_runs"])] for r in ok]
             + [[r["config"], "-", "-", r["error"], "-", "-"] for r in failed]),
         "", "## In-rank calibrated: the next window from the ranks' own measurements", "",
-        f"The same runs, split after the warm-up into a calibrating window (steps "
-        f"{WARMUP + 1}-{middle(steps)}) and the predicted one ({middle(steps) + 1}-{steps}): "
-        "the simulator fed with every rank's calibration of the first "
-        "(`MeasuredCosts.from_calibration`) predicts rank 0's rate in the second; \"same "
-        "window\": fed with the second's own, which separates the cost model's error from the "
-        "machine's drift.", "",
+        f"Steps {WARMUP + 1}-{middle(steps)} calibrate, the simulator fed with them "
+        f"(`MeasuredCosts.from_calibration`) predicts steps {middle(steps) + 1}-{steps}; "
+        "\"same window\": fed with the second window's own, which leaves out the drift.", "",
         *harness.markdown_table(
             ["schedule, microbatches x size", "profile: predicted",
              "in-rank calibrated: predicted next window", "measured next window", "error",

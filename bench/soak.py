@@ -1,9 +1,6 @@
-"""Soak: a long run on both front ends, with resident memory, threads and open file descriptors
-sampled as it trains; after warm-up (the first 10%) all three must stay flat.
-
-pipedream (weight stashing) on 2 stages of a small MLP, `--microbatches` steps of one
-microbatch, through `LocalPipeline` (2 threads) and `Pipeline` (2 processes, gloo); every
-`--every` steps each rank samples /proc/self. Reported: first sample after warm-up, last, spread.
+"""Soak: a long run of pipedream on 2 stages of a small MLP through `LocalPipeline` (2 threads)
+and `Pipeline` (2 processes, gloo); every `--every` steps each rank samples its resident memory,
+threads and open file descriptors, which must stay flat after warm-up (the first 10%).
 
     python bench/soak.py [--microbatches 10000] [--every 250] [--out bench/results/soak.md]
 """
@@ -11,6 +8,7 @@ microbatch, through `LocalPipeline` (2 threads) and `Pipeline` (2 processes, glo
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ from pipedream_fast.pipeline import Pipeline
 import harness  # noqa: E402 - a sibling
 
 BATCH = 16
+SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
 
 
 def model() -> nn.Sequential:
@@ -36,9 +35,8 @@ def model() -> nn.Sequential:
 
 
 def plan() -> Plan:
-    return Plan(model="soak-mlp", batch_size=BATCH, workers=2, schedule="pipedream",
-                stages=[StagePlan(0, 2, 1, (0,), 1.0), StagePlan(2, 5, 1, (1,), 1.0)],
-                bottleneck_ms=1.0, data_parallel_ms=1.0)
+    return Plan("soak-mlp", BATCH, 2, "pipedream",
+                [StagePlan(0, 2, 1, (0,), 1.0), StagePlan(2, 5, 1, (1,), 1.0)], 1.0, 1.0)
 
 
 def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -50,10 +48,8 @@ def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def sample() -> dict[str, int]:
-    status = Path("/proc/self/status").read_text().splitlines()
-    fields = {key: value.split()[0] for key, _, value in (line.partition(":") for line in status)
-              if value.split()}
-    return {"rss_kb": int(fields["VmRSS"]), "threads": int(fields["Threads"]),
+    status = dict(x.split(":", 1) for x in Path("/proc/self/status").read_text().splitlines())
+    return {"rss_kb": int(status["VmRSS"].split()[0]), "threads": int(status["Threads"]),
             "fds": len(os.listdir("/proc/self/fd"))}
 
 
@@ -66,13 +62,9 @@ def soak(train: Any, steps: int, every: int) -> dict[str, Any]:
     return {"samples": samples, "seconds": time.perf_counter() - began}
 
 
-def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
-
-
 def process_job(rank: int, world: int, steps: int, every: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    pipe = Pipeline(model(), nn.functional.cross_entropy, sgd, plan=plan(),
+    pipe = Pipeline(model(), nn.functional.cross_entropy, SGD, plan=plan(),
                     schedule="pipedream", timeout=120)
     out = soak(pipe.train, steps, every)
     pipe.close()
@@ -98,11 +90,11 @@ def main() -> None:
     args = parser.parse_args()
     steps, every = args.microbatches, args.every
     torch.set_num_threads(1)
-    local = LocalPipeline(model(), nn.functional.cross_entropy, sgd, plan(),
+    local = LocalPipeline(model(), nn.functional.cross_entropy, SGD, plan(),
                           schedule="pipedream", timeout=120)
     rows = [row("LocalPipeline (2 threads, one process)", soak(local.train, steps, every), steps)]
-    for rank, run in enumerate(launch(process_job, 2, steps, every, timeout=600)):
-        rows.append(row(f"Pipeline rank {rank} (2 processes, gloo)", run, steps))
+    rows += [row(f"Pipeline rank {rank} (2 processes, gloo)", run, steps)
+             for rank, run in enumerate(launch(process_job, 2, steps, every, timeout=600))]
     harness.write_results(
         args.out, "Soak: memory, threads and descriptors over a long run",
         [f"pipedream schedule (weight stashing) on 2 stages of a small MLP, one microbatch of "

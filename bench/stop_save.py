@@ -1,9 +1,8 @@
 """A stop whose agreed step and checkpoint take longer than the launcher's grace period.
 
-Two 1 GiB stages (`Linear(16384, 16384)`), 1f1b under `pipedream-fast run --nproc 2` with a
-`checkpoint_dir`; SIGTERM to the launcher (5 s grace) after step `--after`: seconds to the
-agreed step's end, the save's end and the launcher's exit, its exit status, and whether the
-checkpoint is complete (checksums verified). Needs about 6 GiB of memory and 2 GiB of disk.
+Two 1 GiB stages, 1f1b under `pipedream-fast run --nproc 2` with a `checkpoint_dir`; SIGTERM to
+the launcher (5 s grace) after step `--after`: seconds to the agreed step's end, the save and
+the exit, and whether the checkpoint is complete. Needs about 6 GiB of memory and 2 GiB of disk.
 
     python bench/stop_save.py [--after 2] [--size 16384] [--out bench/results/stop_save.md]
 """

@@ -1,21 +1,20 @@
-"""pipedream_fast against torch.distributed.pipelining, side by side on 2 ranks (gloo on loopback,
-one intra-op thread each), samples/s in steady state. Sets (results in bench/results/):
+"""pipedream_fast against torch.distributed.pipelining on 2 ranks (gloo on loopback, one
+intra-op thread each), samples/s in steady state. `--set`, results in bench/results/:
 
-  pairs (default)  model A, each of our schedules against torch's on the same stages and
-                   microbatches, in interleaved rounds; losses compared (vs_pipelining.md)
+  pairs (default)  model A: each of our schedules against torch's on the same stages and
+                   microbatches, in interleaved rounds, losses compared (vs_pipelining.md)
+  transformer      the same for 1f1b on a tiny nanoGPT at 16 and 32 microbatches, where the
+                   runtimes' own costs dominate (transformer_pair.md)
   model_a          one run each: single process, torch Schedule1F1B, ours (model_a.md)
   interleaved      the planner's straight and looped plans, with the simulator (interleaved.md)
-  zoo              the test zoo's transformers unedited: who splits and trains them, samples/s
-                   in interleaved rounds, losses against a one-process loop, tied-weight drift
-                   (zoo_vs_pipelining.md)
-
-    python bench/vs_pipelining.py [--set pairs|model_a|interleaved|zoo] [--steps N] [--warmup N]
-        [--repeats N] [--quick] [--models nanogpt,llama,gpt2,bert] [--out FILE.md]
+  zoo              the test zoo's transformers unedited: who splits and trains them, samples/s,
+                   losses against a one-process loop, tied-weight drift (zoo_vs_pipelining.md)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import inspect
 import itertools
@@ -40,38 +39,42 @@ from pipedream_fast.training import model_loss, split_microbatches
 
 import harness  # noqa: E402 - a sibling
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the zoo set's `zoo`
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the zoo
 
 BATCH, WORLD, LR = 32, 2, 0.01
-BOUNDS = {2: [(0, 6), (6, 9)], 4: [(0, 3), (3, 6), (6, 7), (7, 9)]}  # blocks [start, stop)
-# ours, torch's class, stages, microbatch counts per step, placement of the stages on the ranks
-PAIRS = (("gpipe", "ScheduleGPipe", 2, (2, 4), "looped"),
-         ("1f1b", "Schedule1F1B", 2, (2, 4), "looped"),
-         ("interleaved-1f1b", "ScheduleInterleaved1F1B", 4, (4,), "looped"),
-         ("zb-v", "ScheduleZBVZeroBubble", 4, (4, 8), "v"),
-         ("dualpipe-v", "ScheduleDualPipeV", 4, (4, 8), "v"),
-         ("interleaved-zb", "ScheduleInterleavedZeroBubble", 4, (4, 8), "looped"),
-         ("looped-bfs", "ScheduleLoopedBFS", 4, (4, 8), "looped"))
+VOCAB, SEQ, LAYERS, HEADS, WIDTH = 64, 16, 2, 4, 64  # the transformer set's nanoGPT
+A2, A4 = [(0, 6), (6, 9)], [(0, 3), (3, 6), (6, 7), (7, 9)]  # model A's blocks [start, stop)
+# per model: ours, torch's class, stages, microbatch counts per step, placement on the ranks
+PAIRS = {"cnn": (("gpipe", "ScheduleGPipe", A2, (2, 4), "looped"),
+                 ("1f1b", "Schedule1F1B", A2, (2, 4), "looped"),
+                 ("interleaved-1f1b", "ScheduleInterleaved1F1B", A4, (4,), "looped"),
+                 ("zb-v", "ScheduleZBVZeroBubble", A4, (4, 8), "v"),
+                 ("dualpipe-v", "ScheduleDualPipeV", A4, (4, 8), "v"),
+                 ("interleaved-zb", "ScheduleInterleavedZeroBubble", A4, (4, 8), "looped"),
+                 ("looped-bfs", "ScheduleLoopedBFS", A4, (4, 8), "looped")),
+         "gpt": (("1f1b", "Schedule1F1B", [(0, 2), (2, 5)], (16, 32), "looped"),)}
+# per model, the goals (JSON key: our schedules, the least ratio to torch's); new_goal: issue 31
+GOALS = {"cnn": {"goal": (("1f1b",), 1.2),
+                 "new_goal": (("zb-v", "dualpipe-v", "interleaved-zb", "looped-bfs"), 1.05)},
+         "gpt": {"goal": (("1f1b",), 1.25)}}  # issue 34
 DEFAULT = {"pairs": {"warmup": 3, "steps": 12, "repeats": 5},
+           "transformer": {"warmup": 3, "steps": 30, "repeats": 5},
            "zoo": {"warmup": 3, "steps": 40, "repeats": 2}}
 QUICK = {"pairs": {"warmup": 2, "steps": 3, "repeats": 1},
+         "transformer": {"warmup": 2, "steps": 3, "repeats": 1},
          "zoo": {"warmup": 1, "steps": 2, "repeats": 1}}
-FIRST_LOSS_TOL = 1e-4  # float32, mean of a few microbatch losses near 2.3
-LAST_LOSS_TOL = 1e-3  # the same after a few SGD updates, accumulated in other orders
-GOAL = 1.2  # 1f1b against Schedule1F1B
-NEW_GOAL = 1.05  # issue 31: each of these against torch's, on the same stages and microbatches
-NEW = ("zb-v", "dualpipe-v", "interleaved-zb", "looped-bfs")
+FIRST_LOSS_TOL, LAST_LOSS_TOL = 1e-4, 1e-3  # float32 losses near 2.3, first and after updates
 
 MODELS = ("nanogpt", "llama", "gpt2", "bert")
 SPLIT = {"nanogpt": "transformer.h.1", "llama": "model.layers.1", "gpt2": "transformer.h.1",
          "bert": "bert.encoder.layer.1"}
-TARGET = {"nanogpt": "targets", "llama": "labels", "gpt2": "labels", "bert": "labels"}
 # (embedding, head) of the models that tie them: the names of the one shared parameter
 TIED = {"nanogpt": ("transformer.wte.weight", "lm_head.weight"),
         "llama": ("model.embed_tokens.weight", "lm_head.weight"),
         "gpt2": ("transformer.wte.weight", "lm_head.weight")}
 DRIFTS = ("embedding_vs_head", "embedding_vs_loop", "head_vs_loop", "loop_moved")
 CHUNKS, MOMENTUM = 2, 0.9
+sgd = functools.partial(torch.optim.SGD, lr=LR, momentum=MOMENTUM)  # the zoo's optimizer
 TIMEOUT = 60.0  # zoo: every collective and transfer; a one-sided failure costs at most this
 FIRST_TOL, LAST_TOL = 1e-5, 1e-4  # zoo: relative, first step's loss (the forwards) and last's
 DRIFT_TOL = 1e-6  # relative to the weight's largest entry: "identical" up to float noise
@@ -108,23 +111,35 @@ def torch_steps(sched: Any, opt: torch.optim.Optimizer, calls: Iterable[tuple[An
         yield torch.stack(mb_losses).detach().mean() if last else None
 
 
+def ours_steps(model: nn.Module, loss_fn: Any, optimizer: Any, items: list[Any], warmup: int,
+               last: bool, began: float, tied: nn.Parameter | None = None,
+               **how: Any) -> dict[str, Any]:
+    """A run of pipedream_fast's Pipeline(model, loss_fn, optimizer, **how) on `items`; with
+    `tied`, this rank's copy of it (None: its stages do not hold it)."""
+    from pipedream_fast.pipeline import Pipeline
+
+    pipe = Pipeline(model, loss_fn, optimizer, **how)
+    result = timed(pipe.train(items, len(items)), warmup, last, began)
+    if tied is not None:
+        held = {id(p) for m in pipe.stage_modules.values() for p in m.parameters()}
+        result["tied"] = tied.detach().clone() if id(tied) in held else None
+    pipe.close()
+    return result
+
+
 def rounds(sides: dict[str, Callable[[], dict[str, Any]]], repeats: int) -> dict[str, list[Any]]:
-    """Each side's runs in interleaved rounds (`harness.alternate`), the last run's model
-    collected before the next is built; a side that failed is not run again (the same failure
-    again says nothing new)."""
-    latest: dict[str, dict[str, Any]] = {}
+    """Each side's runs in interleaved rounds (`harness.alternate`), garbage collected before
+    each; a side that failed is not run again (the same failure says nothing new)."""
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
 
-    def driver(key: str) -> Callable[[], dict[str, Any] | None]:
-        def one() -> dict[str, Any] | None:
-            if "error" in latest.get(key, {}):
-                return None
+    def run(side: str) -> None:
+        if not any("error" in r for r in runs[side]):
             gc.collect()
-            latest[key] = sides[key]()
-            return latest[key]
-        return one
+            runs[side].append(sides[side]())
 
-    runs = harness.alternate({key: driver(key) for key in sides}, repeats, warmup=False)
-    return {key: [r for r in rs if r is not None] for key, rs in runs.items()}
+    harness.alternate({side: functools.partial(run, side) for side in sides}, repeats,
+                      warmup=False)
+    return runs
 
 
 def one_run(ranks: list[dict[str, Any]], samples: int) -> dict[str, Any]:
@@ -164,7 +179,37 @@ def head(title: str, result: dict[str, Any], bullets: list[str]) -> list[str]:
             harness.machine_line(result["machine"], result["wall_s"]), "", *bullets, ""]
 
 
-# ---- model A --------------------------------------------------------------------------------
+# ---- pairs on an nn.Sequential's blocks: model A, a tiny nanoGPT ----------------------------
+
+class Embed(nn.Module):
+    """nanoGPT's forward up to its layers: token plus position embeddings (dropout 0)."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe = gpt.transformer.wte, gpt.transformer.wpe
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+
+
+def sequential(model: str) -> tuple[nn.Module, Callable[..., torch.Tensor], list[torch.Tensor]]:
+    """The model (seeded), its loss and one fixed batch: model A on bench/vs_ddp.py's batch;
+    the zoo's nanoGPT as blocks (embeddings, layers, ln_f, head), the head untied (torch's
+    stages would each train a copy of a tied one), on tokens and the next ones."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    if model == "cnn":
+        return build_cnn(), nn.functional.cross_entropy, [
+            torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)]
+    from zoo.gpt import GPT, GPTConfig
+
+    gpt = GPT(GPTConfig(SEQ, VOCAB, LAYERS, HEADS, WIDTH))
+    gpt.lm_head.weight = nn.Parameter(gpt.lm_head.weight.detach().clone())
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return (nn.Sequential(Embed(gpt), *gpt.transformer.h, gpt.transformer.ln_f, gpt.lm_head),
+            lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
+            [x, x.roll(-1, 1)])
+
 
 def stage_rank(k: int, num_stages: int, placement: str) -> int:
     """Looped: stage k on rank k mod WORLD; "v": rank r holds stages r and 2 WORLD - 1 - r."""
@@ -173,68 +218,44 @@ def stage_rank(k: int, num_stages: int, placement: str) -> int:
     return k % WORLD
 
 
-def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """The same batch as bench/vs_ddp.py."""
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
-
-
-def torch_rank(rank: int, schedule: str, stages: list[tuple[int, int]], chunks: int,
-               warmup: int, steps: int, placement: str) -> dict[str, Any]:
-    """torch.distributed.pipelining: this rank's stages of build_cnn(), `schedule`."""
+def side_rank(rank: int, world: int, side: str, schedule: str, model: str,
+              stages: list[tuple[int, int]], chunks: int, warmup: int, steps: int,
+              placement: str) -> dict[str, Any]:
+    """One run on this rank: pipedream_fast ("ours") or torch.distributed.pipelining ("torch")
+    on the same stages, `schedule`, `chunks` microbatches."""
+    began, total = time.perf_counter(), warmup + steps
+    module, loss_fn, batch = sequential(model)
+    where = [stage_rank(k, len(stages), placement) for k in range(len(stages))]
+    last = where[-1] == rank
+    if side == "ours":
+        plan = Plan(model, BATCH, WORLD, schedule, [StagePlan(a, b, 1, (r,), 0.0)
+                                                    for (a, b), r in zip(stages, where)], 1.0, 1.0)
+        return ours_steps(module, loss_fn, lambda ps: torch.optim.SGD(ps, lr=LR), [batch] * total,
+                          warmup, last, began, plan=plan, schedule=schedule, chunks=chunks)
     from torch.distributed import pipelining
 
-    began = time.perf_counter()
-    torch.manual_seed(0)
-    children = list(build_cnn().children())
-    mine = [k for k in range(len(stages)) if stage_rank(k, len(stages), placement) == rank]
-    parts = [pipelining.PipelineStage(nn.Sequential(*children[stages[k][0]:stages[k][1]]), k,
-                                      len(stages), torch.device("cpu")) for k in mine]
+    blocks = list(module.children())
+    parts = [pipelining.PipelineStage(nn.Sequential(*blocks[a:b]), k, len(stages),
+                                      torch.device("cpu"))
+             for k, (a, b) in enumerate(stages) if where[k] == rank]
     opt = torch.optim.SGD([p for s in parts for p in s.submod.parameters()], lr=LR)
     sched = getattr(pipelining, schedule)(parts if len(parts) > 1 else parts[0], chunks,
-                                          loss_fn=nn.functional.cross_entropy)
-    first, last = 0 in mine, len(stages) - 1 in mine
-    x, y = fixed_batch()
-    call = ((x,) if first else (), {"target": y} if last else {})
-    return timed(torch_steps(sched, opt, [call] * (warmup + steps), last), warmup, last, began)
+                                          loss_fn=loss_fn)
+    call = (batch[:1] if where[0] == rank else (), {"target": batch[1]} if last else {})
+    return timed(torch_steps(sched, opt, [call] * total, last), warmup, last, began)
 
 
-def ours_rank(rank: int, schedule: str, stages: list[tuple[int, int]], chunks: int,
-              warmup: int, steps: int, placement: str) -> dict[str, Any]:
-    """pipedream_fast's Pipeline on the same stages."""
-    from pipedream_fast.pipeline import Pipeline
-
-    began = time.perf_counter()
-    torch.manual_seed(0)
-    n, total = len(stages), warmup + steps
-    plan = Plan("cnn", BATCH, WORLD, schedule,
-                [StagePlan(a, b, 1, (stage_rank(k, n, placement),), 0.0)
-                 for k, (a, b) in enumerate(stages)], 1.0, 1.0)
-    pipe = Pipeline(build_cnn(), nn.functional.cross_entropy,
-                    lambda ps: torch.optim.SGD(ps, lr=LR), plan=plan, schedule=schedule,
-                    chunks=chunks)
-    result = timed(pipe.train([fixed_batch()] * total, total), warmup,
-                   stage_rank(n - 1, n, placement) == rank, began)
-    pipe.close()
-    return result
-
-
-SIDES = {"ours": ours_rank, "torch": torch_rank}
-
-
-def row_rank(rank: int, world: int, ours: str, theirs: str, stages: list[tuple[int, int]],
-             chunks: int, warmup: int, steps: int, repeats: int,
-             placement: str) -> dict[str, list[Any]]:
+def row_rank(rank: int, world: int, ours: str, theirs: str, repeats: int,
+             *args: Any) -> dict[str, list[Any]]:
     """Both sides in interleaved rounds in this rank process, each run from a fresh model."""
-    args = (stages, chunks, warmup, steps, placement)
-    return rounds({"ours": lambda: ours_rank(rank, ours, *args),
-                   "torch": lambda: torch_rank(rank, theirs, *args)}, repeats)
+    return rounds({"ours": lambda: side_rank(rank, world, "ours", ours, *args),
+                   "torch": lambda: side_rank(rank, world, "torch", theirs, *args)}, repeats)
 
 
-def measure(ours: str, theirs: str, stages: list[tuple[int, int]], chunks: int,
+def measure(model: str, ours: str, theirs: str, stages: list[tuple[int, int]], chunks: int,
             sz: dict[str, int], placement: str) -> dict[str, Any]:
-    by_rank = launch(row_rank, WORLD, ours, theirs, stages, chunks, sz["warmup"], sz["steps"],
-                     sz["repeats"], placement, threads_per_rank=1)
+    by_rank = launch(row_rank, WORLD, ours, theirs, sz["repeats"], model, stages, chunks,
+                     sz["warmup"], sz["steps"], placement, threads_per_rank=1)
     runs = {side: [one_run(list(ranks), BATCH * sz["steps"])
                    for ranks in zip(*(r[side] for r in by_rank))] for side in ("ours", "torch")}
     gaps = [loss_gaps(a["losses"], b["losses"]) for a, b in zip(runs["ours"], runs["torch"])]
@@ -248,62 +269,64 @@ def measure(ours: str, theirs: str, stages: list[tuple[int, int]], chunks: int,
             "losses_agree": first <= FIRST_LOSS_TOL and last <= LAST_LOSS_TOL, "runs": runs}
 
 
-def run_pairs(sz: dict[str, int]) -> dict[str, Any]:
+def goal(rows: list[dict[str, Any]], names: tuple[str, ...], least: float) -> dict[str, Any]:
+    """Each of `names` at least `least` times torch's, losses agreeing: met?"""
+    mine = [r for r in rows if r["schedule"] in names]
+    ok = [r for r in mine if "error" not in r]
+    theirs = ", ".join(dict.fromkeys(r["torch_schedule"] for r in mine))
+    return {"text": f"{', '.join(names)} each at least {least}x torch's {theirs} on the same "
+                    f"stages and microbatches, losses agreeing",
+            "met": bool(mine) and len(ok) == len(mine) and all(
+                r["ratio"] >= least and r["losses_agree"] for r in ok),
+            "worst_ratio": min((r["ratio"] for r in ok), default=0.0),
+            "ratios": {f"{r['schedule']} {r['microbatches']}": r.get("ratio") for r in mine},
+            "failed": [f"{r['schedule']} {r['microbatches']}" for r in mine if "error" in r]}
+
+
+def run_pairs(sz: dict[str, int], model: str) -> dict[str, Any]:
     began, rows = time.monotonic(), []
-    for ours, theirs, stages, counts, placement in PAIRS:
+    for ours, theirs, stages, counts, placement in PAIRS[model]:
         for chunks in counts:
             try:
-                r = measure(ours, theirs, BOUNDS[stages], chunks, sz, placement)
+                r = measure(model, ours, theirs, stages, chunks, sz, placement)
             except Exception as error:  # noqa: BLE001 - a side that cannot run is a result
                 harness.unless_stopped(error)
-                r = {"schedule": ours, "torch_schedule": theirs, "stages": stages,
-                     "bounds": BOUNDS[stages], "placement": placement,
-                     "microbatches": chunks, "error": harness.shorten(error, 600)}
+                r = {"schedule": ours, "torch_schedule": theirs, "stages": len(stages),
+                     "bounds": stages, "placement": placement, "microbatches": chunks,
+                     "error": harness.shorten(error, 600)}
             rows.append(r)
-            harness.say(f"{ours:17s} {stages} stages {chunks} mb: " + (
-                f"FAILED {r['error']}" if "error" in r else
-                f"ours {r['ours_samples_per_s']:6.1f}  torch {r['torch_samples_per_s']:6.1f}  "
-                f"ratio {r['ratio']:.2f}x  loss diff first {r['first_loss_diff']:.1e} "
-                f"last {r['last_loss_diff']:.1e}"))
-    one = [r for r in rows if r["schedule"] == "1f1b" and "error" not in r]
-    new = [r for r in rows if r["schedule"] in NEW]
-    new_ok = [r for r in new if "error" not in r]
-    worst = min((r["ratio"] for r in one), default=0.0)
-    return {"settings": {**sz, "batch": BATCH, "lr": LR, "ranks": WORLD,
-                         "threads_per_rank": 1, "stages2": BOUNDS[2], "stages4": BOUNDS[4]},
+            harness.say(f"{ours} {len(stages)} stages {chunks} mb: ratio "
+                        f"{harness.fmt(r.get('ratio'), '.2f')} {r.get('error', '')}")
+    return {"settings": {**sz, "model": model, "batch": BATCH, "lr": LR, "ranks": WORLD,
+                         "threads_per_rank": 1, "stages2": PAIRS[model][0][2],
+                         **({"stages4": A4} if model == "cnn" else {})},
             "machine": harness.machine_info(), "rows": rows,
-            "goal": {"text": f"1f1b at least {GOAL}x Schedule1F1B on the same stages and "
-                             f"microbatches", "met": worst >= GOAL, "worst_ratio": worst,
-                     "ratios": {str(r["microbatches"]): r["ratio"] for r in one}},
-            "new_goal": {"text": f"{', '.join(NEW)} each at least {NEW_GOAL}x torch's "
-                                 f"{', '.join(t for o, t, *_ in PAIRS if o in NEW)} on the "
-                                 f"same stages and microbatches, losses agreeing",
-                         "met": len(new_ok) == len(new) and all(
-                             r["ratio"] >= NEW_GOAL and r["losses_agree"] for r in new_ok),
-                         "worst_ratio": min((r["ratio"] for r in new_ok), default=0.0),
-                         "ratios": {f"{r['schedule']} {r['microbatches']}": r.get("ratio")
-                                    for r in new},
-                         "failed": [f"{r['schedule']} {r['microbatches']}" for r in new
-                                    if "error" in r]},
+            **{key: goal(rows, *spec) for key, spec in GOALS[model].items()},
             "losses_agree": all(r.get("losses_agree", False) for r in rows),
             "wall_s": time.monotonic() - began}
 
 
 def pairs_markdown(result: dict[str, Any]) -> str:
-    s, goal, new = result["settings"], result["goal"], result["new_goal"]
-    bounds = {k: " | ".join(f"[{a}, {b})" for a, b in s[f"stages{k}"]) for k in (2, 4)}
-    lines = head("pipedream_fast vs torch.distributed.pipelining, model A, 2 ranks, CPU", result, [
-        f"- Model A (`build_cnn`), batch {s['batch']}, SGD lr {s['lr']}, one fixed batch; "
-        f"{s['ranks']} ranks, gloo on loopback, 1 thread per rank. Stages (blocks [start, stop)): "
-        f"{bounds[2]}; {bounds[4]} (the planner's looped plan, `--set interleaved`), looped "
-        f"(ranks 0, 1, 0, 1) or in a V (0, 1, 1, 0), the same on both sides.",
-        f"- Samples/s: {s['steps']} steps after {s['warmup']} warm-up steps; {s['repeats']} "
-        f"repeat(s) in interleaved rounds (ours, torch, then torch, ours, ...) in one pair of "
+    s, cnn = result["settings"], result["settings"]["model"] == "cnn"
+    bounds = "; ".join(" | ".join(f"[{a}, {b})" for a, b in s[key])
+                       for key in ("stages2", "stages4") if key in s)
+    model = (f"Model A (`build_cnn`), batch {s['batch']}; stages (blocks [start, stop)) {bounds}, "
+             f"looped (ranks 0, 1, 0, 1) or in a V (0, 1, 1, 0)" if cnn else
+             f"The zoo's nanoGPT (tests/zoo/gpt.py), {LAYERS} layers, width {WIDTH}, {HEADS} "
+             f"heads, vocabulary {VOCAB}, head untied; batch {s['batch']} of {SEQ} tokens; "
+             f"stages (blocks: embeddings, layers, ln_f, head) {bounds}: little compute per "
+             f"microbatch, so each runtime's own cost dominates")
+    lines = head("pipedream_fast vs torch.distributed.pipelining, " + (
+        "model A" if cnn else "a small transformer") + ", 2 ranks, CPU", result, [
+        f"- {model}; the same on both sides. One fixed batch, SGD lr {s['lr']}; {s['ranks']} "
+        f"ranks, gloo on loopback, 1 thread per rank.",
+        f"- Samples/s: {s['steps']} steps after {s['warmup']} warm-up; {s['repeats']} run(s) of "
+        f"each side in interleaved rounds (ours, torch, then torch, ours, ...) in one pair of "
         f"processes, each from a fresh model; medians, their ratio; per round: the lowest and "
-        f"highest round's ratio (the noise).",
+        f"highest round's ratio (the noise). Others: the most CPU other processes took in a "
+        f"window (of {result['machine']['cores']} cores).",
         f"- Losses: first and last step's mean microbatch loss, ours against torch, largest "
-        f"difference; agreed within {FIRST_LOSS_TOL:g} and {LAST_LOSS_TOL:g}. Others: the most "
-        f"CPU other processes took in a window (of {result['machine']['cores']} cores)."])
+        f"difference; agreed within {FIRST_LOSS_TOL:g} and {LAST_LOSS_TOL:g}."])
     table, errors = [], []
     for r in result["rows"]:
         row = [f"{r['schedule']} / {r['torch_schedule']}", r["stages"],
@@ -322,69 +345,58 @@ def pairs_markdown(result: dict[str, Any]) -> str:
         ["schedule (ours / torch)", "stages", "ranks", "microbatches", "torch samples/s",
          "ours samples/s", "ours/torch", "per round", "first-step loss diff", "last-step loss diff",
          "losses agree", "others (cores)"], table)
-    if errors:
-        lines += ["", "Failed rows (the error, as raised):", "", *errors]
-    measured = ", ".join(f"{x:.2f}x at {mb} microbatches" for mb, x in goal["ratios"].items())
-    new_measured = ", ".join(f"{name}: " + ("failed" if x is None else f"{x:.2f}x")
-                             for name, x in new["ratios"].items())
-    lines += ["", f"Goal: {goal['text']}: **{'met' if goal['met'] else 'missed'}** "
-                  f"(measured {measured}).", "",
-              f"Goal (issue 31): {new['text']}: **{'met' if new['met'] else 'missed'}** "
-              f"(measured {new_measured}).", "",
-              "Losses: " + ("ours and torch agree on every pair." if result["losses_agree"] else
-                            "**ours and torch DISAGREE (or a side failed) on at least one pair: "
-                            "those throughput figures may compare different computations.**")]
-    return "\n".join(lines) + "\n"
+    lines += ["", "Failed rows (the error, as raised):", "", *errors] if errors else []
+    for g in (result[key] for key in ("goal", "new_goal") if key in result):
+        measured = ", ".join(f"{k}: {harness.fmt(x, '.2f', 'failed')}x"
+                             for k, x in g["ratios"].items())
+        lines += ["", f"Goal: {g['text']}: **{'met' if g['met'] else 'missed'}** "
+                      f"(measured {measured})."]
+    return "\n".join(lines + ["", "Losses: " + (
+        "ours and torch agree on every pair." if result["losses_agree"] else
+        "**ours and torch DISAGREE (or a side failed) on at least one pair.**")]) + "\n"
 
+
+# ---- one run each: model A's contenders, the planner's plans --------------------------------
 
 def single_process(threads: int, sz: dict[str, int]) -> float:
     """Samples/s of plain training in this process on `threads` intra-op threads."""
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model = build_cnn()
+    model, loss_fn, (x, y) = sequential("cnn")
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    x, y = fixed_batch()
     for step in range(sz["warmup"] + sz["steps"]):
         if step == sz["warmup"]:
             start = time.perf_counter()
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
+        loss_fn(model(x), y).backward()
         opt.step()
     torch.set_num_threads(1)
     return BATCH * sz["steps"] / (time.perf_counter() - start)
 
 
-def solo_rank(rank: int, world: int, side: str, *args: Any) -> dict[str, Any]:
-    return SIDES[side](rank, *args)
-
-
-def solo(side: str, schedule: str, stages: list[tuple[int, int]], chunks: int,
-         sz: dict[str, int]) -> float:
-    """Samples/s of one run of one side on 2 ranks, the stages looped."""
-    ranks = launch(solo_rank, WORLD, side, schedule, stages, chunks, sz["warmup"], sz["steps"],
-                   "looped", threads_per_rank=1)
-    return harness.window(ranks, BATCH * sz["steps"])["samples_per_s"]
-
-
 def run_set(name: str, sz: dict[str, int], out: str | None) -> None:
-    """The single-run sets: model_a; interleaved, on the planner's plans from a profile at the
-    microbatch size, with the simulator's prediction."""
+    """model_a; interleaved: on the planner's plans from a profile at the microbatch size, with
+    the simulator's prediction."""
     rows: list[tuple[str, float, str]] = []
 
     def record(label: str, value: float, note: str = "") -> None:
         rows.append((label, value, note))
         harness.say(f"{label:72s} {value:7.1f} samples/s {note}")
 
+    def solo(side: str, schedule: str, stages: list[tuple[int, int]], chunks: int) -> float:
+        ranks = launch(side_rank, WORLD, side, schedule, "cnn", stages, chunks, sz["warmup"],
+                       sz["steps"], "looped", threads_per_rank=1)
+        return harness.window(ranks, BATCH * sz["steps"])["samples_per_s"]
+
     if name == "model_a":
-        record("single process, 1 thread", single_process(1, sz))
-        record("single process, 2 threads", single_process(2, sz))
+        for threads in (1, 2):
+            record(f"single process, {threads} thread{'s' * (threads > 1)}",
+                   single_process(threads, sz))
         for chunks in (2, 4):
             record(f"torch.distributed.pipelining 1F1B, 2 ranks, {chunks} microbatches",
-                   solo("torch", "Schedule1F1B", BOUNDS[2], chunks, sz))
+                   solo("torch", "Schedule1F1B", A2, chunks))
         record("pipedream_fast pipedream, 2 ranks (minibatch = microbatch)",
-               solo("ours", "pipedream", BOUNDS[2], 1, sz))
-        record("pipedream_fast 1f1b, 2 ranks, 4 microbatches",
-               solo("ours", "1f1b", BOUNDS[2], 4, sz))
+               solo("ours", "pipedream", A2, 1))
+        record("pipedream_fast 1f1b, 2 ranks, 4 microbatches", solo("ours", "1f1b", A2, 4))
         if out:
             harness.write_results(out, "Model A, batch 32, CPU", [],
                                   ["contender", "samples/s", "vs 1-thread single process"],
@@ -396,10 +408,9 @@ def run_set(name: str, sz: dict[str, int], out: str | None) -> None:
     from pipedream_fast.sim import ProfileCosts, simulate
     from pipedream_fast.topology import Topology
 
-    chunks = 4
-    torch.manual_seed(0)
-    profile = profile_model(build_cnn(), fixed_batch()[0][: BATCH // chunks], BATCH // chunks,
-                            progress=False, model_name="cnn")
+    chunks, (model, _, batch) = 4, sequential("cnn")
+    profile = profile_model(model, batch[0][: BATCH // chunks], BATCH // chunks, progress=False,
+                            model_name="cnn")
     topology = Topology.parse("2x1.25e9")
     plans = [make_plan(profile, topology, schedule="1f1b", straight=True),
              make_plan(profile, topology, schedule="1f1b", stages_per_rank=2)]  # 2 per rank
@@ -408,21 +419,20 @@ def run_set(name: str, sz: dict[str, int], out: str | None) -> None:
     for k, theirs in ((0, "Schedule1F1B"), (1, "ScheduleInterleaved1F1B"),
                       (1, "ScheduleInterleavedZeroBubble")):
         record(f"torch.distributed.pipelining {theirs}, {'2 x 2' if k else '2'} stages",
-               solo("torch", theirs, bounds[k], chunks, sz))
+               solo("torch", theirs, bounds[k], chunks))
     for k, ours in ((0, "1f1b"), (1, "interleaved-1f1b"), (0, "zb-h1")):
         sched = make_schedule(ours, len(bounds[k]), chunks * sz["steps"], chunks=chunks,
                               stage_ranks=[list(s.ranks) for s in plans[k].stages])
         costs = ProfileCosts.from_plan(profile, plans[k], bandwidth=1.25e9)
         guess = BATCH * sz["steps"] / simulate(sched, costs).makespan * 1e3
         record(f"pipedream_fast {ours}, {len(bounds[k])} stages",
-               solo("ours", ours, bounds[k], chunks, sz), f"(simulator: {guess:.1f})")
+               solo("ours", ours, bounds[k], chunks), f"(simulator: {guess:.1f})")
     if out:
         v = [value for _, value, _ in rows]
         harness.write_results(
             out, "Interleaved 1F1B, model A, batch 32, 2 ranks, CPU",
-            [f"Stages: 2-stage {bounds[0]}; looped {bounds[1]} (blocks [start, stop), "
-             f"stage k on rank k mod 2), from a profile at the microbatch size; {chunks} "
-             f"microbatches."],
+            [f"Stages: 2-stage {bounds[0]}; looped {bounds[1]} (blocks [start, stop), stage k on "
+             f"rank k mod 2), from a profile at the microbatch size; {chunks} microbatches."],
             ["contender", "samples/s", "note"], [(n, f"{x:.1f}", note) for n, x, note in rows],
             [f"pipedream_fast interleaved-1f1b / torch ScheduleInterleaved1F1B: "
              f"**{v[4] / v[1]:.2f}x**; pipedream_fast zb-h1 / torch "
@@ -435,10 +445,6 @@ def the_zoo() -> Any:
     import zoo  # tests/zoo; imports torchvision the way it must come before transformers
 
     return zoo
-
-
-def sgd(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
 
 
 def build(name: str, no_cache: bool = False) -> nn.Module:
@@ -457,8 +463,7 @@ def named_inputs(model: nn.Module, item: Any) -> dict[str, Any]:
     """A loader item as the model's keyword arguments (nanoGPT's `(idx, targets)` by name)."""
     if isinstance(item, dict):
         return dict(item)
-    args = item if isinstance(item, (tuple, list)) else (item,)
-    return dict(inspect.signature(model.forward).bind(*args).arguments)
+    return dict(inspect.signature(model.forward).bind(*item).arguments)
 
 
 def torch_split(name: str, model: nn.Module, item: Any) -> Any:
@@ -486,8 +491,8 @@ def torch_probe(name: str) -> dict[str, Any]:
 
 
 class LossOutsideGPT(nn.Module):
-    """The zoo's nanoGPT EDITED for the loss outside: without targets nanoGPT computes the last
-    position's logits only. The same modules; its forward with targets, less the loss."""
+    """The zoo's nanoGPT EDITED for the loss outside (without targets it computes the last
+    position's logits only): the same modules, its forward with targets less the loss."""
 
     def __init__(self, gpt: nn.Module) -> None:
         super().__init__()
@@ -501,21 +506,15 @@ class LossOutsideGPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
-def outside_loss(name: str) -> Any:
-    """The loss each model computes inside, as a loss_fn of (its output, the targets)."""
+def outside_loss(name: str, out: Any, y: torch.Tensor) -> torch.Tensor:
+    """The loss the model computes inside, of its output and the targets: nanoGPT's and BERT's
+    cross entropy, Llama's and GPT-2's on the labels shifted by one."""
+    logits = out[0] if isinstance(out, (tuple, list)) else out
+    if name in ("nanogpt", "bert"):
+        return nn.functional.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=-1)
     from transformers.loss.loss_utils import ForCausalLMLoss  # what Llama and GPT-2 call
 
-    vocab = the_zoo().VOCAB
-
-    def loss(out: Any, y: torch.Tensor) -> torch.Tensor:
-        logits = out[0] if isinstance(out, (tuple, list)) else out
-        if name == "nanogpt":
-            return nn.functional.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1),
-                                               ignore_index=-1)
-        if name == "bert":
-            return nn.functional.cross_entropy(logits.reshape(-1, 3), y.reshape(-1))
-        return ForCausalLMLoss(logits, y, vocab_size=vocab)
-    return loss
+    return ForCausalLMLoss(logits, y, vocab_size=logits.size(-1))
 
 
 def zoo_torch(rank: int, name: str, items: list[Any], warmup: int, no_cache: bool,
@@ -528,8 +527,9 @@ def zoo_torch(rank: int, name: str, items: list[Any], warmup: int, no_cache: boo
     began = time.perf_counter()
     model = build(name, no_cache)
     named = [named_inputs(model, item) for item in items]
+    target = "targets" if name == "nanogpt" else "labels"
     # "inside": the loss_fn ignores the target, the schedule only splits it
-    targets = [n.pop(TARGET[name]) if mode == "outside" else torch.zeros(the_zoo().BATCH)
+    targets = [n.pop(target) if mode == "outside" else torch.zeros(the_zoo().BATCH)
                for n in named]
     if mode == "outside" and name == "nanogpt":
         model = LossOutsideGPT(model)
@@ -541,10 +541,10 @@ def zoo_torch(rank: int, name: str, items: list[Any], warmup: int, no_cache: boo
     mine = {arg.target: ph for arg, ph in zip(node.args, holders)
             if isinstance(arg, torch.fx.Node) and arg.op == "placeholder"}
     last = rank == WORLD - 1
-    sched = Schedule1F1B(stage, CHUNKS, loss_fn=outside_loss(name) if mode == "outside"
-                         else lambda out, _target: model_loss(out))
+    sched = Schedule1F1B(stage, CHUNKS, loss_fn=functools.partial(outside_loss, name)
+                         if mode == "outside" else lambda out, _target: model_loss(out))
     calls = [((), {**{ph: n[root] for root, ph in mine.items()},
-                   **({"target": target} if last else {})}) for n, target in zip(named, targets)]
+                   **({"target": t} if last else {})}) for n, t in zip(named, targets)]
     result = {**timed(torch_steps(sched, sgd(stage.submod.parameters()), calls, last), warmup,
                       last, began), "mode": mode}
     if name in TIED:
@@ -554,24 +554,15 @@ def zoo_torch(rank: int, name: str, items: list[Any], warmup: int, no_cache: boo
 
 def zoo_ours(rank: int, name: str, items: list[Any], warmup: int,
              no_cache: bool) -> dict[str, Any]:
-    from pipedream_fast.pipeline import Pipeline
-
-    began = time.perf_counter()
-    model = build(name, no_cache)
-    tied = model.get_parameter(TIED[name][0]) if name in TIED else None
-    pipe = Pipeline(model, loss_fn=None, optimizer=sgd, split_points=[SPLIT[name]],
-                    schedule="1f1b", chunks=CHUNKS, timeout=TIMEOUT)
-    result = timed(pipe.train(items, steps=len(items)), warmup, rank == WORLD - 1, began)
-    if tied is not None:  # this rank's copy, if its stages hold it
-        held = {id(p) for m in pipe.stage_modules.values() for p in m.parameters()}
-        result["tied"] = tied.detach().clone() if id(tied) in held else None
-    pipe.close()
-    return result
+    began, model = time.perf_counter(), build(name, no_cache)
+    return ours_steps(model, None, sgd, items, warmup, rank == WORLD - 1, began,
+                      model.get_parameter(TIED[name][0]) if name in TIED else None,
+                      split_points=[SPLIT[name]], schedule="1f1b", chunks=CHUNKS, timeout=TIMEOUT)
 
 
 def attempt(fn: Any, rank: int, name: str, items: list[Any], *args: Any) -> dict[str, Any]:
     """`fn` on a process group of its own (a run that fails on one rank must not break the
-    next); its error as its result. Rank 0 says what it ran and how long it took."""
+    next), its error as its result; rank 0 says how it went."""
     harness.fresh_group(rank, WORLD, next(GROUPS), timeout_s=TIMEOUT)
     began = time.monotonic()
     try:
@@ -580,41 +571,41 @@ def attempt(fn: Any, rank: int, name: str, items: list[Any], *args: Any) -> dict
         result = {"error": harness.shorten(err), "traceback": traceback.format_exc()[-4000:]}
     result["wall_s"] = time.monotonic() - began
     if rank == 0:
-        no_cache, *mode = args[1:]
-        harness.say(f"  rank 0: {name} {fn.__name__}{' (use_cache=False)' if no_cache else ''}"
-                    f"{''.join(' ' + m for m in mode)}, {len(items)} steps: "
+        harness.say(f"  {name} {fn.__name__}{args[1:]}, {len(items)} steps: "
                     f"{'FAILED' if 'error' in result else 'ok'} in {result['wall_s']:.1f} s")
     return result
 
 
-def zoo_model(rank: int, name: str, warmup: int, steps: int, repeats: int) -> dict[str, Any]:
-    """torch's probe (rank 0); ours on the model as built where torch needs use_cache=False;
-    torch on the model as called (one step each); then `repeats` rounds of both sides."""
-    harness.fresh_group(rank, WORLD, next(GROUPS), timeout_s=TIMEOUT)
-    shared = [torch_probe(name) if rank == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    no_cache = shared[0].get("use_cache_false") == "ok"
-    record: dict[str, Any] = {"probe": shared[0], "no_cache": no_cache}
-    if no_cache:  # the measured runs set use_cache=False: ours on the model as built too
-        record["ours_as_built"] = attempt(zoo_ours, rank, name, batches(name, 1), 1, False)
-    record["torch_inside"] = attempt(zoo_torch, rank, name, batches(name, 1), 1, no_cache)
-    mode = "outside" if "error" in record["torch_inside"] else "inside"
-    items = batches(name, warmup + steps)
-    return {**record, "runs": rounds(
-        {"ours": lambda: attempt(zoo_ours, rank, name, items, warmup, no_cache),
-         "torch": lambda: attempt(zoo_torch, rank, name, items, warmup, no_cache, mode)}, repeats)}
-
-
-def zoo_rank(rank: int, world: int, models: list[str], *sizes: int) -> dict[str, Any]:
-    out = {name: zoo_model(rank, name, *sizes) for name in models}
+def zoo_rank(rank: int, world: int, models: list[str], warmup: int, steps: int,
+             repeats: int) -> dict[str, Any]:
+    """Per model: torch's probe (rank 0); one step of ours on the model as built where torch
+    needs use_cache=False, one of torch on the model as called; `repeats` rounds of both."""
+    out = {}
+    for name in models:
+        harness.fresh_group(rank, WORLD, next(GROUPS), timeout_s=TIMEOUT)
+        shared = [torch_probe(name) if rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        no_cache = shared[0].get("use_cache_false") == "ok"
+        out[name] = {"probe": shared[0], "no_cache": no_cache}
+        if no_cache:
+            out[name]["ours_as_built"] = attempt(zoo_ours, rank, name, batches(name, 1), 1, False)
+        inside = out[name]["torch_inside"] = attempt(zoo_torch, rank, name, batches(name, 1), 1,
+                                                     no_cache)
+        items, mode = batches(name, warmup + steps), "outside" if "error" in inside else "inside"
+        out[name]["runs"] = rounds(
+            {"ours": functools.partial(attempt, zoo_ours, rank, name, items, warmup, no_cache),
+             "torch": functools.partial(attempt, zoo_torch, rank, name, items, warmup, no_cache,
+                                        mode)}, repeats)
     dist.destroy_process_group()
     return out
 
 
-def reference(name: str, items: list[Any]) -> tuple[list[float], torch.Tensor | None]:
+def reference(name: str, items: list[Any]) -> tuple[list[float], list[torch.Tensor]]:
     """The one-process loop: each minibatch in CHUNKS microbatches, gradients accumulated
-    (each microbatch's loss / CHUNKS), one SGD step. Returns the losses and the tied weight."""
+    (each microbatch's loss / CHUNKS), one SGD step. Its losses; the tied weight at the end and
+    at the start."""
     model = build(name).train()
+    tied = [model.get_parameter(TIED[name][0]).detach().clone()] if name in TIED else []
     opt, losses = sgd(model.parameters()), []
     for item in items:
         opt.zero_grad()
@@ -625,7 +616,7 @@ def reference(name: str, items: list[Any]) -> tuple[list[float], torch.Tensor | 
             total += float(loss.detach()) / CHUNKS
         opt.step()
         losses.append(total)
-    return losses, model.get_parameter(TIED[name][0]).detach().clone() if name in TIED else None
+    return losses, [model.get_parameter(TIED[name][0]).detach().clone()] + tied if tied else []
 
 
 def drift(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -634,70 +625,54 @@ def drift(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def zoo_summary(ranks: list[dict[str, Any]], steps: int, want: list[float],
-                tied: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:
-    """One run of one side: `one_run`, losses against the loop's, and with `tied` (the loop's
-    weight at the end and at the start) the tied weights' drift."""
+                tied: list[torch.Tensor]) -> dict[str, Any]:
+    """One run of one side: `one_run`, losses against the loop's `want`; with `tied` (the
+    loop's weight at the end and at the start), the tied weights' drift; "ok": it ran, with the
+    loop's first loss."""
     run = one_run(ranks, the_zoo().BATCH * steps)
     if "error" not in run:
         run["first_loss_rel_diff"], run["last_loss_rel_diff"] = loss_gaps(run["losses"], want,
                                                                           relative=True)
         embedding, lm_head = ranks[0].get("tied"), ranks[-1].get("tied")
-        if tied is not None and embedding is not None and lm_head is not None:
-            run["tied"] = dict(zip(DRIFTS, (drift(embedding, lm_head), drift(embedding, tied[0]),
-                                            drift(lm_head, tied[0]), drift(*tied))))
+        if tied and embedding is not None and lm_head is not None:
+            run.update(zip((f"tied_{key}" for key in DRIFTS), (
+                drift(embedding, lm_head), drift(embedding, tied[0]), drift(lm_head, tied[0]),
+                drift(*tied))))
+    run["ok"] = "error" not in run and run["first_loss_rel_diff"] <= FIRST_TOL
     return run
-
-
-def one_step(ranks: list[dict[str, Any]], want: list[float]) -> dict[str, Any]:
-    """A one-step check run: trained, with the loop's first loss?"""
-    one = zoo_summary(ranks, 1, want[:1])
-    if "error" in one:
-        return {"ok": False, "error": one["error"]}
-    return {"ok": one["first_loss_rel_diff"] <= FIRST_TOL,
-            "first_loss_rel_diff": one["first_loss_rel_diff"]}
 
 
 def zoo_row(name: str, records: list[dict[str, Any]], sz: dict[str, int]) -> dict[str, Any]:
     want, tied = reference(name, batches(name, sz["warmup"] + sz["steps"]))
-    if tied is not None:
-        tied = (tied, build(name).get_parameter(TIED[name][0]).detach().clone())
     sides = {side: [zoo_summary(list(ranks), sz["steps"], want, tied)
                     for ranks in zip(*(rec["runs"][side] for rec in records))]
              for side in ("ours", "torch")}
-    probe, inside = records[0]["probe"], one_step([rec["torch_inside"] for rec in records], want)
-    as_built = (one_step([rec["ours_as_built"] for rec in records], want)
-                if "ours_as_built" in records[0] else None)
+    check = {key: zoo_summary([rec[key] for rec in records], 1, want[:1], [])
+             for key in ("torch_inside", "ours_as_built") if key in records[0]}
+    probe, inside, as_built = records[0]["probe"], check["torch_inside"], check.get("ours_as_built")
     ok = {side: [r for r in runs if "error" not in r] for side, runs in sides.items()}
     errors = {side: next((r["error"] for r in runs if "error" in r), None)
               for side, runs in sides.items()}
     needs = ("config.use_cache=False" if probe["as_built"] != "ok"
              and probe.get("use_cache_false") == "ok" else None)
-    ours_split = "no: fails to train" if errors["ours"] and not ok["ours"] else "yes"
-    if ours_split == "yes" and as_built is not None and not as_built["ok"]:
-        ours_split = "no: " + ("fails to train (use_cache=True)" if "error" in as_built
-                               else "its loss differs from the loop's (use_cache=True)")
-    torch_split = "yes" if probe["as_built"] == "ok" else f"no: needs {needs}" if needs else "no"
-    torch_trains = ("yes" if inside["ok"] else "no: fails at its first step" if "error" in inside
-                    else "no: its loss differs from the loop's")
-    row = {"model": name, "split_at": SPLIT[name], "tied": name in TIED, "ours_split": ours_split,
-           "ours_as_built": as_built, "torch_split": torch_split, "torch_needs": needs,
-           "torch_probe": probe, "torch_trains": torch_trains, "torch_inside": inside,
-           "torch_mode": "inside" if inside["ok"] else "outside",
+    row = {"model": name, "split_at": SPLIT[name], "tied": name in TIED,
+           "ours_split": ("no: fails to train" if not ok["ours"] else
+                          "yes" if as_built is None or as_built["ok"] else
+                          "no: fails to train (use_cache=True)" if "error" in as_built else
+                          "no: its loss differs from the loop's (use_cache=True)"),
+           "ours_as_built": as_built, "torch_needs": needs, "torch_probe": probe,
+           "torch_split": ("yes" if probe["as_built"] == "ok" else
+                           f"no: needs {needs}" if needs else "no"),
+           "torch_trains": ("yes" if inside["ok"] else "no: fails at its first step"
+                            if "error" in inside else "no: its loss differs from the loop's"),
+           "torch_inside": inside, "torch_mode": "inside" if inside["ok"] else "outside",
            "ours_error": errors["ours"], "torch_error": errors["torch"], **side_by_side(sides),
            "loop_first_loss": want[0], "loop_last_loss": want[-1]}
-    for side, runs in ok.items():
+    for side, runs in ok.items():  # set-up: the median run's; the others: the worst run's
         row[f"{side}_first_step_s"] = (statistics.median(r["first_step_s"] for r in runs)
                                        if runs else None)
-        for key in ("first_loss_rel_diff", "last_loss_rel_diff"):
-            row[f"{side}_{key}"] = max((r[key] for r in runs), default=None)
-        for key in DRIFTS:
-            row[f"{side}_tied_{key}"] = max((r["tied"][key] for r in runs if "tied" in r),
-                                            default=None)
-        first, last = row[f"{side}_first_loss_rel_diff"], row[f"{side}_last_loss_rel_diff"]
-        gap = row[f"{side}_tied_embedding_vs_head"]
-        row[f"{side}_losses_equal"] = (None if first is None else
-                                       bool(first <= FIRST_TOL and last <= LAST_TOL))
-        row[f"{side}_tied_identical"] = None if gap is None else bool(gap <= DRIFT_TOL)
+        for key in ("first_loss_rel_diff", "last_loss_rel_diff", *(f"tied_{d}" for d in DRIFTS)):
+            row[f"{side}_{key}"] = max((r[key] for r in runs if key in r), default=None)
     return {**row, "runs": sides, "no_cache": records[0]["no_cache"]}
 
 
@@ -705,17 +680,12 @@ def run_zoo(sz: dict[str, int], models: tuple[str, ...]) -> dict[str, Any]:
     began = time.monotonic()
     by_rank = launch(zoo_rank, WORLD, list(models), sz["warmup"], sz["steps"], sz["repeats"],
                      timeout=TIMEOUT, threads_per_rank=1)
-    rows = [zoo_row(name, [r[name] for r in by_rank], sz) for name in models]
-    for r in rows:
-        harness.say(f"{r['model']:8s} ours {harness.fmt(r['ours_samples_per_s'], '6.1f')}  "
-                    f"torch {harness.fmt(r['torch_samples_per_s'], '6.1f')}  ratio "
-                    f"{harness.fmt(r['ratio'], '.2f')}  torch: {r['torch_split']}; "
-                    f"{r['torch_trains']}")
     return {"settings": {**sz, "models": list(models), "batch": the_zoo().BATCH,
                          "chunks": CHUNKS, "ranks": WORLD, "threads_per_rank": 1, "lr": LR,
                          "momentum": MOMENTUM, "split": {m: SPLIT[m] for m in models}},
             "machine": harness.machine_info(transformers=version("transformers")),
-            "rows": rows, "wall_s": time.monotonic() - began, "command": harness.command()}
+            "rows": [zoo_row(name, [r[name] for r in by_rank], sz) for name in models],
+            "wall_s": time.monotonic() - began, "command": harness.command()}
 
 
 def zoo_markdown(result: dict[str, Any]) -> str:
@@ -731,10 +701,9 @@ def zoo_markdown(result: dict[str, Any]) -> str:
         "torch's Schedule1F1B with the targets among the inputs, loss as the loop's; else "
         "torch's runs compute the loss in `loss_fn` (mode 'outside'; nanoGPT: `LossOutsideGPT`).",
         f"- Samples/s: {s['steps']} steps after {s['warmup']} warm-up; {s['repeats']} run(s) of "
-        f"each side in interleaved rounds (ours, torch, then torch, ours, ...) in one pair of "
-        f"processes; medians, their ratio (brackets: each round's). Set-up: model built to the "
-        f"end of its first step. Others: CPU other processes took (of "
-        f"{result['machine']['cores']} cores).",
+        f"each side in interleaved rounds in one pair of processes; medians, their ratio "
+        f"(brackets: each round's). Set-up: model built to the end of its first step. "
+        f"Others: CPU other processes took (of {result['machine']['cores']} cores).",
         f"- Losses: first and last step's against the one-process loop (gradient accumulation), "
         f"relative, worst run; equal within {FIRST_TOL:g} and {LAST_TOL:g}. Tied drift after "
         f"{s['warmup'] + s['steps']} steps: max |embedding - head| / max |head|; identical "
@@ -782,28 +751,29 @@ def zoo_markdown(result: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--set", default="pairs",
-                        choices=("pairs", "model_a", "interleaved", "zoo"))
-    parser.add_argument("--quick", action="store_true",
-                        help="fewest steps, 1 repeat (pairs: 2+3 steps; zoo: 1+2, does it run?)")
-    for name, what in (("steps", "measured steps after the warm-up"), ("warmup", "warm-up steps"),
-                       ("repeats", "runs of each side (pairs, zoo)")):
-        parser.add_argument(f"--{name}", type=harness.positive, help=f"{what} (default: pairs "
-                            f"{DEFAULT['pairs'][name]}, zoo {DEFAULT['zoo'][name]})")
+    parser.add_argument("--set", default="pairs", choices=("pairs", "transformer", "model_a",
+                                                           "interleaved", "zoo"))
+    parser.add_argument("--quick", action="store_true", help="fewest steps, 1 repeat: does it run?")
+    for name in ("steps", "warmup", "repeats"):
+        parser.add_argument(f"--{name}", type=harness.positive, help="default by set: " + ", ".join(
+            f"{k} {v[name]}" for k, v in DEFAULT.items()))
     parser.add_argument("--models", default=",".join(MODELS), help="zoo: which, comma-separated")
-    parser.add_argument("--out", help="write the markdown here (pairs, zoo: the JSON beside it)")
+    parser.add_argument("--out", help="write the markdown here (and the JSON beside it)")
     args = parser.parse_args()
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     if not models or set(models) - set(MODELS):
         parser.error(f"--models: choose among {', '.join(MODELS)}")
     torch.set_num_threads(1)
-    which = "zoo" if args.set == "zoo" else "pairs"
+    which = args.set if args.set in DEFAULT else "pairs"
     sz = harness.sizes(args, DEFAULT[which], QUICK[which], args.quick)
     if args.set in ("model_a", "interleaved"):
         run_set(args.set, sz, args.out)
-        return 0
-    result = run_zoo(sz, models) if args.set == "zoo" else run_pairs(sz)
-    harness.emit(args.out, (zoo_markdown if args.set == "zoo" else pairs_markdown)(result), result)
+    elif args.set == "zoo":
+        result = run_zoo(sz, models)
+        harness.emit(args.out, zoo_markdown(result), result)
+    else:
+        result = run_pairs(sz, "gpt" if args.set == "transformer" else "cnn")
+        harness.emit(args.out, pairs_markdown(result), result)
     return 0
 
 
