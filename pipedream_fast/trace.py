@@ -199,9 +199,12 @@ def overlap_lines(summary: Iterable[Mapping[str, Any]]) -> list[str]:
 
 
 def write_chrome_trace(events: Iterable[TraceEvent], path: str | os.PathLike[str],
-                       **kwargs: Any) -> None:
-    """Write `events` as a Chrome/Perfetto JSON trace (see `chrome_trace` for the options)."""
-    Path(path).write_text(json.dumps(chrome_trace(events, **kwargs)) + "\n")
+                       **kwargs: Any) -> dict[str, Any]:
+    """Write `events` as a Chrome/Perfetto JSON trace (see `chrome_trace` for the options);
+    returns the trace written (its otherData holds the transfers' overlap summary)."""
+    trace = chrome_trace(events, **kwargs)
+    Path(path).write_text(json.dumps(trace) + "\n")
+    return trace
 
 
 def read_chrome_trace(path: str | os.PathLike[str]) -> list[TraceEvent]:

@@ -102,6 +102,8 @@ def test_default_job_for_one_epoch_trains_digits_on_two_processes(tmp_path):
     out = result.stdout
     for phase in ("profiling", "planning", "simulated", "training", "writing"):
         assert phase in out, out
+    # The traced steps' messages, each link's share hidden by compute (from the trace written).
+    assert "transfers in the traced steps" in out and "act rank 0 > 1" in out, out
     data = check_run_dir(tmp_path / "run", {0, 1}, ["manifest.json", "stage0.pt", "stage1.pt"])
     run = data["runs"][0]
     assert (data["model"], data["data"], run["schedule"], run["chunks"]) == \

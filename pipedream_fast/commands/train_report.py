@@ -23,8 +23,7 @@ def _write(run_dir: Path, args: argparse.Namespace, s: Settings, setups: list[Ru
            say: Callable[[str], None]) -> list[str]:
     from pipedream_fast import run_report as rr
     from pipedream_fast.sim import write_simulation_trace
-    from pipedream_fast.trace import (MemorySample, overlap_lines, overlap_summary,
-                                      transfers, write_chrome_trace)
+    from pipedream_fast.trace import MemorySample, overlap_lines, write_chrome_trace
 
     files: list[str] = []
     main = setups[0]
@@ -43,13 +42,13 @@ def _write(run_dir: Path, args: argparse.Namespace, s: Settings, setups: list[Ru
         events = [type(e)(e.rank, e.kind, e.start_ms - origin, e.duration_ms, e.stage,
                           e.microbatch, e.version, e.args) for e in events]
         memory = [MemorySample(m.rank, m.t_ms - origin, m.bytes) for m in memory]
-        write_chrome_trace(events, run_dir / "run_trace.json",
+        written = write_chrome_trace(events, run_dir / "run_trace.json",
                            process=f"pipedream-fast train {main.schedule} (first "
                                    f"{args.trace_steps} steps)",
                            rank_stages={r: main.plan.stages_of_rank(r)
                                         for r in range(main.plan.workers)}, memory=memory)
         files.append("run_trace.json")
-        overlap = overlap_lines(overlap_summary(transfers(events)))
+        overlap = overlap_lines(written["otherData"].get("transfers", []))
         if overlap:
             say("transfers in the traced steps (run_trace.json):\n  " + "\n  ".join(overlap))
         if memory and rr.have_matplotlib():
