@@ -172,17 +172,6 @@ class CalibrationSnapshot:
                             for (k, s), e in sorted(self.actions.items(), key=str)}}
 
 
-def _message(rank: int, a: Action) -> tuple[str, int, int] | None:
-    """The message a compute action takes from a RECV (tensor, receiving stage, microbatch)."""
-    if a.microbatch is None:
-        return None
-    if a.kind is K.FORWARD:
-        return ("act", a.stage, a.microbatch)
-    if KIND_SPECS[a.kind].needs_output_grad:
-        return ("grad", a.stage, a.microbatch)
-    return None
-
-
 class Calibration:
     """One rank's running estimates (see the module's docstring). Not thread-safe: one
     rank's executor feeds it, and it is read between runs."""
@@ -296,17 +285,21 @@ class Calibration:
             assert action.peer is not None and action.microbatch is not None
             stage = action.stage + (1 if spec.tensor == "act" else -1)
             link = (spec.tensor or "", stage, self.rank, action.peer)
-            self._stamps(self._sent, link).put(action.microbatch, start)
+            stamps = self._sent.get(link) or self._stamps(self._sent, link)
+            stamps._new[action.microbatch] = start  # _Stamps.put, inline
         elif spec.timing == "post":
             assert action.peer is not None and action.microbatch is not None
             self._posted[(spec.tensor or "", action.stage, action.microbatch)] = (action.peer,
                                                                                   end)
-        elif spec.compute:
-            message = _message(self.rank, action)
-            posted = self._posted.pop(message, None) if message is not None else None
-            if posted is not None and message is not None:
-                link = (message[0], message[1], posted[0], self.rank)
-                self._stamps(self._ready, link).put(message[2], (start, waited, posted[1]))
+        elif spec.compute and action.microbatch is not None and (kind is K.FORWARD
+                                                                or spec.needs_output_grad):
+            # the message it took from a RECV: (tensor, receiving stage, microbatch)
+            tensor = "act" if kind is K.FORWARD else "grad"
+            posted = self._posted.pop((tensor, action.stage, action.microbatch), None)
+            if posted is not None:
+                link = (tensor, action.stage, posted[0], self.rank)
+                stamps = self._ready.get(link) or self._stamps(self._ready, link)
+                stamps._new[action.microbatch] = (start, waited, posted[1])
         feed, self._feed_pending = self._feed_pending, 0.0
         if not warm:
             return

@@ -56,8 +56,12 @@ def _leaves(value: Any) -> list[Any]:
     a tuple of tensors (a target with its sample counts)."""
     if isinstance(value, torch.Tensor):
         return [value]
-    if type(value) is tuple and all(isinstance(v, torch.Tensor) for v in value):
-        return list(value)
+    if type(value) is tuple:
+        if len(value) == 2 and isinstance(value[0], torch.Tensor) and isinstance(value[1],
+                                                                               torch.Tensor):
+            return [value[0], value[1]]  # a target with its counts: no generator per message
+        if all(isinstance(v, torch.Tensor) for v in value):
+            return list(value)
     return pytree.tree_leaves(value)
 
 
@@ -69,7 +73,7 @@ def sample_weight(counts: torch.Tensor) -> float:
     its samples, as the plain loop's on the whole batch; 0 for a microbatch of padding.
     Exactly 1.0 when the microbatch holds its even share, so that full, divisible batches are
     multiplied by nothing."""
-    n, total, chunks = (int(v) for v in counts.tolist())
+    n, total, chunks = counts.tolist()  # int64: ints
     return 1.0 if chunks * n == total else chunks * n / total
 
 
@@ -144,6 +148,11 @@ class Executor:
                 stage.use_correction(schedule.params.get("staleness"))
         self._outputs: dict[tuple[int, int], tuple[Any, ...]] = {}   # (stage, mb) -> to send
         self._posted: dict[tuple[Any, int, int], int] = {}  # (channel, stage, mb) -> peer
+        # stage -> whether the next stage runs on this rank, where one rank holds it (a
+        # replicated one depends on the microbatch: `rank_of`)
+        self._next_here = {s: schedule.stage_ranks[s + 1] == (rank,) for s in stages
+                           if s + 1 < len(schedule.stage_ranks)
+                           and len(schedule.stage_ranks[s + 1]) == 1}
         for index, stage in stages.items():
             ranks = schedule.stage_ranks[index]
             if len(ranks) > 1 and stage.grads:
@@ -285,7 +294,10 @@ class Executor:
         assert mb is not None
         if self.stages[a.stage].is_last:
             return None, None
-        if self.schedule.rank_of(a.stage + 1, mb) == self.rank:
+        here = self._next_here.get(a.stage)
+        if here is None:
+            here = self.schedule.rank_of(a.stage + 1, mb) == self.rank
+        if here:
             # The next stage ran this microbatch on this rank: its input gradients, directly.
             grads = self.stages[a.stage + 1].take_input_grads(mb)
             loss = self._losses.pop((a.stage + 1, mb))

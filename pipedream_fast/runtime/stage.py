@@ -347,10 +347,15 @@ class StageRuntime:
             self.recorder.recording = calls
         meter = self.meter
         try:
-            with self._autocast(), (meter.recording(self.stage, microbatch) if meter
-                                    else _NOT_MEASURED):
+            if self.autocast_dtype is None and meter is None:  # no context: 3 calls fewer
                 out = self._call(version, inputs, copy, microbatch, delay)
                 loss = self.loss_fn(out, target) if self.is_last and self.loss_fn else None
+            else:
+                with self._autocast(), (meter.recording(self.stage, microbatch) if meter
+                                        else _NOT_MEASURED):
+                    out = self._call(version, inputs, copy, microbatch, delay)
+                    loss = (self.loss_fn(out, target) if self.is_last and self.loss_fn
+                            else None)
         finally:
             if self.recorder is not None:
                 self.recorder.recording = None
