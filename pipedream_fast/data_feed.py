@@ -242,6 +242,9 @@ def reads_data(schedule: Schedule, rank: int, mb: int) -> bool:
 
 def feed_uses(schedule: Schedule, ranks: Sequence[int]) -> Callable[[int], int]:
     """How many takes each microbatch gets from `ranks` (the ranks of this process)."""
+    if len(ranks) == 1:  # a rank's own process: asked once per microbatch, so kept short
+        only = ranks[0]
+        return lambda mb: int(reads_data(schedule, only, mb))
     return lambda mb: sum(reads_data(schedule, rank, mb) for rank in ranks)
 
 
