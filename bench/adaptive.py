@@ -3,7 +3,7 @@
 A 2-stage 1f1b pipeline on 2 ranks, rank 1 slowed SLOW x from step SLOW_FROM. Each round runs, in
 alternating order, static (Pipeline(stages=2)'s plan), adaptive (the same, adapt=True) and
 hindsight (the hetero planner's split +-NEIGHBOURS blocks, the best counting). Writes --out and
-beside it .json (every run), .png (time per step) and _trace.json (Perfetto).
+beside it .json (every run) and .png (time per step).
 
     python bench/adaptive.py [--models a,convs] [--steps a=80,convs=80] [--repeats 2] \
         [--retries 1] [--out bench/results/adaptive.md]
@@ -118,15 +118,11 @@ def run_one(model_name: str, contender: str, plan: Plan, steps: int, profile: An
     before = BATCH * (SLOW_FROM - WARMUP) / (ends[SLOW_FROM - 1] - ends[WARMUP - 1])
     after = BATCH * (len(ends) - 1 - w) / (ends[-1] - ends[w])
     others = harness.other_cores([r0["window"], r1["window"]], ends[-1] - ends[w])
-    for m in r0["moves"]:  # rank 0's perf_counter, relative to its first step's end
-        m["started_rel_s"] = m.get("started", ends[0]) - ends[0]
-        m["ended_rel_s"] = m.get("ended", ends[0]) - ends[0]
     row = {"model": model_name, "contender": contender, "split": plan.stages[0].stop,
            "steps": steps, "plan": describe(plan), "final_plan": r0["final_plan"],
            "unslowed": before, "slowed": after, "others_cores": others,
            "step_ms": [(b - a) * 1e3 for a, b in zip([r0["began"]] + ends[:-1], ends)],
-           "ends_rel_s": [e - ends[0] for e in ends], "moves": r0["moves"],
-           "checks": r0["checks"], "last_loss": r0["last_loss"],
+           "moves": r0["moves"], "checks": r0["checks"], "last_loss": r0["last_loss"],
            "achieved_slowdown": r1["slowdown"], "wall_s": time.perf_counter() - t0}
     say(f"  {model_name:5s} {contender:9s} plan {row['plan']}  unslowed {before:6.1f}  slowed "
         f"{after:6.1f} samples/s  (rank 1 x{row['achieved_slowdown'] or 0:.2f}, others "
@@ -138,8 +134,7 @@ def stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repeats of the slowed and unslowed rates and other processes' cores."""
     med = {k: statistics.median([r[k] for r in rows]) if rows else None
            for k in ("slowed", "unslowed", "others_cores")}
-    return {"median": med["slowed"], "unslowed": med["unslowed"],
-            "others_cores": med["others_cores"], "runs": [r["slowed"] for r in rows],
+    return {"median": med.pop("slowed"), **med, "runs": [r["slowed"] for r in rows],
             "runs_others": [r["others_cores"] for r in rows]}
 
 
@@ -235,8 +230,7 @@ def markdown(summary: dict[str, Any], runs: list[dict[str, Any]], meta: dict[str
             lines.append(f"- repeat {run['repeat'] + 1}, adapt's checks (step: speeds of rank 0/"
                          f"rank 1, the fastest 1): {'; '.join(seen)}.")
         lines.append("")
-    lines += [f"Per-step times: {meta['png']}; as a Perfetto trace with the moves: "
-              f"{meta['trace']}; every figure: {meta['json']}.", ""]
+    lines += [f"Per-step times: {meta['png']}; every figure: {meta['json']}.", ""]
     return "\n".join(lines)
 
 
@@ -268,22 +262,6 @@ def plot(runs: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> Non
                               grid=None)
 
 
-def chrome_trace(runs: list[dict[str, Any]], path: Path) -> None:
-    """Rank 0's steps per run as Chrome trace events (one track per run), moves as spans."""
-    events: list[dict[str, Any]] = []
-    for i, r in enumerate(runs):
-        starts = [r["ends_rel_s"][0] - r["step_ms"][0] / 1e3, *r["ends_rel_s"][:-1]]
-        spans = [(f"step {n}", a, b, {"ms": (b - a) * 1e3})
-                 for n, (a, b) in enumerate(zip(starts, r["ends_rel_s"]))]
-        spans += [("move", m["started_rel_s"], m["ended_rel_s"], {k: m.get(k) for k in (
-            "step", "from", "to", "reason", "bytes", "seconds")}) for m in r["moves"]]
-        events += [{"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {
-            "name": f"{r['model']} {r['contender']} split {r['split']} #{i}"}}]
-        events += [{"ph": "X", "name": name, "cat": name.split()[0], "pid": 0, "tid": i,
-                    "ts": a * 1e6, "dur": (b - a) * 1e6, "args": args} for name, a, b, args in spans]
-    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="a,convs")
@@ -303,8 +281,7 @@ def main() -> int:
         parser.error(f"--steps {args.steps!r}: give N or MODEL=N,...")
     if min(steps.values()) <= SLOW_FROM + WARMUP + 1:
         parser.error(f"--steps: each model needs at least {SLOW_FROM + WARMUP + 2}")
-    began = time.perf_counter()
-    load = [", ".join(f"{v:.2f}" for v in os.getloadavg())]
+    began, load = time.perf_counter(), [", ".join(f"{v:.2f}" for v in os.getloadavg())]
     profiles, equal, info = {}, {}, {}
     torch.set_num_threads(1)  # the profile: one thread and one microbatch, as each rank runs
     for m in models:
@@ -341,27 +318,21 @@ def main() -> int:
                 runs.append({**row, "repeat": repeat, "disturbed_runs": [
                     {k: r[k] for k in ("slowed", "unslowed", "others_cores")} for r in rest]})
     out = Path(args.out)
-    png, data, trace = (out.with_suffix(".png"), out.with_suffix(".json"),
-                        out.with_name(out.stem + "_trace.json"))
+    png, data = out.with_suffix(".png"), out.with_suffix(".json")
     load.append(", ".join(f"{v:.2f}" for v in os.getloadavg()))
     meta = {"command": harness.command(), "machine": harness.machine_info(
                 commit=harness.git("rev-parse", "HEAD"),
                 **{"load average (1, 5, 15 min) at the start": load[0], "at the end": load[1]}),
             "wall_s": time.perf_counter() - began, "models": info, "slow_from": SLOW_FROM,
             "slow": SLOW, "adapt_every": ADAPT_EVERY, "neighbours": NEIGHBOURS,
-            "png": png.name, "json": data.name, "trace": trace.name}
+            "png": png.name, "json": data.name}
     summary = {m: summarise([r for r in runs if r["model"] == m], info[m]["candidates"])
                for m in models}
-    say("; ".join(f"{m}: static {s['static']:.1f}, adaptive {s['adaptive']:.1f}, hindsight "
-                  f"{s['hindsight']:.1f}, recovery {pct(s['recovery'])}"
-                  for m, s in summary.items()))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(markdown(summary, runs, meta, args.repeats, args.retries))
-    harness.write_json(data, {"meta": meta, "args": vars(args), "summary": summary,
-                              "runs": runs})
+    harness.write_json(data, {"meta": meta, "args": vars(args), "summary": summary, "runs": runs})
     plot(runs, summary, png)
-    chrome_trace(runs, trace)
-    say(f"wrote {out}, {data}, {png}, {trace} ({time.perf_counter() - began:.0f} s)")
+    say(f"wrote {out}, {data}, {png} ({time.perf_counter() - began:.0f} s)")
     return 0
 
 

@@ -1,19 +1,15 @@
-"""Microbenchmarks of the core: `--set handoff` and `--set ring` write their sections of
-bench/results/core.md, `--set streams` bench/results/streams.md (`--no-write`: print only).
-
-    python bench/bench_core.py --set handoff [--count 1000] [--trips 2000] [--rounds 6]
-    python bench/bench_core.py --set ring [--reps 10] [--rounds 10]
-    python bench/bench_core.py --set streams [--seconds 150]
-    python -m pytest bench/bench_core.py --benchmark-only
-
-handoff (issue 2): (a) one-way latency from a native producer thread to a Python consumer
-blocked in `pop`, against `queue.Queue` (goal: at most half); (b) round trips between two Python
-threads through ActivationQueues, against `threading.Lock`s (the floor; goal: within 10%).
-ring (issue 2): `WeightRing.snapshot()` of a 52 MB stage against a flat `copy_` (goal: >= 80% of
-its bandwidth) and PipeDream's `state_dict` clone stash (goal: >= 3x faster). streams: per
-schedule and N = 1k .. 1M microbatches, the start-up time and peak memory (neither may grow with
-N); then `pipedream-fast train` for a million steps. pytest: the planner (issue 3: 100 blocks,
+"""Microbenchmarks of the core: `--set handoff|ring` write their sections of
+bench/results/core.md, `--set streams` bench/results/streams.md (`--no-write`: print only);
+`python -m pytest bench/bench_core.py --benchmark-only` times the planner (issue 3: 100 blocks,
 64 workers, 3 levels under 1 s; bench/results/planner.md).
+
+handoff (issue 2): (a) one-way latency, native producer thread -> Python consumer blocked in
+`pop`, against `queue.Queue` (goal: at most half); (b) round trips between two Python threads
+through ActivationQueues, against `threading.Lock`s (the floor; goal: within 10%). ring:
+`WeightRing.snapshot()` of a 52 MB stage against a flat `copy_` (goal: >= 80% of its bandwidth)
+and PipeDream's `state_dict` clone stash (goal: >= 3x faster). streams: per schedule and
+N = 1k .. 1M microbatches, start-up time and peak memory (neither may grow with N); then
+`pipedream-fast train` for a million steps.
 """
 
 from __future__ import annotations
@@ -48,23 +44,19 @@ from pipedream_fast import _C
 from pipedream_fast.formats import BlockProfile, Profile
 from pipedream_fast.ir import validate
 from pipedream_fast.planner import make_plan
-from pipedream_fast.schedules import TRAINABLE, make_schedule
-from pipedream_fast.schedules import kind as schedule_kind
+from pipedream_fast.schedules import TRAINABLE, kind as schedule_kind, make_schedule
 from pipedream_fast.topology import Topology
 
 import harness  # noqa: E402 - siblings
 import native_ext  # the bench-only extension with ThreadedProducer, built on first use
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PLACEMENTS = ("split", "same", "free")
 Started = Callable[[], None]
 
 
 # ---- handoff ---------------------------------------------------------------------------------
-
 def check_clocks(samples: int = 1000) -> int:
-    """The largest gap (ns) between a `_C.now_ns()` reading and the `time.monotonic_ns()`
-    readings around it; raises if the two clocks disagree."""
+    """The largest gap (ns) between `_C.now_ns()` and the `time.monotonic_ns()` around it."""
     worst = 0
     for _ in range(samples):
         before, native, after = time.monotonic_ns(), _C.now_ns(), time.monotonic_ns()
@@ -132,8 +124,7 @@ def split_native_latency(count: int, interval_us: int, payload: list[torch.Tenso
     q = _C.ActivationQueue(4, "split")
     producer = native_ext.load().ThreadedProducer(q, payload, count, interval_us)
     started()
-    wake, after = [], []
-    waited_before = 0.0
+    wake, after, waited_before = [], [], 0.0
     for _ in range(count):
         start = _C.now_ns()
         bundle = q.pop()
@@ -162,8 +153,7 @@ def channel(kind: str, name: str, spin_us: float) -> tuple[Callable[[], Any], Ca
 
 
 def ping_pong(kind: str, rounds: int, started: Started, spin_us: float = 0.0) -> list[int]:
-    """Round-trip times (ns) to a partner thread that echoes each message, through two
-    `channel`s of `kind` (`lock`: the floor)."""
+    """Round-trip times (ns) to a partner thread echoing each message, through `channel`s."""
     (send, take), (reply, receive) = channel(kind, "ping", spin_us), channel(kind, "pong", spin_us)
 
     def echo() -> None:
@@ -174,8 +164,7 @@ def ping_pong(kind: str, rounds: int, started: Started, spin_us: float = 0.0) ->
     partner = threading.Thread(target=echo)
     partner.start()
     started()
-    times = []
-    clock = time.perf_counter_ns
+    times, clock = [], time.perf_counter_ns
     for _ in range(rounds):
         t0 = clock()
         send()
@@ -192,8 +181,7 @@ def machine() -> str:
 
 
 def publish(key: str, section: str, write: bool) -> None:
-    """Prints a results section and, if `write`, puts it between the `<!-- key -->` markers
-    of bench/results/core.md (replaced, or appended)."""
+    """Prints `section`; with `write`, puts it between its `<!-- key -->` markers in core.md."""
     print(section)
     if not write:
         return
@@ -210,7 +198,7 @@ def publish(key: str, section: str, write: bool) -> None:
 def measure(count: int, interval_us: int, trips: int, rounds: int,
             spin_us: float) -> dict[str, dict[str, list[int]]]:
     """Samples (ns) per placement and variant, pooled over `rounds` interleaved rounds."""
-    placements = PLACEMENTS if len(os.sched_getaffinity(0)) >= 2 else ("free",)
+    placements = ("split", "same", "free") if len(os.sched_getaffinity(0)) >= 2 else ("free",)
     payload = [torch.zeros(64, 64)]
     one_way: dict[str, Callable[..., Any]] = {
         "native": native_to_python, "queue": python_to_python_queue,
@@ -243,8 +231,7 @@ def measure(count: int, interval_us: int, trips: int, rounds: int,
 
 def percentiles(values: Sequence[float]) -> tuple[float, float, float]:
     """The median, 10th and 90th percentile of `values`."""
-    ordered = sorted(values)
-    n = len(ordered)
+    ordered, n = sorted(values), len(values)
     return statistics.median(ordered), ordered[n // 10], ordered[9 * n // 10]
 
 
@@ -305,7 +292,6 @@ def handoff_section(count: int, interval_us: int, trips: int, rounds: int,
 
 
 # ---- ring ------------------------------------------------------------------------------------
-
 LAYERS, WIDTH = 100, 360
 SNAPSHOT, FLAT = "WeightRing.snapshot()", "flat dst.copy_(src), same bytes"
 STASH_DROP = "state_dict clone stash, dropped at once"
@@ -323,8 +309,7 @@ def variants() -> tuple[dict[str, Callable[[], object]], _C.WeightRing, int]:
     dst = torch.empty_like(src)
     kept = {k: v.clone() for k, v in model.state_dict().items()}
 
-    def stash(keep: int) -> Callable[[], None]:
-        """The PipeDream stash, the last `keep` stashes kept alive."""
+    def stash(keep: int) -> Callable[[], None]:  # PipeDream's, the last `keep` kept alive
         alive: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=keep)
         return lambda: alive.append({k: v.clone() for k, v in model.state_dict().items()})
 
@@ -338,8 +323,7 @@ def variants() -> tuple[dict[str, Callable[[], object]], _C.WeightRing, int]:
 
 def timed(fn: Callable[[], object], reps: int) -> tuple[list[float], int]:
     """Seconds per call (one sample per call) and the minor page faults of all calls."""
-    samples = []
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    samples, faults = [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
@@ -380,28 +364,27 @@ def ring_section(reps: int, rounds: int) -> str:
 
 
 # ---- streams ---------------------------------------------------------------------------------
-
-LENGTHS = (1_000, 10_000, 100_000, 1_000_000)
-WALK = 20_000
+LENGTHS, WALK = (1_000, 10_000, 100_000, 1_000_000), 20_000
 
 
-def schedule_kwargs(name: str) -> dict:
-    kw: dict = {"num_stages": 4}
-    if schedule_kind(name).chunked_steps:
-        kw["chunks"] = 4
+def validated(name: str, n: int) -> Any:
+    """The schedule of `n` microbatches (4 stages; 4 chunks where it steps per minibatch;
+    interleaved 2 stages a rank; data-parallel 4 replicas), validated."""
+    kw: dict = {"num_stages": 4, **({"chunks": 4} if schedule_kind(name).chunked_steps else {})}
     if name == "interleaved-1f1b":
         kw["stages_per_rank"] = 2
     if name == "data-parallel":
         kw.update(num_stages=1, replicas=[4])
-    return kw
+    schedule = make_schedule(name, num_microbatches=n, **kw)
+    validate(schedule)
+    return schedule
 
 
 def start_up(name: str, n: int) -> str:
     """Seconds to a validated schedule and every rank's first action, microseconds per action
     over rank 0's first WALK actions, peak MiB of the same with tracemalloc on."""
     began = time.perf_counter()
-    schedule = make_schedule(name, num_microbatches=n, **schedule_kwargs(name))
-    validate(schedule)
+    schedule = validated(name, n)
     programs = [schedule.program(r) for r in range(schedule.num_ranks)]
     for program in programs:
         next(program)
@@ -410,25 +393,16 @@ def start_up(name: str, n: int) -> str:
     count = sum(1 for _ in itertools.islice(programs[0], WALK))  # fewer if the run is short
     per_action_us = (time.perf_counter() - walked) / count * 1e6
     tracemalloc.start()  # again, measured apart: tracing slows the walk down
-    schedule = make_schedule(name, num_microbatches=n, **schedule_kwargs(name))
-    validate(schedule)
-    for _ in itertools.islice(schedule.program(0), WALK):
+    for _ in itertools.islice(validated(name, n).program(0), WALK):
         pass
     peak = tracemalloc.get_traced_memory()[1] / 2**20
     tracemalloc.stop()
     return f"{seconds * 1e3:.0f} ms, {per_action_us:.0f} µs/action, {peak:.2f} MiB"
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of the process (the ranks are threads: one process)."""
-    status = Path(f"/proc/{pid}/status").read_text()  # no VmRSS once it has exited
-    return int(status.split("VmRSS:")[1].split()[0]) / 1024 if "VmRSS:" in status else math.nan
-
-
 def million_steps(seconds: float) -> list[str]:
-    command = [sys.executable, "-m", "pipedream_fast.cli", "train", "--model", "cnn",
-               "--threads", "2", "--schedule", "pipedream", "--steps", "1000000",
-               "--batch-size", "32", "--log-every", "20"]
+    command = [sys.executable, "-m", "pipedream_fast.cli", *("train --model cnn --threads 2 "
+               "--schedule pipedream --steps 1000000 --batch-size 32 --log-every 20").split()]
     began = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
@@ -441,7 +415,9 @@ def million_steps(seconds: float) -> list[str]:
             now = time.perf_counter() - began
             if "loss" in line and now >= next_sample:  # the first loss line, then every 10%
                 first_loss = now if first_loss is None else first_loss
-                samples.append((now, rss_mib(proc.pid), line.strip()))
+                status = Path(f"/proc/{proc.pid}/status").read_text()  # no VmRSS once exited
+                samples.append((now, int(status.split("VmRSS:")[1].split()[0]) / 1024
+                                if "VmRSS:" in status else math.nan, line.strip()))
                 next_sample = now + seconds / 10
     finally:
         stop.cancel()
@@ -479,11 +455,9 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=1000, help="handoff: hand-offs a run (a)")
     parser.add_argument("--interval-us", type=int, default=200, help="handoff: producer pause")
     parser.add_argument("--trips", type=int, default=2000, help="handoff: round trips a run (b)")
-    parser.add_argument("--spin-us", type=float, default=500.0,
-                        help="handoff: spin_us of the spinning variants (above --interval-us)")
+    parser.add_argument("--spin-us", type=float, default=500.0, help="handoff: spinners' spin_us")
     parser.add_argument("--reps", type=int, default=10, help="ring: timed calls per round")
-    parser.add_argument("--seconds", type=float, default=150.0,
-                        help="streams: how long the million-step run trains")
+    parser.add_argument("--seconds", type=float, default=150.0, help="streams: training time")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     rounds = args.rounds or (6 if args.set == "handoff" else 10)
@@ -497,10 +471,6 @@ def main() -> int:
 
 
 # ---- pytest-benchmark: the planner (issue 3; the original PipeDream took up to 8 s) -------------
-
-PLAN_GOAL_S = 1.0
-
-
 def synthetic_profile(num_blocks: int = 100, seed: int = 0) -> Profile:
     """Uneven blocks: 3-30 ms, 0.1-10 MB activations, up to 100 MB of parameters each."""
     rng = random.Random(seed)
@@ -518,7 +488,7 @@ def synthetic_profile(num_blocks: int = 100, seed: int = 0) -> Profile:
 def test_plan_100_blocks_64_workers(benchmark, topology: str) -> None:
     plan = benchmark(make_plan, synthetic_profile(), Topology.parse(topology))
     assert plan.workers <= 64 and plan.stages[-1].stop == 100
-    assert benchmark.stats.stats.median < PLAN_GOAL_S
+    assert benchmark.stats.stats.median < 1.0
 
 
 def test_plan_with_memory_limit_3_levels(benchmark) -> None:

@@ -9,8 +9,6 @@ micro (CUDA only): WeightRing offload against plain host copies; the ActivationQ
 zoo: tests/zoo's transformers through Pipeline (NCCL): each step's loss equals the one-process
   loop's, and the tied embedding and head stay one weight.
 
-    python bench/gpu.py --set pipeline|memory|micro|zoo [--device cuda|cpu] [--out FILE.md]
-
 Exit status: 0 passed; 1 a check failed; 2 no CUDA GPU (or no CUDA build of _C, no NCCL).
 """
 
@@ -66,7 +64,6 @@ def numerics(device: torch.device, deterministic: bool = False, cudnn_tf32: bool
 
 
 def report_head(title: str, machine: str) -> list[str]:
-    """A report's first lines: its title, how it was run and where."""
     return [f"## {title}", "", f"Command: `{harness.command()}`", "", f"Machine: {machine}.", ""]
 
 
@@ -74,8 +71,8 @@ def report_head(title: str, machine: str) -> list[str]:
 
 SPLIT, BLOCKS = 6, 9  # model A's blocks: 6 convolutions | 3 linear layers
 SCHEDULE, CHUNKS = "1f1b", 4
-SIZES = {False: (64, 4, 40, 5), True: (8, 2, 3, 1)}  # --quick: minibatch, minibatches checked,
-# minibatches timed (warm-up included), warm-up
+# minibatch, minibatches checked, minibatches timed (warm-up included), warm-up; by --quick
+SIZES = {False: (64, 4, 40, 5), True: (8, 2, 3, 1)}
 ATOL, RTOL = 2e-5, 1e-4  # as tests/test_runtime.py
 loss_fn = nn.functional.cross_entropy
 sgd = functools.partial(torch.optim.SGD, lr=LR)
@@ -111,8 +108,7 @@ def single_process(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Ten
 def timed(steps_done: Iterator[Any], batch: int, steps: int, warmup: int,
           device: torch.device) -> float:
     """Samples/s over the steps after `warmup`, from an iterator yielding once per step."""
-    start = None
-    count = 0
+    start, count = None, 0
     for i, _ in enumerate(steps_done):
         count = i + 1
         if i == warmup - 1:
@@ -145,16 +141,13 @@ def pipeline_main(args: argparse.Namespace, device: torch.device) -> int:
     t0 = time.perf_counter()
     numerics(device, deterministic=True)
     model = model_a().to(device)
-    for _ in single_process(model, check_batches(args.batch, args.check_steps), CHUNKS, device):
-        pass
+    list(single_process(model, check_batches(args.batch, args.check_steps), CHUNKS, device))
     want = cpu_state(model.state_dict())
     initial = cpu_state(model_a().state_dict())
     moved = max(float((want[k].double() - initial[k].double()).abs().max()) for k in want)
     print(f"reference: the weights moved by up to {moved:.3g} in {args.check_steps} steps "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
-
-    # LocalPipeline, both rank threads on `device`: the check run (strict numerics: weights)
-    # and the timed run, each on a fresh pipeline.
+    # LocalPipeline, both rank threads on `device`: a check run (strict numerics), a timed one
     from pipedream_fast.local_pipeline import LocalPipeline
 
     plan = Plan(model="cnn", batch_size=args.batch, workers=2, schedule=SCHEDULE,
@@ -273,19 +266,17 @@ def memory_main(args: argparse.Namespace, device: torch.device) -> int:
 
 # ==== micro: weight-version offload and the queue's stream hand-off ============================
 
-WIDTH = 1024
-MB = 1 << 20
+WIDTH, MB = 1024, 1 << 20
 STAGE_MB, REPS, ROUNDS = 256.0, 5, 4  # (a): the stage's weights; calls per round; rounds
 SIZES_KIB, HANDOFFS, REPEATS = (512, 65536), 200, 5  # (b): activations; rounds per run; runs
 Variants = dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]]
 
 
-def timed_calls(variants: Variants, device: torch.device,
-                warmup: int = 2) -> dict[str, list[float]]:
+def timed_calls(variants: Variants, device: torch.device) -> dict[str, list[float]]:
     """Seconds per call of each variant: (call, untimed set-up run before each call or None)."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     for call, setup in variants.values():
-        for _ in range(warmup):
+        for _ in range(2):  # warm-up
             if setup:
                 setup()
             call()
@@ -474,8 +465,7 @@ ZOO_SPLIT = {"nanogpt": "transformer.h.1", "llama": "model.layers.1", "gpt2": "t
              "bert": "bert.encoder.layer.1"}
 TIED = {"nanogpt": "transformer.wte.weight", "llama": "model.embed_tokens.weight",
         "gpt2": "transformer.wte.weight"}  # the embedding, one parameter with the head
-ZOO_CHUNKS = 2
-MOMENTUM = 0.9
+ZOO_CHUNKS, MOMENTUM = 2, 0.9
 ZOO_RTOL = {"cuda": 1e-4, "cpu": 1e-5}  # losses, relative; CUDA: other kernels' summation orders
 TIED_TOL = 1e-6  # relative: the embedding and the head must be one weight on both ranks
 sgd_momentum = functools.partial(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
@@ -501,8 +491,7 @@ def reference(entry: Any, steps: int, device: torch.device) -> list[float]:
 
     numerics(device)
     model = entry.build().to(device).train()
-    opt = sgd_momentum(model.parameters())
-    losses = []
+    opt, losses = sgd_momentum(model.parameters()), []
     for item in entry.batches(steps, 1):
         opt.zero_grad()
         total = 0.0
@@ -564,8 +553,7 @@ def zoo_rank(rank: int, world: int, layout: Layout, models: list[str], steps: in
             tied = dict(model.named_parameters(remove_duplicate=False)).get(TIED.get(name, ""))
             pipe = Pipeline(model, loss_fn=None, optimizer=sgd_momentum, schedule="1f1b",
                             chunks=ZOO_CHUNKS, timeout=timeout, device=device, **split)
-            losses = []
-            first = time.perf_counter()
+            losses, first = [], time.perf_counter()
             for step, loss in enumerate(pipe.train(entries[name].batches(steps, 1), steps=steps)):
                 losses.append(float(loss) if loss is not None else None)
                 if step == 0:

@@ -1,9 +1,7 @@
 """What every benchmark here shares: interleaved repeats, medians with their spread, a rank's
-clock, the machine's notes, and the results files (markdown tables, JSON, plots).
-
-A shared machine's speed drifts within minutes, so only ratios measured side by side mean
-anything: `alternate` runs drivers in rounds (A B, B A, ...) after an uncounted warm-up round,
-and `paired_ratio` takes ratios round by round.
+clock, the machine's notes, the results files. A shared machine's speed drifts within minutes,
+so only ratios measured side by side mean anything: `alternate` runs drivers in rounds (A B,
+B A, ...) after an uncounted warm-up round, and `paired_ratio` takes ratios round by round.
 """
 
 from __future__ import annotations
@@ -26,14 +24,12 @@ from typing import Any, TypeVar
 
 import torch
 
-T = TypeVar("T")
-K = TypeVar("K")
+T, K = TypeVar("T"), TypeVar("K")
 
 
 def alternate(drivers: Mapping[K, Callable[[], T]], rounds: int,
               warmup: bool = True) -> dict[K, list[T]]:
-    """Each driver's result in each of `rounds` rounds, their order reversed every other round,
-    after a warm-up round (dropped)."""
+    """Each driver's result in `rounds` rounds (order reversed every other), after a warm-up."""
     names = list(drivers)
     values: dict[K, list[T]] = {name: [] for name in names}
     for index in range(rounds + (1 if warmup else 0)):
@@ -64,13 +60,12 @@ class Spread:
 
 def paired_ratio(values: Mapping[str, Sequence[float]], numerator: str,
                  denominator: str) -> Spread:
-    """numerator / denominator taken round by round (see the module's docstring)."""
+    """numerator / denominator taken round by round."""
     return Spread.of([a / b for a, b in zip(values[numerator], values[denominator])])
 
 
 def positive(text: str) -> int:
-    """argparse type: an int >= 1."""
-    value = int(text)
+    value = int(text)  # argparse type: an int >= 1
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -84,7 +79,6 @@ def sizes(args: argparse.Namespace, default: Mapping[str, int], quick: Mapping[s
 
 
 # ---- a rank's clock ------------------------------------------------------------------------
-
 def machine_busy_s() -> float:
     """CPU seconds the whole machine spent in user and system mode since boot (all cores)."""
     try:
@@ -96,8 +90,8 @@ def machine_busy_s() -> float:
 
 
 class Clock:
-    """A rank's stamps at the end of the warm-up and of the last step (a clock comparable
-    across the ranks), with the machine's busy and this process's CPU time in between."""
+    """A rank's stamps (comparable across ranks) at the end of the warm-up and of the last
+    step, with the machine's busy and this process's CPU time in between."""
 
     def __init__(self) -> None:
         self.start = self.busy = self.cpu = 0.0
@@ -129,8 +123,8 @@ _STORE: list[Any] = []  # the launcher's store, kept past the default group's en
 
 def fresh_group(rank: int, world: int, index: int, backend: str = "gloo",
                 timeout_s: float = 60.0) -> None:
-    """In a launched rank: a process group of its own for run number `index` (a failed run
-    must not leave the next a broken group), on the launcher's store under its own prefix."""
+    """A launched rank's process group of its own for run `index` (a failed run must not
+    leave the next a broken group), on the launcher's store under its own prefix."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -147,7 +141,6 @@ RESULT = "BENCH_RESULT "  # a worker's result line, read back by `cluster_result
 
 
 def print_result(value: Any) -> None:
-    """A worker process's result, as one line `cluster_results` finds in its output."""
     print(RESULT + json.dumps(value), flush=True)
 
 
@@ -159,14 +152,12 @@ def cluster_results(cluster: Any, argv: Sequence[str], timeout: float) -> list[d
     for r in done.ranks:
         line = next((x for x in r.output.splitlines() if x.startswith(RESULT)), None)
         if line is None:
-            raise RuntimeError(f"rank {r.rank} printed no result; its output:\n"
-                               f"{r.output[-3000:]}")
+            raise RuntimeError(f"rank {r.rank} printed no result; its output:\n{r.output[-3000:]}")
         out.append(json.loads(line[len(RESULT):]))
     return out
 
 
 # ---- notes ---------------------------------------------------------------------------------
-
 def machine() -> str:
     """One line on where and when it ran."""
     return (f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
@@ -179,11 +170,9 @@ def device_line(device: torch.device) -> str:
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     cuda = f", CUDA {torch.version.cuda}" if torch.version.cuda else ""
     nccl = ""
-    if device.type == "cuda":
-        try:
-            nccl = ", NCCL " + ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:  # noqa: BLE001 - a build without NCCL
-            pass
+    with contextlib.suppress(Exception):  # a build without NCCL
+        nccl = ", NCCL " + ".".join(map(str, torch.cuda.nccl.version())) \
+            if device.type == "cuda" else ""
     return f"{where}; torch {torch.__version__}{cuda}{nccl}; Python {platform.python_version()}"
 
 
@@ -204,7 +193,6 @@ def machine_line(m: Mapping[str, Any], wall_s: float | None = None) -> str:
 
 
 def git(*args: str) -> str | None:
-    """`git args` in the checkout, its output stripped; None outside git."""
     try:
         return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent.parent,
                               capture_output=True, text=True, check=True, timeout=10
@@ -214,8 +202,7 @@ def git(*args: str) -> str | None:
 
 
 def unless_stopped(err: BaseException) -> None:
-    """Raises `err` again if the operator stopped the launch (`LaunchError.stopped_by`): a
-    failed run is reported and the next one started, a stop must end the benchmark."""
+    """Raises `err` again if the operator stopped the launch (`LaunchError.stopped_by`)."""
     if getattr(err, "stopped_by", None) is not None:
         raise err
 
@@ -233,7 +220,6 @@ def shorten(err: BaseException, limit: int = 240) -> str:
 
 
 def command() -> str:
-    """How this benchmark was run, as it should be run again."""
     return "python " + " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]])
 
 
@@ -251,8 +237,7 @@ def emit(out: str | os.PathLike[str] | None, text: str, data: Any = None) -> Non
     if out:
         Path(out).write_text(text)
         if data is not None:
-            Path(out).with_suffix(".json").write_text(
-                json.dumps(data, indent=1, default=str) + "\n")
+            Path(out).with_suffix(".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
 
 
 def write_results(path: str | os.PathLike[str], title: str, intro: Sequence[str],
@@ -296,7 +281,6 @@ def figure(path: str | os.PathLike[str], rows: int = 1, cols: int = 1,
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
     try:
         yield fig, axes
@@ -319,7 +303,6 @@ def axes_text(ax: Any, title: str | None, xlabel: str, ylabel: str, legend: Any 
 
 
 # ---- runs disturbed by other processes -----------------------------------------------------
-
 DISTURBED = 0.25  # cores other processes took during a run beyond which it is run again
 
 
@@ -340,10 +323,8 @@ def least_disturbed(run: Callable[[], T], others: Callable[[T], float], retries:
 
 
 def say(*parts: Any) -> None:
-    """print, flushed (a benchmark's progress shows as it runs)."""
     print(*parts, flush=True)
 
 
 def fmt(value: float | None, spec: str = ".1f", none: str = "-") -> str:
-    """`value` formatted by `spec`, or `none`."""
     return none if value is None else format(value, spec)

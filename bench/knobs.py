@@ -4,8 +4,6 @@ Batch 32, 2 ranks of one torch thread, gloo on loopback; `pipedream` on 2 stages
 bucket_mb with `data-parallel` (the only configuration with buckets), offload_stash only on 2
 GPUs. Every value once a round, all in the same two processes: the median over the rounds of
 samples/s after the warm-up (the slower rank's), and its ratio to the default.
-
-    python bench/knobs.py [--steps 20] [--rounds 3] [--quick] [--out bench/results/knobs.md]
 """
 
 from __future__ import annotations
@@ -30,10 +28,8 @@ from pipedream_fast.training import build_schedule
 
 import harness  # noqa: E402 - a sibling
 
-BATCH = 32
-WARMUP = 3
-MODEL_A_SPLIT = 6  # conv | fc, as bench/vs_ddp.py
-MODEL_A_BLOCKS = 9
+BATCH, WARMUP = 32, 3
+MODEL_A_SPLIT, MODEL_A_BLOCKS = 6, 9  # cut conv | fc, as bench/vs_ddp.py
 CHUNKS = {"pipedream": 1, "data-parallel": 2}
 
 
@@ -83,12 +79,6 @@ def describe(knob: Knob, value: Any, steps: int) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """bench/vs_ddp.py's batch of 32."""
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
-
-
 def timed_run(schedule: str, tuning: Tuning, steps: int) -> float:
     """Seconds this rank took for `steps` steps after the warm-up, under `tuning`."""
     from pipedream_fast.pipeline import Pipeline
@@ -97,8 +87,10 @@ def timed_run(schedule: str, tuning: Tuning, steps: int) -> float:
     pipe = Pipeline(build_cnn(), nn.functional.cross_entropy,
                     lambda ps: torch.optim.SGD(ps, lr=0.01), plan=plan_for(schedule),
                     schedule=schedule, chunks=CHUNKS[schedule], timeout=300.0, tuning=tuning)
+    g = torch.Generator().manual_seed(0)  # bench/vs_ddp.py's batch
+    batch = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
     start = time.perf_counter()
-    for i, _ in enumerate(pipe.train([fixed_batch()] * (WARMUP + steps), WARMUP + steps)):
+    for i, _ in enumerate(pipe.train([batch] * (WARMUP + steps), WARMUP + steps)):
         if i == WARMUP - 1:
             start = time.perf_counter()
     elapsed = time.perf_counter() - start
@@ -108,8 +100,7 @@ def timed_run(schedule: str, tuning: Tuning, steps: int) -> float:
 
 def rank_job(rank: int, world: int, runs: list[tuple[str, str, Any]], steps: int) -> list[float]:
     """Every (schedule, field, value) of `runs`, in order: this rank's seconds for each."""
-    return [timed_run(schedule, Tuning(**{field: value}), steps)
-            for schedule, field, value in runs]
+    return [timed_run(schedule, Tuning(**{field: value}), steps) for schedule, field, value in runs]
 
 
 def sweep(knobs: list[Knob], quick: bool, rounds: int, steps: int, on_gpus: bool
@@ -148,9 +139,8 @@ def main() -> int:
                         help="measured steps per configuration (default 20; 6 with --quick)")
     parser.add_argument("--rounds", type=harness.positive, default=None,
                         help="interleaved rounds (default 3; 2 with --quick)")
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer steps, rounds and values: the sweep in under 4 minutes")
-    parser.add_argument("--out", help="write the table here (markdown) and knobs.json beside it")
+    parser.add_argument("--quick", action="store_true", help="fewer steps, rounds, values")
+    parser.add_argument("--out", help="write the table here (markdown), and .json beside it")
     args = parser.parse_args()
     steps, rounds = harness.sizes(args, {"steps": 20, "rounds": 3}, {"steps": 6, "rounds": 2},
                                   args.quick).values()

@@ -5,8 +5,6 @@ Per model, schedule and depth, one run on rank processes measures what every ran
 (`measure_memory=True`) and the simulator predicts it from a profile at the microbatch. Cap:
 the char LM's 2-rank 1f1b plan with no limit, under a cap that forces recomputation and
 recomputing every stage, in interleaved rounds: peaks against the cap, samples/s, prediction.
-
-    python bench/memory.py [--models cnn,charlm,bert] [--ranks 2,4] [--cap-rounds 3] [--out F]
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from torch.utils import _pytree as pytree
 
 from pipedream_fast.data_feed import split_microbatches
@@ -36,14 +33,16 @@ from pipedream_fast.training import build_schedule
 
 import harness  # noqa: E402 - a sibling
 
-BATCH, STEPS = 32, 3
+BATCH, STEPS, ZOO_SEQ, ZOO_VOCAB = 32, 3, 16, 64  # ZOO_: BERT's sequence length, vocabulary
 SCHEDULES = (("gpipe", 4), ("1f1b", 4), ("interleaved-1f1b", 4), ("zb-h1", 4), ("2bw", 4),
              ("pipedream", 1), ("pipedream-vsync", 1))
-ZOO_SEQ, ZOO_VOCAB = 16, 64
 
 
-def bert() -> torch.nn.Module:
-    """The test zoo's BERT classifier (a small config: no hub is reachable)."""
+def model(name: str) -> torch.nn.Module:
+    """`build_model`'s, or the test zoo's BERT classifier (small: no hub is reachable)."""
+    if name != "bert":
+        torch.manual_seed(0)
+        return build_model(name, BATCH)[0]
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from zoo import import_torchvision  # declares torchvision's operators before transformers
     import_torchvision()
@@ -56,17 +55,6 @@ def bert() -> torch.nn.Module:
     return transformers.BertForSequenceClassification(config)
 
 
-def model(name: str) -> torch.nn.Module:
-    if name == "bert":
-        return bert()
-    torch.manual_seed(0)
-    return build_model(name, BATCH)[0]
-
-
-def loss_for(name: str) -> Any:
-    return None if name == "bert" else loss_fn  # BERT computes its loss from its labels
-
-
 def batches(name: str, steps: int = STEPS) -> list[Any]:
     """`steps` minibatches of the model's own input kind and matching targets."""
     g = torch.Generator().manual_seed(1)
@@ -76,12 +64,10 @@ def batches(name: str, steps: int = STEPS) -> list[Any]:
     net, example = build_model(name, BATCH)
     with torch.no_grad():
         classes = net(example[:1]).shape
-    out = []
-    for _ in range(steps):
-        x = (torch.randn(example.shape, generator=g) if example.is_floating_point()
-             else torch.randint(0, int(example.max()) + 1, example.shape, generator=g))
-        out.append((x, torch.randint(0, classes[-1], (BATCH, *classes[1:-1]), generator=g)))
-    return out
+    return [((torch.randn(example.shape, generator=g) if example.is_floating_point()
+              else torch.randint(0, int(example.max()) + 1, example.shape, generator=g)),
+             torch.randint(0, classes[-1], (BATCH, *classes[1:-1]), generator=g))
+            for _ in range(steps)]
 
 
 def inputs_of(name: str, batch: Any) -> Any:
@@ -108,9 +94,9 @@ def stages_for(schedule: str, ranks: int) -> int:
 def pipeline(name: str, plan: Plan, schedule: str, chunks: int, timeout: float) -> Pipeline:
     """A rank's pipeline on one thread, counting its memory."""
     torch.set_num_threads(1)
-    return Pipeline(model(name), loss_for(name), lambda ps: torch.optim.Adam(ps, lr=1e-4),
-                    plan=plan, schedule=schedule, chunks=chunks, measure_memory=True,
-                    timeout=timeout)
+    return Pipeline(model(name), None if name == "bert" else loss_fn,  # BERT's: from its labels
+                    lambda ps: torch.optim.Adam(ps, lr=1e-4), plan=plan, schedule=schedule,
+                    chunks=chunks, measure_memory=True, timeout=timeout)
 
 
 def measure_job(rank: int, world: int, name: str, schedule: str, chunks: int) -> dict[str, Any]:
@@ -140,20 +126,12 @@ def simulated(profile: Any, plan: Plan, schedule: str, steps: int, chunks: int) 
                     ProfileCosts.from_plan(profile, plan))
 
 
-def predicted(name: str, schedule: str, chunks: int, plan: Any) -> dict[int, Any]:
-    profile = microbatch_profile(name, chunks)
-    return predict_memory(simulated(profile, plan, schedule, STEPS, chunks), profile, plan,
-                          BATCH // chunks, chunks)
-
-
 # ---- plans under a memory cap: no limit, a cap that forces recomputation, all recomputing ----
-
 CAP_MODEL, CAP_SCHEDULE, CAP_CHUNKS, CAP_STEPS, CAP_WARM = "charlm", "1f1b", 4, 12, 2
 
 
 def cap_job(rank: int, world: int, plan: Plan) -> dict[str, Any]:
-    """One run of `plan` (its stages recomputing as it says): every rank's measured memory
-    and samples/s over the steps after the first CAP_WARM (start-up, first allocations)."""
+    """One run of `plan`: each rank's memory, and samples/s after the first CAP_WARM steps."""
     pipe = pipeline(CAP_MODEL, plan, CAP_SCHEDULE, CAP_CHUNKS, 300)
     try:
         began = 0.0
@@ -168,9 +146,9 @@ def cap_job(rank: int, world: int, plan: Plan) -> dict[str, Any]:
 
 
 def cap_plans(profile: Any) -> tuple[dict[str, Plan], int, int, int]:
-    """The planner's straight 2-stage plans (the dynamic program, as `pipedream-fast train`
-    plans them) with no limit, under the cap, and recomputing every stage; the cap, and the
-    smallest memory per worker any plan needs recomputing where needed and not."""
+    """The planner's straight 2-stage plans (as `pipedream-fast train` makes them) with no
+    limit, under the cap, recomputing every stage; the cap; the least memory per worker any
+    plan needs, recomputing where needed and not."""
     from pipedream_fast.planner import make_plan, smallest_memory
     from pipedream_fast.planner.costs import Costs, MemoryModel
     from pipedream_fast.topology import Topology
@@ -246,17 +224,17 @@ def main() -> int:
                     continue
                 results = launch(measure_job, ranks, name, schedule, chunks, timeout=600,
                                  threads_per_rank=1)
-                prediction = predicted(name, schedule, chunks, results[0]["plan"])
+                profile, plan = microbatch_profile(name, chunks), results[0]["plan"]
+                prediction = predict_memory(simulated(profile, plan, schedule, STEPS, chunks),
+                                            profile, plan, BATCH // chunks, chunks)
                 for rank, result in enumerate(results):
-                    got = result["memory"]["rank"]
-                    want = prediction[rank]
+                    got, want = result["memory"]["rank"], prediction[rank]
                     total = want.total_peak / got["total_peak"] - 1
                     act = want.activations_peak / max(1, got["activations_peak"]) - 1
                     worst = max(worst, abs(total))
-                    rows.append((name, ranks, schedule, rank,
-                                 *(f"{got[k] / 2**20:.2f}" for k in ("total_peak",
-                                                                     "activations_peak")),
-                                 f"{total:+.1%}", f"{act:+.1%}"))
+                    rows.append((name, ranks, schedule, rank, f"{got['total_peak'] / 2**20:.2f}",
+                                 f"{got['activations_peak'] / 2**20:.2f}", f"{total:+.1%}",
+                                 f"{act:+.1%}"))
                     data.append({"model": name, "ranks": ranks, "schedule": schedule,
                                  "rank": rank, "measured": got, "predicted": want.to_dict()})
                 print(f"{name} {ranks} ranks {schedule}: " + "; ".join(

@@ -12,8 +12,6 @@ from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_DIR = ROOT / "build" / "bench_ext"
-NAME = "pipedream_fast_bench"
-
 _module: ModuleType | None = None
 
 
@@ -45,7 +43,7 @@ def load(verbose: bool = False) -> ModuleType:
         sources = [*sorted((ROOT / "bench" / "csrc").glob("*.cpp")),
                    ROOT / "csrc" / "activation_queue.cpp"]
         _module = cpp_extension.load(
-            name=NAME, sources=[str(p) for p in sources],
+            name="pipedream_fast_bench", sources=[str(p) for p in sources],
             extra_include_paths=[str(ROOT / "csrc"), str(ROOT / "bench" / "csrc")],
             extra_cflags=flags, with_cuda=bool(_C.cuda_enabled),
             build_directory=str(BUILD_DIR), verbose=verbose)

@@ -1,20 +1,12 @@
 """Runtime overhead per action: the executor against plain torch.distributed on one schedule.
 
-Two ranks, each holding a near-empty stage (one Linear(16, 16); the last adds the loss), run
-the same 1f1b action stream (chunks 4, so it has its sends, receives and optimizer steps):
-
-  pipedream_fast    `Pipeline.train`: the executor, the C++ transport, the weight ring
-  plain torch       a loop over the very same actions: `dist.isend`/`dist.irecv` with
-                    preallocated buffers, a forward, a backward, `optimizer.step()`
-
-Both do the same arithmetic, so the difference per action is what the runtime adds (queues,
-bookkeeping, the executor's dispatch). Time per action is rank 0's run time over its number
-of actions. Both drivers live in the same two rank processes and run in alternating rounds
-(`harness.alternate`: A B, B A, ...; a warm-up round dropped), and the ratio is taken round
-by round, so a shared machine's drift touches both sides alike.
-
-    python bench/overhead.py [--steps 400] [--repeat 3] [--out bench/results/overhead.md]
-                             [--profile bench/results/overhead_profile.md]
+Two ranks, each a near-empty stage (one Linear(16, 16); the last adds the loss), run the same
+1f1b action stream (chunks 4) through `Pipeline.train` (executor, C++ transport, weight ring)
+and through a plain loop over the very same actions (`dist.isend`/`dist.irecv` into
+preallocated buffers, forward, backward, `optimizer.step()`). The arithmetic is the same, so
+the difference is what the runtime adds. Per action: rank 0's run time over its actions. Both
+drivers live in the same two processes and alternate (A B, B A, ...; a warm-up round dropped);
+the ratio is taken round by round. `--profile MD`: one more run of each under cProfile.
 """
 
 from __future__ import annotations
@@ -36,7 +28,7 @@ from pipedream_fast.runtime.transport import IO_PRIORITIES, set_io_priority
 from pipedream_fast.tuning import Tuning
 from pipedream_fast.training import build_schedule
 
-from harness import Spread, alternate, paired_ratio, write_results  # noqa: E402 - a sibling
+from harness import Spread, alternate, paired_ratio, positive, write_results  # noqa: E402
 
 WIDTH, BATCH, CHUNKS = 16, 16, 4
 PLAN = Plan("tiny", BATCH // CHUNKS, 2, "1f1b",
@@ -55,8 +47,7 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def executor_driver(steps: int, io_priority: str = "auto") -> Any:
-    """The Pipeline, and one 1f1b run of `steps` minibatches through `Pipeline.train`
-    returning its us per action."""
+    """The Pipeline, and a run of `steps` minibatches through it returning us per action."""
     pipe = Pipeline(model(), nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.01),
                     plan=PLAN, schedule="1f1b", chunks=CHUNKS,
                     tuning=Tuning(io_priority=io_priority))
@@ -70,20 +61,16 @@ def executor_driver(steps: int, io_priority: str = "auto") -> Any:
 
 
 def plain_driver(rank: int, world: int, steps: int) -> Any:
-    """One run of the same action stream, driven by plain torch.distributed point-to-point
-    calls, returning its us per action."""
+    """A run of the same actions by plain torch.distributed calls, returning us per action."""
     stage = model()[rank]
     optimizer = torch.optim.SGD(stage.parameters(), lr=0.01)
     batches = data(steps)
-    # Made once, outside the timed loop: --profile then counts only the loop's own calls
-    # (making the stream inside `run` added about 10 calls per action to its count).
+    # Made once, outside the timed loop: --profile then counts only the loop's own calls.
     actions = list(build_schedule(PLAN, "1f1b", steps, CHUNKS).program(rank))
 
     def run() -> float:
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        pending: dict[tuple[str, int], tuple[Any, torch.Tensor]] = {}
-        sends: list[Any] = []
+        # inputs and outputs by microbatch; pending[(kind, mb)] = (work, buffer); sends: works
+        inputs, outputs, pending, sends = {}, {}, {}, []
         began = time.perf_counter()
         for a in actions:
             mb = a.microbatch
@@ -137,9 +124,8 @@ def plain_driver(rank: int, world: int, steps: int) -> Any:
 
 def overhead_job(rank: int, world: int, steps: int, repeat: int,
                  profile: bool = False, io_priority: str = "auto") -> dict[str, Any]:
-    """Both drivers on this rank, in alternating rounds; rank 0's figures matter. With
-    `profile`, one more executor run under cProfile: where rank 0's time per action goes.
-    `io_priority` applies to every gloo I/O thread of the process (the plain loop's too)."""
+    """Both drivers on this rank, in alternating rounds; with `profile`, one more run of each
+    under cProfile. `io_priority`: every gloo I/O thread of the process (the plain loop's too)."""
     torch.set_num_threads(1)
     pipe, executor_run = executor_driver(steps, io_priority)
     executor_run()  # its transport (and its groups' I/O threads) exist from here
@@ -156,50 +142,33 @@ def overhead_job(rank: int, world: int, steps: int, repeat: int,
         for name, run in (("plain torch.distributed", plain_run),
                           ("pipedream_fast executor", executor_run)):
             profiler = cProfile.Profile()
-            profiler.enable()
-            run()
-            profiler.disable()
-            counted = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
-            calls[name] = sum(v[1] for v in counted.values()) / actions
-        where = top_functions(profiler, actions)  # the executor's
+            profiler.runcall(run)
+            stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+            calls[name] = sum(v[1] for v in stats.values()) / actions
+        # The executor's 25 functions with the most time of their own, per action.
+        where = sorted(({"function": f"{fn} ({'/'.join(path.split('/')[-2:])}:{line})",
+                         "own_us": own / actions * 1e6, "total_us": total / actions * 1e6,
+                         "calls": n / actions}
+                        for (path, line, fn), (_, n, own, total, _) in stats.items()),
+                       key=lambda r: -r["own_us"])[:25]
     pipe.close()
     return {"values": values, "actions": actions, "profile": where, "calls": calls}
 
 
-def top_functions(profiler: Any, actions: int, count: int = 25) -> list[dict[str, Any]]:
-    """The functions with the most time of their own (cProfile's tottime), in us per action,
-    with their cumulative time and calls per action."""
-    import pstats
-    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
-    rows = []
-    for (path, line, name), (_, calls, own, total, _) in stats.items():
-        short = "/".join(path.split("/")[-2:]) if "/" in path else path
-        rows.append({"function": f"{name} ({short}:{line})", "own_us": own / actions * 1e6,
-                     "total_us": total / actions * 1e6, "calls": calls / actions})
-    rows.sort(key=lambda r: -r["own_us"])
-    return rows[:count]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--steps", type=positive, default=400)
+    parser.add_argument("--repeat", type=positive, default=3)
     parser.add_argument("--out", help="write the markdown table here")
     parser.add_argument("--io-priority", choices=IO_PRIORITIES, default="auto",
-                        help="priority of every gloo I/O thread, both drivers alike "
-                             "(Tuning.io_priority)")
+                        help="every gloo I/O thread's (Tuning.io_priority), both drivers'")
     parser.add_argument("--profile", metavar="MD",
-                        help="also profile one executor run on rank 0 (cProfile) and write "
-                             "where its time per action goes here")
+                        help="write here where each rank's time per action goes (cProfile)")
     args = parser.parse_args()
-    if args.steps < 1 or args.repeat < 1:
-        parser.error("--steps and --repeat must be >= 1")
     results = launch(overhead_job, 2, args.steps, args.repeat, bool(args.profile),
                      args.io_priority, timeout=1200)
     result = results[0]
     if args.profile:
-        rows = [{**r, "function": f"rank {rank}: {r['function']}"}
-                for rank, res in enumerate(results) for r in res["profile"]]
         write_results(
             args.profile, "Where the executor's time per action goes (each rank, cProfile)",
             [f"`Pipeline.train` on the overhead workload (1f1b, {args.steps} steps of {CHUNKS} "
@@ -208,8 +177,9 @@ def main() -> int:
              f"unprofiled time; the order is what it says. Own: time in the function itself; "
              f"total: with what it calls."],
             ["function", "own us/action", "total us/action", "calls/action"],
-            [(r["function"].replace("|", "/"), f"{r['own_us']:.1f}", f"{r['total_us']:.1f}",
-              f"{r['calls']:.2f}") for r in rows],
+            [(f"rank {rank}: {r['function']}".replace("|", "/"), f"{r['own_us']:.1f}",
+              f"{r['total_us']:.1f}", f"{r['calls']:.2f}")
+             for rank, res in enumerate(results) for r in res["profile"]],
             ["Python function calls per action (cProfile's count, which load does not move), "
              "one run of each driver: " + "; ".join(
                  f"rank {rank}: " + ", ".join(f"{name} {n:.1f}" for name, n in res["calls"].items())
@@ -220,8 +190,7 @@ def main() -> int:
     for name, spread in spreads.items():
         print(f"{name:26s} {spread.text()} us/action (median, range over {args.repeat} "
               f"rounds; {result['actions']} actions on rank 0)", flush=True)
-    base = spreads["plain torch.distributed"].median
-    overhead = spreads["pipedream_fast executor"].median - base
+    overhead = spreads["pipedream_fast executor"].median - spreads["plain torch.distributed"].median
     print(f"overhead: {overhead:+.1f} us per action ({ratio.text(2)}x, round by round)")
     if args.out:
         write_results(

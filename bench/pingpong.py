@@ -26,8 +26,8 @@ ACT, PLAIN = _C.Channel.ACTIVATION, "plain dist.isend/irecv"
 
 def round_trips(rank: int, trips: int, post: Callable[[int], Any], wait: Callable[[int], Any],
                 send: Callable[[int, Any], Any], flush: Callable[[], Any]) -> Callable[[], float]:
-    """A round's driver: us per round trip over `trips` (message numbers go on from round to
-    round); one more trip, not timed, takes the receive posted last."""
+    """A round's driver: us per round trip over `trips` (message numbers go on across rounds);
+    one more trip, not timed, takes the receive posted last."""
     count = [0]
 
     def run() -> float:
@@ -94,7 +94,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trips", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", help="e.g. bench/results/pingpong.md (and .json beside it)")
+    parser.add_argument("--out", help="write the markdown here (and .json beside it)")
     args = parser.parse_args()
     values = launch(job, 2, args.trips, args.rounds, timeout=1200)[0]
     rows = [(name, Spread.of(v).text(1), f"{paired_ratio(values, name, PLAIN).text(2)}x")

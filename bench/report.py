@@ -1,7 +1,5 @@
 """Plots (`throughput_vs_bandwidth.png` from vs_ddp, `predicted_vs_measured.png` from
 sim_accuracy) and the results table of docs/results.md, from whichever JSON the benchmarks wrote.
-
-    python bench/report.py [--results bench/results] [--no-readme]
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ def rate_bits(rate: str) -> float:
     number = rate.rstrip("gmkbit")
     return float(number) * {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}[rate[len(number):]]
 
+
 def plot_throughput(data: dict[str, Any], path: Path) -> None:
     models = list(dict.fromkeys(r["model"] for r in data["rows"]))
     with harness.figure(path, 1, len(models), (5.5 * len(models), 4)) as (_, axes):
@@ -42,8 +41,7 @@ def plot_throughput(data: dict[str, Any], path: Path) -> None:
                 ax.plot([rate_bits(r["rate"]) for r in mine], [r["samples_per_s"] for r in mine],
                         marker="o", label="DDP" if contender == "ddp" else contender)
             ax.set_xscale("log")
-            harness.axes_text(ax, f"model {model}, 2 ranks", "link rate, bits/s", "samples/s",
-                              {})
+            harness.axes_text(ax, f"model {model}, 2 ranks", "link rate, bits/s", "samples/s", {})
 
 
 def plot_prediction(rows: list[dict[str, Any]], path: Path) -> None:
@@ -81,8 +79,7 @@ def ddp_rows(data: dict[str, Any]) -> list[Row]:
     def ratio(model: str, rate: str, key: str = "samples_per_s") -> float:
         return float(by[(model, "pipedream", rate)][key] / by[(model, "ddp", rate)][key])
 
-    out = []
-    rates = both("a")
+    out, rates = [], both("a")
     if rates:
         speed = {r: ratio("a", r) for r in rates}
         volume = max(ratio("a", r, "bytes_per_sample") for r in rates)
@@ -93,8 +90,7 @@ def ddp_rows(data: dict[str, Any]) -> list[Row]:
         out.append((f"`pipedream` vs DDP on model A, emulated link of {' / '.join(rates)}",
                     f"{' / '.join(f'{speed[r]:.2f}x' for r in rates)} the samples/s, with "
                     f"{volume * 100:.1f}% of DDP's bytes per sample", "; ".join(goals)))
-    conv_rates = both("convs")
-    if conv_rates:
+    if conv_rates := both("convs"):
         picks = {v["choice"] for v in views.values() if v["model"] == "convs"}
         out.append((f"`pipedream` vs DDP on a conv-only model (few parameters), "
                     f"{' / '.join(conv_rates)}",
@@ -105,17 +101,15 @@ def ddp_rows(data: dict[str, Any]) -> list[Row]:
     for contender, what in (("pipedream", "conv/fc cut"),
                             ("pipedream-balanced", "the profile's balanced cut")):
         # Of the balanced-pipeline limit: 2 x one rank alone, measured next to the run.
-        shares = [(r, by[("a", contender, r)]["samples_per_s"] / (2 * alone[("a", r)]))
-                  for r in rates if ("a", contender, r) in by and ("a", r) in alone]
-        if shares:
+        if shares := [(r, by[("a", contender, r)]["samples_per_s"] / (2 * alone[("a", r)]))
+                      for r in rates if ("a", contender, r) in by and ("a", r) in alone]:
             out.append((f"`pipedream` ({what}) against the balanced-pipeline limit (2 x one "
                         f"rank alone, measured next to it), {' / '.join(r for r, _ in shares)}",
                         f"{' / '.join(f'{v:.2f}' for _, v in shares)} of it",
                         f"at least 0.9 at every bandwidth: "
                         f"{goal(all(v >= 0.9 for _, v in shares))}"))
-    errors = [(r, (views[("a", r)]["ddp_ms"] * by[("a", "ddp", r)]["samples_per_s"] / 32e3 - 1)
-               * 100) for r in rates if "ddp_ms" in views.get(("a", r), {})]
-    if errors:
+    if errors := [(r, (views[("a", r)]["ddp_ms"] * by[("a", "ddp", r)]["samples_per_s"] / 32e3
+                       - 1) * 100) for r in rates if "ddp_ms" in views.get(("a", r), {})]:
         out.append((f"the planner's DDP estimate (profile at the per-rank batch) against DDP "
                     f"measured, {' / '.join(r for r, _ in errors)}",
                     " / ".join(f"{e:+.0f}%" for _, e in errors),
@@ -135,8 +129,7 @@ def sim_rows(rows: list[dict[str, Any]]) -> list[Row]:
     out = [(f"simulator against the runtime, {len({r['schedule'] for r in rows})} schedules x "
             f"microbatch sizes ({len(rows)} configurations)", *within_10(rows, "error_pct"))]
     # The in-rank calibrated prediction of the next window (absent from older results).
-    rows = [r for r in rows if r.get("calibrated_error_pct") is not None]
-    if rows:
+    if rows := [r for r in rows if r.get("calibrated_error_pct") is not None]:
         result, verdict = within_10(rows, "calibrated_error_pct")
         same = max(abs(r["calibrated_same_error_pct"]) for r in rows)
         out.append((f"simulator in-rank calibrated on one window, predicting the next "
@@ -194,10 +187,9 @@ def accuracy_rows(data: dict[str, Any]) -> list[Row]:
 def knob_rows(data: dict[str, Any]) -> list[Row]:
     spans = []
     for knob in dict.fromkeys(r["knob"] for r in data["rows"]):
-        ratios = [r["vs_default"] for r in data["rows"]
-                  if r["knob"] == knob and r.get("vs_default") is not None
-                  and not str(r["label"]).endswith("(default)")]
-        if ratios:
+        if ratios := [r["vs_default"] for r in data["rows"]
+                      if r["knob"] == knob and r.get("vs_default") is not None
+                      and not str(r["label"]).endswith("(default)")]:
             spans.append(f"`{knob}` {min(ratios):.2f}-{max(ratios):.2f}x")
     return [("each knob of the core swept on model A (samples/s against its default)",
              f"{'; '.join(spans)}; `offload_stash` GPU only", "-")]

@@ -1,12 +1,7 @@
 """The benchmark suite in one command, then `bench/report.py` (plots, docs/results.md's table,
-rewritten only for the default results folder). Run it on a quiet machine.
-
-    python bench/run_all.py                  # about 30 minutes on 2 cores
-    python bench/run_all.py --only vs_ddp,sim_accuracy
-    python bench/run_all.py --smoke --results /tmp/smoke   # the smallest settings: does it run?
-
-Each benchmark runs in its own process; one that fails or cannot run here (rc 2, no output) is
-reported and the suite goes on.
+rewritten only for the default results folder). Run it on a quiet machine (about 30 minutes on
+2 cores). Each benchmark runs in its own process; one that fails or cannot run here (rc 2, no
+output) is reported and the suite goes on.
 """
 
 from __future__ import annotations
@@ -48,14 +43,12 @@ SUITE: dict[str, tuple] = {
 def run_one(name: str, results: Path, smoke: bool) -> dict[str, object]:
     args, smallest, minutes, *script = SUITE[name]
     out = results / f"{name}.md"
-    # Relative to the checkout where possible: each report quotes its command.
     shown = os.path.relpath(out, ROOT) if out.resolve().is_relative_to(ROOT) else str(out)
     argv = [sys.executable, f"bench/{(script or [name])[0]}.py",
             *(smallest if smoke else args).split(), "--out", shown]
     print(f"\n==== {name} ({time.strftime('%H:%M:%S')}, about {minutes:g} min)\n"
           f"$ {' '.join(argv[1:])}", flush=True)
     began = time.monotonic()
-    # The benchmarks import each other (netcluster) and the package from the checkout.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         filter(None, [str(BENCH), str(ROOT), os.environ.get("PYTHONPATH")]))}
     rc = subprocess.run(argv, cwd=ROOT, env=env).returncode
@@ -71,9 +64,8 @@ def main() -> int:
     parser.add_argument("--only", help=f"comma-separated benchmarks among {', '.join(SUITE)}")
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS,
                         help="folder for the markdown, JSON and plots (default bench/results)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="the smallest settings of each: checks the suite runs, measures "
-                             "nothing worth keeping (use with --results elsewhere)")
+    parser.add_argument("--smoke", action="store_true", help="the smallest settings of each: "
+                        "does the suite run? (measures nothing: --results elsewhere)")
     args = parser.parse_args()
     wanted = {n.strip() for n in (args.only or ",".join(SUITE)).split(",") if n.strip()}
     if not wanted or wanted - set(SUITE):
@@ -97,8 +89,7 @@ def main() -> int:
     print(f"\nsuite: {total / 60:.1f} min")
     for o in outcomes:
         print(f"  {o['name']:18s} {o['status']:28s} {o['seconds'] / 60:5.1f} min")
-    failed = [o for o in outcomes if str(o["status"]).startswith("failed")]
-    return 1 if failed or report_rc else 0
+    return 1 if report_rc or any(str(o["status"]).startswith("failed") for o in outcomes) else 0
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The simulator against the runtime: every trainable schedule, several microbatch sizes.
 
 Per configuration: simulate the plan from a profile of model A at its microbatch, train it on 2
-ranks (gloo, 1 thread each) and compare rank 0's steady-state rate and each action's mean time;
-and let the ranks' `Calibration` of a first window of steps predict the second.
+ranks (gloo, 1 thread each) and compare rank 0's steady-state rates; and let the ranks'
+`Calibration` of a first window of steps predict the second.
 
     python bench/sim_accuracy.py [--steps 20] [--only 1f1b,pipedream] [--out FILE.md]
 """
@@ -14,7 +14,6 @@ import os
 import statistics
 import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,8 +33,6 @@ import harness  # noqa: E402 - a sibling
 WARMUP = 3
 SPLIT = 6  # model A: conv | fc, the best 2-stage cut (bench/vs_pipelining.py --set model_a)
 BLOCKS = 9
-KINDS = ("forward", "backward", "backward_input", "backward_weight", "optimizer_step",
-         "snapshot", "allreduce")
 
 
 @dataclass(frozen=True)
@@ -132,7 +129,7 @@ def measure_rank(rank: int, world: int, config: Config, steps: int) -> dict[str,
     torch.manual_seed(0)
     pipe = Pipeline(build_cnn(), nn.functional.cross_entropy,
                     lambda ps: torch.optim.SGD(ps, lr=0.01), plan=plan_for(config),
-                    schedule=config.schedule, chunks=config.chunks, trace=True)
+                    schedule=config.schedule, chunks=config.chunks)
     ends: list[float] = []
     mid = middle(steps)
     calibrated = None
@@ -144,38 +141,10 @@ def measure_rank(rank: int, world: int, config: Config, steps: int) -> dict[str,
             calibrated = pipe.calibration.snapshot()
             pipe.calibration.reset()
     same = pipe.calibration.snapshot()  # the second window's own figures
-    # Each action's own time: a forward or backward may first wait for its message.
-    events = [(e.kind, e.stage, e.duration_ms - float(e.args.get("waited_ms", 0.0)))
-              for e in pipe.last_events]
     pipe.close()
     return {"samples_per_s": (steps - WARMUP) * config.batch / (ends[-1] - ends[WARMUP - 1]),
             "next_samples_per_s": (steps - mid) * config.batch / (ends[-1] - ends[mid - 1]),
-            "calibrated": calibrated, "same": same, "events": events}
-
-
-def kinds(ranks: list[dict[str, Any]], profile: Profile, plan: Plan, bandwidth: float
-          ) -> list[dict[str, Any]]:
-    """Per (stage, action kind): the runtime's mean duration (ms, a rank's first 2 of each
-    left out; a stage on both ranks: the last rank's) against the profile's cost."""
-    measured: dict[tuple[str, int], float] = {}
-    for r in ranks:
-        seen: dict[tuple[str, int], list[float]] = defaultdict(list)
-        for what, stage, ms in r["events"]:
-            seen[(what, stage)].append(ms)
-        measured.update({k: statistics.fmean(v[2:] or v) for k, v in seen.items()
-                         if k[1] is not None})
-    c = ProfileCosts.from_plan(profile, plan, bandwidth)
-    profiled: dict[tuple[str, int], float] = {}
-    for i, stage in enumerate(plan.stages):
-        profiled.update({("forward", i): c.forward_ms[i], ("backward", i): c.backward_ms[i]})
-        profiled.update({(what, i): v[i] for what, v in (("optimizer_step", c.stage_optimizer_ms),
-                                                         ("snapshot", c.snapshot_ms)) if v})
-        if stage.replicas > 1:
-            profiled[("allreduce", i)] = c.allreduce(i, stage.ranks)
-    return [{"kind": k, "stage": s, "measured_ms": measured.get((k, s)),
-             "profiled_ms": profiled.get((k, s))}
-            for k, s in sorted(set(measured) | set(profiled), key=lambda x: (x[1], x[0]))
-            if k in KINDS]
+            "calibrated": calibrated, "same": same}
 
 
 def run(configs: list[Config], steps: int, repeats: int
@@ -226,7 +195,6 @@ def run(configs: list[Config], steps: int, repeats: int
         row["measured_next"] = ranks[0]["next_samples_per_s"]
         for key in ("calibrated", "calibrated_same"):
             row[f"{key}_error_pct"] = (row[key] / row["measured_next"] - 1) * 100
-        row["kinds"] = kinds(ranks, scaled(profile, factor), plan, bandwidth)
         harness.say(f"{config.name:32s} predicted {row['predicted']:7.1f}, measured "
                     f"{averages(row['measured_runs'])}; next window: calibrated "
                     f"{row['calibrated']:7.1f}, measured {row['measured_next']:7.1f}")
@@ -244,47 +212,29 @@ def over(pct: float) -> str:
 def markdown(rows: list[dict[str, Any]], bandwidth: float, factor: float, steps: int,
              load: tuple[list[float], list[float]]) -> str:
     ok = [r for r in rows if "error" not in r]
-    failed = [r for r in rows if "error" in r]
     return "\n".join([
         "# Simulator against reality: model A, batch 32, CPU, 2 ranks", "",
         f"Command: `{harness.command()}`", "",
         f"Machine: {harness.machine()}. Load average (1, 5, 15 min) at the start "
         f"{averages(load[0])}, at the end {averages(load[1])} (the machine is shared).", "",
         "Stages: conv | fc (interleaved-1f1b: 4 on 2 ranks; data-parallel: 2 replicas). Rates: "
-        f"rank 0's steady state after {WARMUP} warm-up steps, the same window simulated, with "
-        f"the loopback all-reduce's {bandwidth / 1e9:.2f} GB/s and the profile's compute scaled "
-        f"by {factor:.2f}x, how much slower two ranks compute at once than one (\"profile "
-        f"alone\": unscaled). The fastest (least disturbed) of "
-        f"{max(len(r.get('measured_runs', [])) for r in rows)} runs counts.", "",
+        f"rank 0's after {WARMUP} warm-up steps, simulated with the loopback all-reduce's "
+        f"{bandwidth / 1e9:.2f} GB/s and the profile's compute x {factor:.2f}, two ranks at once "
+        f"against one (\"profile alone\": unscaled); the fastest of "
+        f"{max(len(r.get('measured_runs', [])) for r in rows)} runs counts. Calibrated: the ranks' "
+        f"calibration of steps {WARMUP + 1}-{middle(steps)} predicts steps {middle(steps) + 1}-"
+        f"{steps}; \"same window\": that of the second window itself, without the drift.", "",
         *harness.markdown_table(
             ["schedule, microbatches x size", "predicted samples/s", "measured samples/s",
-             "error", "error, profile alone", "runs"],
+             "error", "error, profile alone", "runs", "calibrated: predicted next window",
+             "measured next window", "error", "error, same window"],
             [[r["config"], f"{r['predicted']:.1f}", f"{r['measured']:.1f}",
               over(r["error_pct"]), f"{r['error_alone_pct']:+.1f}%",
-              averages(r["measured_runs"])] for r in ok]
-            + [[r["config"], "-", "-", r["error"], "-", "-"] for r in failed]),
-        "", "## In-rank calibrated: the next window from the ranks' own measurements", "",
-        f"Steps {WARMUP + 1}-{middle(steps)} calibrate, the simulator fed with them "
-        f"(`MeasuredCosts.from_calibration`) predicts steps {middle(steps) + 1}-{steps}; "
-        "\"same window\": fed with the second window's own, which leaves out the drift.", "",
-        *harness.markdown_table(
-            ["schedule, microbatches x size", "profile: predicted",
-             "in-rank calibrated: predicted next window", "measured next window", "error",
-             "error, same window"],
-            [[r["config"], f"{r['predicted']:.1f}", f"{r['calibrated']:.1f}",
+              averages(r["measured_runs"]), f"{r['calibrated']:.1f}",
               f"{r['measured_next']:.1f}", over(r["calibrated_error_pct"]),
               f"{r['calibrated_same_error_pct']:+.1f}%"] for r in ok]
-            + [[r["config"], "-", "-", "-", r["error"], "-"] for r in failed]),
-        "", "## Per action: the runtime's mean duration against the profile", "",
-        "Profiled forward and backward times include the co-run factor; a forward or "
-        "backward's wait for its message is left out of the measured time.", "",
-        *harness.markdown_table(
-            ["configuration", "stage", "action", "measured ms", "profiled ms", "ratio"],
-            [[r["config"], k["stage"], k["kind"], harness.fmt(k["measured_ms"], ".2f"),
-              harness.fmt(k["profiled_ms"], ".2f"),
-              f"{k['measured_ms'] / k['profiled_ms']:.2f}"
-              if k["measured_ms"] is not None and k["profiled_ms"] else "-"]
-             for r in rows for k in r.get("kinds", [])])]) + "\n"
+            + [[r["config"], "-", "-", r["error"], *["-"] * 6] for r in rows if "error" in r]),
+        ""])
 
 
 def main() -> int:

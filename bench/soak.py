@@ -1,8 +1,6 @@
 """Soak: a long run of pipedream on 2 stages of a small MLP through `LocalPipeline` (2 threads)
 and `Pipeline` (2 processes, gloo); every `--every` steps each rank samples its resident memory,
 threads and open file descriptors, which must stay flat after warm-up (the first 10%).
-
-    python bench/soak.py [--microbatches 10000] [--every 250] [--out bench/results/soak.md]
 """
 
 from __future__ import annotations
@@ -54,11 +52,9 @@ def sample() -> dict[str, int]:
 
 
 def soak(train: Any, steps: int, every: int) -> dict[str, Any]:
-    samples: list[tuple[int, dict[str, int]]] = []
     began = time.perf_counter()
-    for step, _ in enumerate(train(batches(steps), steps=steps), 1):
-        if step % every == 0 or step == steps:
-            samples.append((step, sample()))
+    samples = [(step, sample()) for step, _ in enumerate(train(batches(steps), steps=steps), 1)
+               if step % every == 0 or step == steps]
     return {"samples": samples, "seconds": time.perf_counter() - began}
 
 

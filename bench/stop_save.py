@@ -3,8 +3,6 @@
 Two 1 GiB stages, 1f1b under `pipedream-fast run --nproc 2` with a `checkpoint_dir`; SIGTERM to
 the launcher (5 s grace) after step `--after`: seconds to the agreed step's end, the save and
 the exit, and whether the checkpoint is complete. Needs about 6 GiB of memory and 2 GiB of disk.
-
-    python bench/stop_save.py [--after 2] [--size 16384] [--out bench/results/stop_save.md]
 """
 
 from __future__ import annotations
@@ -76,10 +74,9 @@ def main() -> int:
             complete = f"yes ({where.name}, {ckpt.read_manifest(where)['step']} steps)"
         except ckpt.CheckpointError as err:
             complete = f"no: {err}"
-    step_s = (steps[-1] - steps[0]) / max(1, len(steps) - 1)
     said = [x.removeprefix("pipedream-fast run: ") for x in stderr.splitlines()
             if x.startswith("pipedream-fast run:")]
-    rows = [("seconds a step takes", f"{step_s:.1f}"),
+    rows = [("seconds a step takes", f"{(steps[-1] - steps[0]) / max(1, len(steps) - 1):.1f}"),
             ("SIGTERM to the agreed step's end", f"{last_step - sent:.1f}"),
             ("SIGTERM to the checkpoint saved", f"{max(saved) - sent:.1f}" if saved else "-"),
             ("SIGTERM to the launcher's exit", f"{ended:.1f}"),

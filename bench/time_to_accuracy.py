@@ -50,11 +50,9 @@ LABELS = {"ddp": "DDP (gloo), 16 per rank", "pipedream": "pipedream_fast pipedre
 
 def build_model() -> nn.Sequential:
     """64 -> 2048 -> 2048 -> 2048 -> 10, four named blocks (fc1..fc4)."""
-    return nn.Sequential(OrderedDict(
-        fc1=nn.Sequential(nn.Linear(64, WIDTH), nn.ReLU()),
-        fc2=nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()),
-        fc3=nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()),
-        fc4=nn.Linear(WIDTH, 10)))
+    blocks = {f"fc{i}": nn.Sequential(nn.Linear(width, WIDTH), nn.ReLU())
+              for i, width in enumerate((64, WIDTH, WIDTH), 1)}
+    return nn.Sequential(OrderedDict(blocks, fc4=nn.Linear(WIDTH, 10)))
 
 
 def global_batches(x: torch.Tensor, y: torch.Tensor,
@@ -157,10 +155,9 @@ def worker(contender: str, cap_s: float) -> dict[str, Any]:
 
 def run(rates: list[str], cap_s: float) -> dict[str, Any]:
     """The reference, then each contender at each rate, as a JSON-able dict."""
-    began, stages = time.monotonic(), [build_model()[:SPLIT], build_model()[SPLIT:]]
-    params = [sum(p.numel() for p in stage.parameters()) for stage in stages]
-    macs = sum(m.in_features * m.out_features for stage in stages for m in stage.modules()
-               if isinstance(m, nn.Linear))
+    began, model = time.monotonic(), build_model()
+    params = [sum(p.numel() for p in part.parameters()) for part in (model[:SPLIT], model[SPLIT:])]
+    macs = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     result: dict[str, Any] = {
         "rates": rates, "target": TARGET, "cap_s": cap_s, "eval_every": EVAL_EVERY,
         "lr": SGD.keywords["lr"], "momentum": SGD.keywords["momentum"], "batch": BATCH,
@@ -224,23 +221,19 @@ def markdown(result: dict[str, Any]) -> str:
     facts, ref, rows = result["model"], result["reference"], result["rows"]
     lines = [*netcluster.header("Time to accuracy: pipedream_fast vs DDP on an emulated "
                                 "2-machine cluster", result["links"], result["total_s"]),
-             f"- Task: scikit-learn digits (1437 train / 360 test images, 8x8 flattened to 64), "
-             f"target **{TARGET:.0%} test accuracy** on all 360 test images.",
-             f"- Model: MLP 64-{WIDTH}-{WIDTH}-{WIDTH}-10, {facts['parameters'] / 1e6:.2f} M "
-             f"parameters ({facts['parameter_bytes'] / 1e6:.1f} MB: DDP all-reduces this every "
-             f"step); pipeline cut before fc3 (stages of {facts['stage_parameters'][0] / 1e6:.2f}"
-             f" M and {facts['stage_parameters'][1] / 1e6:.2f} M parameters), "
+             f"- Task: scikit-learn digits (8x8 flattened to 64), **{TARGET:.0%} test accuracy** "
+             f"on all 360 test images. Model: MLP 64-{WIDTH}-{WIDTH}-{WIDTH}-10, "
+             f"{facts['parameters'] / 1e6:.2f} M parameters ({facts['parameter_bytes'] / 1e6:.1f}"
+             f" MB, DDP's all-reduce per step), cut before fc3 (stages of "
+             f"{' and '.join(f'{n / 1e6:.2f}' for n in facts['stage_parameters'])} M); "
              f"{facts['activation_bytes'] / 1024:.0f} KiB of activation forward and as much "
              f"gradient back per step; {facts['gflop_per_step']:.2f} GFLOP per step.",
-             f"- Same for both: global batch {BATCH} (DDP: {BATCH // WORLD} per rank; pipedream: "
-             f"one microbatch), SGD lr {result['lr']:g} momentum {result['momentum']:g}, initial "
-             f"weights (seed {SEED}), one stream of batches. pipedream updates stage 0 with "
-             f"gradients one update stale and drains at each evaluation.",
-             f"- Clock: training wall time on rank 0; test accuracy is evaluated every "
-             f"{EVAL_EVERY} steps outside it. Cap: {result['cap_s']:g} s of training per "
-             f"contender; one that misses is *projected*: the reference's steps to target x "
-             f"its own s/step.",
-             "- Reference (one process, one thread, no network; same data and hyperparameters): "
+             f"- Same for both: batch {BATCH} (DDP: {BATCH // WORLD} per rank; pipedream: one "
+             f"microbatch), SGD lr {result['lr']:g} momentum {result['momentum']:g}, seed {SEED}, "
+             f"one stream of batches; pipedream's stage 0 is one update stale and drains at each "
+             f"evaluation. Clock: rank 0's training time, evaluations (every {EVAL_EVERY} steps) "
+             f"outside it; cap {result['cap_s']:g} s, past it *projected*: the reference's steps "
+             f"to target x its own s/step. Reference (one process, one thread, no network): "
              f"{reached_text(ref, '**')}, {ref['s_per_step'] * 1e3:.0f} ms/step.", ""]
     table = []
     for rate in result["rates"]:
@@ -279,8 +272,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 color="grey", linewidth=1, label="single process (1 thread, no network)")
         ax.axhline(TARGET, color="black", linewidth=0.8, linestyle=":")
         ax.set_xscale("symlog", linthresh=1.0)
-        ax.set_xlim(left=0)
-        ax.set_ylim(0, 1)
+        ax.set(xlim=(0, None), ylim=(0, 1))
         harness.axes_text(ax, f"Time to {TARGET:.0%} test accuracy, 2 ranks on emulated links",
                           "training wall time on rank 0 (s, evaluation excluded)",
                           "test accuracy (digits)", {"fontsize": 8, "loc": "lower right"})

@@ -41,10 +41,6 @@ DDP_STEPS = {"10gbit": (3, 15), "1gbit": (2, 8), "100mbit": (1, 3)}
 PIPELINE_STEPS = (3, 15)
 RETRY_BUDGET_S = 11 * 60  # no retries after this
 LIMIT_GOAL = 0.9  # of the balanced-pipeline limit, at every bandwidth
-PARTS = {"compute": ("forward", "backward", "backward_input", "backward_weight"),
-         "waiting": (), "receives": ("recv_act", "recv_grad"), "sends": ("send_act", "send_grad"),
-         "update": ("optimizer_step", "allreduce", "average"), "copies": ("snapshot", "release"),
-         "other": ()}
 
 
 def build_convs() -> nn.Sequential:
@@ -69,20 +65,6 @@ def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---- ranks (run inside the namespaces) -----------------------------------------------------
 
-def breakdown(events: list[Any], begin_s: float, end_s: float, batches: int) -> dict[str, float]:
-    """ms per batch of [begin_s, end_s) (the trace's perf_counter clock) in each of PARTS;
-    `waiting`: a forward or backward's wait for its message, `other`: what no action covers."""
-    parts = dict.fromkeys(PARTS, 0.0)
-    part_of = {kind: part for part, kinds in PARTS.items() for kind in kinds}
-    for event in events:
-        if begin_s * 1e3 <= event.start_ms < end_s * 1e3:
-            waited = float(event.args.get("waited_ms", 0.0))
-            parts[part_of.get(event.kind, "other")] += event.duration_ms - waited
-            parts["waiting"] += waited
-    parts["other"] += (end_s - begin_s) * 1e3 - sum(parts.values())
-    return {part: ms / batches for part, ms in parts.items()}
-
-
 def worker(contender: str, model_name: str, split: int, warmup: int,
            measured: int) -> dict[str, Any]:
     """A contender's rank, or ("alone") the whole model on the whole batch in this process: its
@@ -102,13 +84,11 @@ def worker(contender: str, model_name: str, split: int, warmup: int,
     schedule = "pipedream" if contender == "pipedream-balanced" else contender
     pipe = Pipeline(model, nn.functional.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=LR),
                     plan=two_stage_plan(model_name, split, len(model), schedule), timeout=600.0,
-                    schedule=schedule, chunks=2 if contender in ("2bw", "1f1b") else 1, trace=True)
+                    schedule=schedule, chunks=2 if contender in ("2bw", "1f1b") else 1)
     for step, _ in enumerate(pipe.train([batch] * (warmup + measured), warmup + measured)):
         if step == warmup - 1:
             start = netcluster.snapshot()
     window = netcluster.since(start)
-    window["breakdown"] = breakdown(pipe.last_events, start["seconds"],
-                                    start["seconds"] + window["seconds"], measured)
     pipe.close()
     return window
 
@@ -174,8 +154,7 @@ def run_all(models: list[str], rates: list[str], scale: float, retries: int) -> 
                 "samples_per_s": BATCH * measured / ranks[-1]["seconds"],  # the last rank's clock
                 "bytes_per_sample": sum(r["tx_bytes"] for r in ranks) / (BATCH * measured),
                 "warmup": warmup, "measured": measured,
-                "other_cores": harness.other_cores(ranks, sum(r["seconds"] for r in ranks) / WORLD),
-                "breakdowns": [r["breakdown"] for r in ranks if "breakdown" in r]}
+                "other_cores": harness.other_cores(ranks, sum(r["seconds"] for r in ranks) / WORLD)}
 
     def each(cluster: netcluster.Cluster, rate: str) -> None:
         for model in models:
@@ -205,17 +184,14 @@ def markdown(got: dict[str, Any], total_s: float) -> str:
     ddp = {r["rate"]: f"{r['warmup']}+{r['measured']}" for r in rows if r["contender"] == "ddp"}
     lines = [*netcluster.header("pipedream_fast vs DistributedDataParallel on an emulated "
                                 "2-machine cluster", got["links_mb_s"], total_s),
-             "- Same work for every contender: a global batch of 32 per step, SGD lr 0.01, one "
-             "fixed synthetic batch. DDP: 16 per rank. `pipedream`: one microbatch. `2bw` and "
-             "`1f1b`: chunks=2 (two microbatches of 16, one update per step).",
+             "- A batch of 32 a step, SGD lr 0.01, one fixed synthetic batch. DDP: 16 per rank; "
+             "`pipedream`: one microbatch; `2bw` and `1f1b`: two of 16, one update a step.",
              "- Samples/s: after the warm-up (a pipeline: its last rank's clock); steps, warm-up "
              "+ measured: DDP " + ", ".join(f"{k} {v}" for k, v in ddp.items()) + "; pipelines "
              + next(f"{r['warmup']}+{r['measured']}" for r in rows if r["contender"] != "ddp")
-             + " at every rate. MB/sample: both ranks' veth tx_bytes over that window (frames, "
-             "headers and ACKs included).",
-             f"- Others: the cores other processes took meanwhile; over {harness.DISTURBED}, the "
-             f"run was rerun and the less disturbed kept ({sum(r['tries'] > 1 for r in rows)} "
-             f"of {len(rows)} runs were).", ""]
+             + ". MB/sample: both ranks' veth tx_bytes then (frames, headers, ACKs). Others: "
+             f"cores other processes took; over {harness.DISTURBED}, rerun and the less disturbed "
+             f"kept ({sum(r['tries'] > 1 for r in rows)} of {len(rows)} runs were).", ""]
     for model in dict.fromkeys(r["model"] for r in rows):
         lines += model_section(model, got, list(got["links_mb_s"]))
     return "\n".join(lines) + "\n"
@@ -226,34 +202,25 @@ def model_section(model: str, got: dict[str, Any], rates: list[str]) -> list[str
         f"{model} balanced")
     names, params = list(dict(built.named_children())), list(built.parameters())
     views = {v["rate"]: v for v in got["planner"] if v["model"] == model}
-    alone = {a["rate"]: a["samples_per_s"] for a in got["one_rank_alone"] if a["model"] == model}
+    limit = {a["rate"]: WORLD * a["samples_per_s"] for a in got["one_rank_alone"]
+             if a["model"] == model}
     work_ms, profiled, cut = (views[rates[0]]["limit_ms"] * WORLD,
                               *(BATCH / views[rates[0]][k] * 1e3
                                 for k in ("limit_ms", "split_limit_ms")))
-    measured, planned, shares, where = [], [], [], []
+    measured = []
     for rate in rates:
-        view, here = views[rate], [r for r in got["rows"] if (r["model"], r["rate"]) == (model,
-                                                                                        rate)]
-        ddp, best = here[0], max(here[1:], key=lambda r: r["samples_per_s"])
+        view, here = views[rate], [r for r in got["rows"] if r["model"] == model
+                                   and r["rate"] == rate]
+        ddp, predicted = here[0], {"ddp": view["ddp_ms"], "pipedream": view["pipeline_ms"]}
         for index, row in enumerate(here):
-            speed, size = row["samples_per_s"], row["bytes_per_sample"]
-            label = LABELS[row["contender"]]
-            measured.append([rate if index == 0 else "", label, f"{speed:.1f}",
+            speed, size, who = row["samples_per_s"], row["bytes_per_sample"], row["contender"]
+            measured.append([rate if index == 0 else "", LABELS[who], f"{speed:.1f}",
                              f"{speed / ddp['samples_per_s']:.2f}x", f"{size / 1e6:.3f}",
                              f"{size / ddp['bytes_per_sample']:.3f}x", f"{row['other_cores']:.2f}",
+                             f"{BATCH / predicted[who] * 1e3:.1f}" if who in predicted else "",
+                             f"{speed / limit[rate]:.2f} ({speed / profiled:.2f})"
+                             if who.startswith("pipedream") else "",
                              view["choice"] if index == 0 else ""])
-            if row["contender"].startswith("pipedream"):
-                limit = WORLD * alone[rate]
-                shares.append([rate, label, f"{speed:.1f}", f"{limit:.1f}", f"{speed / limit:.2f}",
-                               f"{speed / profiled:.2f}",
-                               "met" if speed / limit >= LIMIT_GOAL else "missed"])
-                where += [[rate if rank == 0 else "", label if rank == 0 else "", rank,
-                           *(f"{p[k]:.0f}" for k in PARTS)]
-                          for rank, p in enumerate(row["breakdowns"])]
-        planned.append([rate, view["choice"], f"{view['ddp_ms']:.0f}",
-                        f"{BATCH / ddp['samples_per_s'] * 1e3:.0f}",
-                        f"{view['pipeline_ms']:.0f} ({view['pipeline_split']})",
-                        f"{BATCH / best['samples_per_s'] * 1e3:.0f} ({best['contender']})"])
     return [f"## {MODEL_TITLES[model]}", "",
             f"{sum(p.numel() for p in params) / 1e6:.2f} M parameters "
             f"({sum(p.numel() * p.element_size() for p in params) / 1e6:.1f} MB); pipelines: "
@@ -261,26 +228,18 @@ def model_section(model: str, got: dict[str, Any], rates: list[str]) -> list[str
             + (f" The balanced cut of this profile starts stage 1 at block {balanced} "
                f"({names[balanced]}): `pipedream, balanced cut`." if balanced is not None
                else ""), "",
+            "Predicted: the planner (PipeDream's dynamic program, topology `2x<rate/8 bytes/s>`, "
+            "this machine's profile with 1 thread) for DDP (profiled at its per-rank batch of 16) "
+            "and the measured 2-stage `pipedream`; its own plan: the planner's choice. Of the "
+            f"limit: of the balanced-pipeline limit, {WORLD} x one rank alone (whole model, same "
+            "step, measured just before each rate's contenders: "
+            + ", ".join(f"{r} {v:.1f}" for r, v in limit.items()) + " samples/s); in "
+            f"parentheses of the profile's: its work per batch ({work_ms:.0f} ms) split evenly "
+            f"gives {profiled:.1f} samples/s, its best 2-stage cut {cut:.1f} ({cut / profiled:.2f}"
+            f" of it). Goal: `pipedream` at {LIMIT_GOAL} or more of the limit.", "",
             *harness.markdown_table(["link", "contender", "samples/s", "vs DDP", "MB/sample",
-                                     "bytes vs DDP", "others (cores)", "planner's choice"],
-                                    measured, left=2), "",
-            "The planner (PipeDream's dynamic program, topology `2x<rate/8 bytes/s>`, this "
-            "machine's profile with 1 thread) against the measurements, ms per batch of 32; "
-            "DDP predicted from a profile at its per-rank batch of 16:", "",
-            *harness.markdown_table(["link", "planner picks", "predicted: DDP, 16 per rank",
-                                     "measured: DDP", "predicted: the measured 2-stage pipeline "
-                                     "(split)", "measured: best pipeline"], planned, left=2), "",
-            f"Against the balanced-pipeline limit, measured: {WORLD} x one rank alone (whole "
-            f"model, same step, just before each rate's contenders). The profile's work per batch "
-            f"({work_ms:.0f} ms) split evenly gives {profiled:.1f} samples/s, its best 2-stage cut "
-            f"{cut:.1f} ({cut / profiled:.2f} of it). Goal: `pipedream` at {LIMIT_GOAL} or more.",
-            "",
-            *harness.markdown_table(["link", "contender", "samples/s", "limit (measured)",
-                                     "of it", "of the profile's", "goal"], shares, left=2), "",
-            "Where each rank's time goes under `pipedream`, ms per batch, from the runtime's "
-            "trace: compute (less its waits), waiting (for a message), receives and sends "
-            "(posting them), update, copies (weight versions), other (data feed, Python).", "",
-            *harness.markdown_table(["link", "contender", "rank", *PARTS], where, left=2), ""]
+                                     "bytes vs DDP", "others (cores)", "predicted samples/s",
+                                     "of the limit", "planner's choice"], measured, left=2), ""]
 
 
 def measure(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:

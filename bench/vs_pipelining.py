@@ -6,7 +6,6 @@ intra-op thread each), samples/s in steady state. `--set`, results in bench/resu
   transformer      the same for 1f1b on a tiny nanoGPT at 16 and 32 microbatches, where the
                    runtimes' own costs dominate (transformer_pair.md)
   model_a          one run each: single process, torch Schedule1F1B, ours (model_a.md)
-  interleaved      the planner's straight and looped plans, with the simulator (interleaved.md)
   zoo              the test zoo's transformers unedited: who splits and trains them, samples/s,
                    losses against a one-process loop, tied-weight drift (zoo_vs_pipelining.md)
 """
@@ -79,16 +78,14 @@ TIMEOUT = 60.0  # zoo: every collective and transfer; a one-sided failure costs 
 FIRST_TOL, LAST_TOL = 1e-5, 1e-4  # zoo: relative, first step's loss (the forwards) and last's
 DRIFT_TOL = 1e-6  # relative to the weight's largest entry: "identical" up to float noise
 # A rank's error that only says its peer failed first: the table shows the peer's own.
-PEER_SYMPTOM = re.compile(r"Connection (closed|reset)|Read error|Timed out|timed out|"
-                          r"Broken pipe")
+PEER_SYMPTOM = re.compile(r"Connection (closed|reset)|Read error|Timed out|timed out|Broken pipe")
 GROUPS = itertools.count()  # zoo: a process group per run, numbered alike on the ranks
 
 
 # ---- shared by the sets ---------------------------------------------------------------------
 
 def timed(steps: Iterable[Any], warmup: int, last: bool, began: float) -> dict[str, Any]:
-    """A rank's run: `steps` yields each step's loss; the clock from the end of the warm-up,
-    the last stage's losses, the set-up (from `began` to the end of the first step)."""
+    """A rank's run of `steps` (each yields its loss): clock after `warmup`, losses, set-up."""
     clock, losses = harness.Clock(), []
     for step, loss in enumerate(steps):
         if last and loss is not None:
@@ -114,8 +111,7 @@ def torch_steps(sched: Any, opt: torch.optim.Optimizer, calls: Iterable[tuple[An
 def ours_steps(model: nn.Module, loss_fn: Any, optimizer: Any, items: list[Any], warmup: int,
                last: bool, began: float, tied: nn.Parameter | None = None,
                **how: Any) -> dict[str, Any]:
-    """A run of pipedream_fast's Pipeline(model, loss_fn, optimizer, **how) on `items`; with
-    `tied`, this rank's copy of it (None: its stages do not hold it)."""
+    """Pipeline(model, loss_fn, optimizer, **how) on `items`; this rank's copy of `tied`."""
     from pipedream_fast.pipeline import Pipeline
 
     pipe = Pipeline(model, loss_fn, optimizer, **how)
@@ -128,8 +124,7 @@ def ours_steps(model: nn.Module, loss_fn: Any, optimizer: Any, items: list[Any],
 
 
 def rounds(sides: dict[str, Callable[[], dict[str, Any]]], repeats: int) -> dict[str, list[Any]]:
-    """Each side's runs in interleaved rounds (`harness.alternate`), garbage collected before
-    each; a side that failed is not run again (the same failure says nothing new)."""
+    """Each side's runs in alternating rounds, gc before each; a failed side is not rerun."""
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
 
     def run(side: str) -> None:
@@ -143,8 +138,7 @@ def rounds(sides: dict[str, Callable[[], dict[str, Any]]], repeats: int) -> dict
 
 
 def one_run(ranks: list[dict[str, Any]], samples: int) -> dict[str, Any]:
-    """One run of one side from every rank's result: its window and losses; failed: the error
-    of the rank whose error is its own, not its peer's dropped connection."""
+    """One run of a side from its ranks' results; failed: the first error not a peer's drop."""
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:
         own = [e for e in errors if not PEER_SYMPTOM.search(e)]
@@ -155,8 +149,7 @@ def one_run(ranks: list[dict[str, Any]], samples: int) -> dict[str, Any]:
 
 
 def side_by_side(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Medians of the runs that did not fail, their ratio, each round's ratio, the most CPU
-    other processes took during a window."""
+    """Medians of the runs that did not fail, their ratio, each round's, others' most CPU."""
     ok = {side: [r for r in rs if "error" not in r] for side, rs in runs.items()}
     med = {side: statistics.median(r["samples_per_s"] for r in rs) if rs else None
            for side, rs in ok.items()}
@@ -193,9 +186,8 @@ class Embed(nn.Module):
 
 
 def sequential(model: str) -> tuple[nn.Module, Callable[..., torch.Tensor], list[torch.Tensor]]:
-    """The model (seeded), its loss and one fixed batch: model A on bench/vs_ddp.py's batch;
-    the zoo's nanoGPT as blocks (embeddings, layers, ln_f, head), the head untied (torch's
-    stages would each train a copy of a tied one), on tokens and the next ones."""
+    """The model (seeded), its loss, one fixed batch: model A; the zoo's nanoGPT as blocks,
+    its head untied (torch's stages would each train a copy of a tied one)."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     if model == "cnn":
@@ -221,8 +213,7 @@ def stage_rank(k: int, num_stages: int, placement: str) -> int:
 def side_rank(rank: int, world: int, side: str, schedule: str, model: str,
               stages: list[tuple[int, int]], chunks: int, warmup: int, steps: int,
               placement: str) -> dict[str, Any]:
-    """One run on this rank: pipedream_fast ("ours") or torch.distributed.pipelining ("torch")
-    on the same stages, `schedule`, `chunks` microbatches."""
+    """One run on this rank of `side` ("ours" or "torch") on `stages`, `chunks` microbatches."""
     began, total = time.perf_counter(), warmup + steps
     module, loss_fn, batch = sequential(model)
     where = [stage_rank(k, len(stages), placement) for k in range(len(stages))]
@@ -356,87 +347,41 @@ def pairs_markdown(result: dict[str, Any]) -> str:
         "**ours and torch DISAGREE (or a side failed) on at least one pair.**")]) + "\n"
 
 
-# ---- one run each: model A's contenders, the planner's plans --------------------------------
+# ---- model_a: one run each, against plain training in one process ---------------------------
 
-def single_process(threads: int, sz: dict[str, int]) -> float:
-    """Samples/s of plain training in this process on `threads` intra-op threads."""
-    torch.set_num_threads(threads)
-    model, loss_fn, (x, y) = sequential("cnn")
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(sz["warmup"] + sz["steps"]):
-        if step == sz["warmup"]:
-            start = time.perf_counter()
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-    torch.set_num_threads(1)
-    return BATCH * sz["steps"] / (time.perf_counter() - start)
+def run_model_a(sz: dict[str, int], out: str | None) -> None:
+    def alone(threads: int) -> float:  # plain training in this process
+        torch.set_num_threads(threads)
+        model, loss_fn, (x, y) = sequential("cnn")
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for step in range(sz["warmup"] + sz["steps"]):
+            if step == sz["warmup"]:
+                start = time.perf_counter()
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+        torch.set_num_threads(1)
+        return BATCH * sz["steps"] / (time.perf_counter() - start)
 
-
-def run_set(name: str, sz: dict[str, int], out: str | None) -> None:
-    """model_a; interleaved: on the planner's plans from a profile at the microbatch size, with
-    the simulator's prediction."""
-    rows: list[tuple[str, float, str]] = []
-
-    def record(label: str, value: float, note: str = "") -> None:
-        rows.append((label, value, note))
-        harness.say(f"{label:72s} {value:7.1f} samples/s {note}")
-
-    def solo(side: str, schedule: str, stages: list[tuple[int, int]], chunks: int) -> float:
-        ranks = launch(side_rank, WORLD, side, schedule, "cnn", stages, chunks, sz["warmup"],
+    def solo(side: str, schedule: str, chunks: int) -> float:
+        ranks = launch(side_rank, WORLD, side, schedule, "cnn", A2, chunks, sz["warmup"],
                        sz["steps"], "looped", threads_per_rank=1)
         return harness.window(ranks, BATCH * sz["steps"])["samples_per_s"]
 
-    if name == "model_a":
-        for threads in (1, 2):
-            record(f"single process, {threads} thread{'s' * (threads > 1)}",
-                   single_process(threads, sz))
-        for chunks in (2, 4):
-            record(f"torch.distributed.pipelining 1F1B, 2 ranks, {chunks} microbatches",
-                   solo("torch", "Schedule1F1B", A2, chunks))
-        record("pipedream_fast pipedream, 2 ranks (minibatch = microbatch)",
-               solo("ours", "pipedream", A2, 1))
-        record("pipedream_fast 1f1b, 2 ranks, 4 microbatches", solo("ours", "1f1b", A2, 4))
-        if out:
-            harness.write_results(out, "Model A, batch 32, CPU", [],
-                                  ["contender", "samples/s", "vs 1-thread single process"],
-                                  [(n, f"{v:.1f}", f"{v / rows[0][1]:.2f}x") for n, v, _ in rows])
-        return
-    from pipedream_fast.planner import make_plan
-    from pipedream_fast.profiler import profile_model
-    from pipedream_fast.schedules import make_schedule
-    from pipedream_fast.sim import ProfileCosts, simulate
-    from pipedream_fast.topology import Topology
-
-    chunks, (model, _, batch) = 4, sequential("cnn")
-    profile = profile_model(model, batch[0][: BATCH // chunks], BATCH // chunks, progress=False,
-                            model_name="cnn")
-    topology = Topology.parse("2x1.25e9")
-    plans = [make_plan(profile, topology, schedule="1f1b", straight=True),
-             make_plan(profile, topology, schedule="1f1b", stages_per_rank=2)]  # 2 per rank
-    bounds = [[(s.start, s.stop) for s in p.stages] for p in plans]  # straight, looped
-    harness.say(f"2 stages: {bounds[0]} | 4 looped stages: {bounds[1]}")
-    for k, theirs in ((0, "Schedule1F1B"), (1, "ScheduleInterleaved1F1B"),
-                      (1, "ScheduleInterleavedZeroBubble")):
-        record(f"torch.distributed.pipelining {theirs}, {'2 x 2' if k else '2'} stages",
-               solo("torch", theirs, bounds[k], chunks))
-    for k, ours in ((0, "1f1b"), (1, "interleaved-1f1b"), (0, "zb-h1")):
-        sched = make_schedule(ours, len(bounds[k]), chunks * sz["steps"], chunks=chunks,
-                              stage_ranks=[list(s.ranks) for s in plans[k].stages])
-        costs = ProfileCosts.from_plan(profile, plans[k], bandwidth=1.25e9)
-        guess = BATCH * sz["steps"] / simulate(sched, costs).makespan * 1e3
-        record(f"pipedream_fast {ours}, {len(bounds[k])} stages",
-               solo("ours", ours, bounds[k], chunks), f"(simulator: {guess:.1f})")
+    rows: list[tuple[str, float]] = []
+    for label, fn, *args in (
+            *((f"single process, {t} thread{'s' * (t > 1)}", alone, t) for t in (1, 2)),
+            *((f"torch.distributed.pipelining 1F1B, 2 ranks, {c} microbatches", solo, "torch",
+               "Schedule1F1B", c) for c in (2, 4)),
+            ("pipedream_fast pipedream, 2 ranks (minibatch = microbatch)", solo, "ours",
+             "pipedream", 1),
+            ("pipedream_fast 1f1b, 2 ranks, 4 microbatches", solo, "ours", "1f1b", 4)):
+        rows.append((label, fn(*args)))
+        harness.say(f"{label:64s} {rows[-1][1]:7.1f} samples/s")
     if out:
-        v = [value for _, value, _ in rows]
-        harness.write_results(
-            out, "Interleaved 1F1B, model A, batch 32, 2 ranks, CPU",
-            [f"Stages: 2-stage {bounds[0]}; looped {bounds[1]} (blocks [start, stop), stage k on "
-             f"rank k mod 2), from a profile at the microbatch size; {chunks} microbatches."],
-            ["contender", "samples/s", "note"], [(n, f"{x:.1f}", note) for n, x, note in rows],
-            [f"pipedream_fast interleaved-1f1b / torch ScheduleInterleaved1F1B: "
-             f"**{v[4] / v[1]:.2f}x**; pipedream_fast zb-h1 / torch "
-             f"ScheduleInterleavedZeroBubble: **{v[5] / v[2]:.2f}x**."])
+        harness.write_results(out, "Model A, batch 32, CPU", [],
+                              ["contender", "samples/s", "vs 1-thread single process"],
+                              [(n, f"{v:.1f}", f"{v / rows[0][1]:.2f}x") for n, v in rows])
 
 
 # ---- the zoo's transformers (tests/zoo, 2 stages, 1F1B, 2 microbatches, SGD with momentum) --
@@ -461,9 +406,8 @@ def batches(name: str, count: int) -> list[Any]:
 
 def named_inputs(model: nn.Module, item: Any) -> dict[str, Any]:
     """A loader item as the model's keyword arguments (nanoGPT's `(idx, targets)` by name)."""
-    if isinstance(item, dict):
-        return dict(item)
-    return dict(inspect.signature(model.forward).bind(*item).arguments)
+    return dict(item if isinstance(item, dict) else
+                inspect.signature(model.forward).bind(*item).arguments)
 
 
 def torch_split(name: str, model: nn.Module, item: Any) -> Any:
@@ -471,8 +415,7 @@ def torch_split(name: str, model: nn.Module, item: Any) -> Any:
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     mb = split_microbatches(named_inputs(model, item), CHUNKS)[0]
-    return pipeline(model, mb_args=(), mb_kwargs=mb,
-                    split_spec={SPLIT[name]: SplitPoint.BEGINNING})
+    return pipeline(model, mb_args=(), mb_kwargs=mb, split_spec={SPLIT[name]: SplitPoint.BEGINNING})
 
 
 def torch_probe(name: str) -> dict[str, Any]:
@@ -507,8 +450,7 @@ class LossOutsideGPT(nn.Module):
 
 
 def outside_loss(name: str, out: Any, y: torch.Tensor) -> torch.Tensor:
-    """The loss the model computes inside, of its output and the targets: nanoGPT's and BERT's
-    cross entropy, Llama's and GPT-2's on the labels shifted by one."""
+    """The model's own loss: cross entropy (Llama's and GPT-2's on labels shifted by one)."""
     logits = out[0] if isinstance(out, (tuple, list)) else out
     if name in ("nanogpt", "bert"):
         return nn.functional.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=-1)
@@ -561,8 +503,8 @@ def zoo_ours(rank: int, name: str, items: list[Any], warmup: int,
 
 
 def attempt(fn: Any, rank: int, name: str, items: list[Any], *args: Any) -> dict[str, Any]:
-    """`fn` on a process group of its own (a run that fails on one rank must not break the
-    next), its error as its result; rank 0 says how it went."""
+    """`fn` on a process group of its own (a failure must not break the next run), its error
+    as its result; rank 0 says how it went."""
     harness.fresh_group(rank, WORLD, next(GROUPS), timeout_s=TIMEOUT)
     began = time.monotonic()
     try:
@@ -601,9 +543,8 @@ def zoo_rank(rank: int, world: int, models: list[str], warmup: int, steps: int,
 
 
 def reference(name: str, items: list[Any]) -> tuple[list[float], list[torch.Tensor]]:
-    """The one-process loop: each minibatch in CHUNKS microbatches, gradients accumulated
-    (each microbatch's loss / CHUNKS), one SGD step. Its losses; the tied weight at the end and
-    at the start."""
+    """The one-process loop, CHUNKS microbatches' gradients accumulated per step: its losses;
+    the tied weight at the end and at the start."""
     model = build(name).train()
     tied = [model.get_parameter(TIED[name][0]).detach().clone()] if name in TIED else []
     opt, losses = sgd(model.parameters()), []
@@ -626,9 +567,8 @@ def drift(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def zoo_summary(ranks: list[dict[str, Any]], steps: int, want: list[float],
                 tied: list[torch.Tensor]) -> dict[str, Any]:
-    """One run of one side: `one_run`, losses against the loop's `want`; with `tied` (the
-    loop's weight at the end and at the start), the tied weights' drift; "ok": it ran, with the
-    loop's first loss."""
+    """`one_run`, its losses against the loop's `want`, its tied weights' drift against the loop's
+    `tied` (end, start); "ok": it ran, with the loop's first loss."""
     run = one_run(ranks, the_zoo().BATCH * steps)
     if "error" not in run:
         run["first_loss_rel_diff"], run["last_loss_rel_diff"] = loss_gaps(run["losses"], want,
@@ -751,8 +691,8 @@ def zoo_markdown(result: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--set", default="pairs", choices=("pairs", "transformer", "model_a",
-                                                           "interleaved", "zoo"))
+    parser.add_argument("--set", default="pairs",
+                        choices=("pairs", "transformer", "model_a", "zoo"))
     parser.add_argument("--quick", action="store_true", help="fewest steps, 1 repeat: does it run?")
     for name in ("steps", "warmup", "repeats"):
         parser.add_argument(f"--{name}", type=harness.positive, help="default by set: " + ", ".join(
@@ -766,8 +706,8 @@ def main() -> int:
     torch.set_num_threads(1)
     which = args.set if args.set in DEFAULT else "pairs"
     sz = harness.sizes(args, DEFAULT[which], QUICK[which], args.quick)
-    if args.set in ("model_a", "interleaved"):
-        run_set(args.set, sz, args.out)
+    if args.set == "model_a":
+        run_model_a(sz, args.out)
     elif args.set == "zoo":
         result = run_zoo(sz, models)
         harness.emit(args.out, zoo_markdown(result), result)
