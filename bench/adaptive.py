@@ -5,8 +5,7 @@ alternating order, static (Pipeline(stages=2)'s plan), adaptive (the same, adapt
 hindsight (the hetero planner's split +-NEIGHBOURS blocks, the best counting). Writes --out and
 beside it .json (every run) and .png (time per step).
 
-    python bench/adaptive.py [--models a,convs] [--steps a=80,convs=80] [--repeats 2] \
-        [--retries 1] [--out bench/results/adaptive.md]
+    python bench/adaptive.py [--models a,convs] [--repeats 2] ... [--out bench/results/adaptive.md]
 """
 
 from __future__ import annotations
@@ -100,7 +99,6 @@ def rank_main(rank: int, world: int, model_name: str, plan: Plan, steps: int, ad
 
 
 # ---- the parent: plans, runs, summaries -----------------------------------------------------
-
 def split_plan(profile: Any, split: int) -> Plan:
     """Two stages cut before block `split`, named as the profile adapt re-plans from."""
     return Plan(profile.model, profile.batch_size, 2, SCHEDULE,
@@ -168,7 +166,6 @@ def summarise(mine: list[dict[str, Any]], candidates: list[int]) -> dict[str, An
 
 
 # ---- outputs --------------------------------------------------------------------------------
-
 def row_cells(name: str, plan: str, c: dict[str, Any]) -> list[str]:
     """A contender's table row; runs starred where other processes took over DISTURBED cores."""
     runs = ", ".join(fmt(r) + ("\\*" if o > DISTURBED else "")

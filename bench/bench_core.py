@@ -3,13 +3,12 @@ bench/results/core.md, `--set streams` bench/results/streams.md (`--no-write`: p
 `python -m pytest bench/bench_core.py --benchmark-only` times the planner (issue 3: 100 blocks,
 64 workers, 3 levels under 1 s; bench/results/planner.md).
 
-handoff (issue 2): (a) one-way latency, native producer thread -> Python consumer blocked in
-`pop`, against `queue.Queue` (goal: at most half); (b) round trips between two Python threads
-through ActivationQueues, against `threading.Lock`s (the floor; goal: within 10%). ring:
-`WeightRing.snapshot()` of a 52 MB stage against a flat `copy_` (goal: >= 80% of its bandwidth)
-and PipeDream's `state_dict` clone stash (goal: >= 3x faster). streams: per schedule and
-N = 1k .. 1M microbatches, start-up time and peak memory (neither may grow with N); then
-`pipedream-fast train` for a million steps.
+handoff (issue 2): (a) one-way latency, native producer thread -> Python consumer blocked in `pop`,
+vs `queue.Queue` (goal: at most half); (b) round trips between two Python threads through
+ActivationQueues, vs `threading.Lock`s (the floor; goal: within 10%). ring: `WeightRing.snapshot()`
+of a 52 MB stage vs a flat `copy_` (goal: >= 80% of its bandwidth) and PipeDream's `state_dict`
+clone stash (goal: >= 3x faster). streams: per schedule and N = 1k .. 1M microbatches, start-up time
+and peak memory (neither may grow with N); then `pipedream-fast train` for 1M steps.
 """
 
 from __future__ import annotations
@@ -254,8 +253,7 @@ DETAILS = (("(a) ActivationQueue, C++ ThreadedProducer", "native"),
            ("(b) round trip, two ActivationQueues with spin_us={}", "aq_spin"))
 
 
-def handoff_section(count: int, interval_us: int, trips: int, rounds: int,
-                    spin_us: float) -> str:
+def handoff_section(count: int, interval_us: int, trips: int, rounds: int, spin_us: float) -> str:
     clock_gap, setting = check_clocks(), machine()
     summary, details = [], []
     for pl, got in measure(count, interval_us, trips, rounds, spin_us).items():
@@ -483,8 +481,7 @@ def synthetic_profile(num_blocks: int = 100, seed: int = 0) -> Profile:
     return Profile(model="synthetic-100", batch_size=32, device="cpu", blocks=blocks)
 
 
-@pytest.mark.parametrize("topology", ["4x1e11,4x2.5e10,4x1.25e9", "2x1e11,4x2e10,8x1e9",
-                                      "64x1e10"])
+@pytest.mark.parametrize("topology", ["4x1e11,4x2.5e10,4x1.25e9", "2x1e11,4x2e10,8x1e9", "64x1e10"])
 def test_plan_100_blocks_64_workers(benchmark, topology: str) -> None:
     plan = benchmark(make_plan, synthetic_profile(), Topology.parse(topology))
     assert plan.workers <= 64 and plan.stages[-1].stop == 100

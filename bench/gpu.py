@@ -68,7 +68,6 @@ def report_head(title: str, machine: str) -> list[str]:
 
 
 # ==== pipeline: model A, 2-stage 1f1b on one device, against a single process ==================
-
 SPLIT, BLOCKS = 6, 9  # model A's blocks: 6 convolutions | 3 linear layers
 SCHEDULE, CHUNKS = "1f1b", 4
 # minibatch, minibatches checked, minibatches timed (warm-up included), warm-up; by --quick
@@ -210,7 +209,6 @@ def pipeline_main(args: argparse.Namespace, device: torch.device) -> int:
 
 
 # ==== memory: counted at the tensors, predicted, and by the CUDA caching allocator =============
-
 MEMORY_CASES = (("cnn", "1f1b", 4), ("cnn", "gpipe", 4), ("cnn", "pipedream", 1),
                 ("charlm", "1f1b", 4), ("charlm", "pipedream", 1))
 
@@ -265,7 +263,6 @@ def memory_main(args: argparse.Namespace, device: torch.device) -> int:
 
 
 # ==== micro: weight-version offload and the queue's stream hand-off ============================
-
 WIDTH, MB = 1024, 1 << 20
 STAGE_MB, REPS, ROUNDS = 256.0, 5, 4  # (a): the stage's weights; calls per round; rounds
 SIZES_KIB, HANDOFFS, REPEATS = (512, 65536), 200, 5  # (b): activations; rounds per run; runs
@@ -458,7 +455,6 @@ def micro_main(args: argparse.Namespace, device: torch.device) -> int:
 
 
 # ==== zoo: the zoo's transformers through Pipeline (NCCL) against a one-process loop ===========
-
 MODELS = ("nanogpt", "llama", "gpt2", "bert")
 ZOO_STEPS = 3  # minibatches per model: the first step and the later ones are checked
 ZOO_SPLIT = {"nanogpt": "transformer.h.1", "llama": "model.layers.1", "gpt2": "transformer.h.1",
@@ -619,8 +615,7 @@ def run_layout(layout: Layout, models: list[str], want: dict[str, list[float]],
                 ok = False
                 note += "; the tied weight was not found on both ranks"
             else:
-                tied_diff = float((first - last).abs().max()) / max(float(last.abs().max()),
-                                                                     1e-12)
+                tied_diff = float((first - last).abs().max()) / max(float(last.abs().max()), 1e-12)
                 ok = ok and tied_diff <= TIED_TOL
         timing = (f"set-up {max(r['setup_s'] for r in results):.1f} s, "
                   f"{max(r['step_s'] for r in results) * 1e3:.0f} ms/step")
@@ -684,7 +679,6 @@ def zoo_main(args: argparse.Namespace, device: torch.device) -> int:
 
 
 # ==== the command line ==========================================================================
-
 SETS = {"pipeline": pipeline_main, "memory": memory_main, "micro": micro_main, "zoo": zoo_main}
 
 

@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# bench/gpu_check.sh: the project's GPU check on a machine with one CUDA GPU (a CUDA torch, nvcc,
-# ninja, pytest; no network), 5-8 min on one H200; run from anywhere. Steps, each timed and bounded
-# (a failed one does not stop the rest; a failed build skips those needing it): preflight (no CUDA
-# GPU: say why, exit 2), facts, build (build_ext --inplace, FORCE_CUDA=1, arch 9.0; asserts
-# _C.cuda_enabled), tests (pytest -m cuda, at least one passed), then `bench/gpu.py --set`
-# pipeline, memory, micro, zoo. Output in $OUT (default /tmp/gpu_check.*): gpu_check.log,
-# gpu_{pipeline,memory,micro,zoo}.md and gpu_check.md (all of it: copy into bench/results/).
-# Exit status: 0 all passed, 1 a step failed or timed out, 2 no CUDA GPU. Environment: PYTHON
-# (python3), GPU_CHECK_WHEELS=dir (installed first, into /tmp/gpu_check_site),
-# GPU_CHECK_BUDGET_S (540), MAX_JOBS (16).
+# The project's GPU check on a machine with one CUDA GPU (a CUDA torch, nvcc, ninja, pytest; no
+# network), 5-8 min on one H200; run from anywhere. Steps, each timed and bounded (a failed one does
+# not stop the rest; a failed build skips those needing it): preflight (no CUDA GPU: say why, exit
+# 2), facts, build (build_ext --inplace, FORCE_CUDA=1, arch 9.0; asserts _C.cuda_enabled), tests
+# (pytest -m cuda, at least one passed), then `bench/gpu.py --set` pipeline, memory, micro, zoo.
+# Output in $OUT (default /tmp/gpu_check.*): gpu_check.log, gpu_{pipeline,memory,micro,zoo}.md and
+# gpu_check.md (all of it: copy into bench/results/). Exit status: 0 all passed, 1 a step failed or
+# timed out, 2 no CUDA GPU. Environment: PYTHON (python3), GPU_CHECK_WHEELS=dir (installed first,
+# into /tmp/gpu_check_site), GPU_CHECK_BUDGET_S (540), MAX_JOBS (16).
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

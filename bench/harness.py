@@ -58,8 +58,7 @@ class Spread:
         return f"{self.median:.{digits}f} ({self.low:.{digits}f}-{self.high:.{digits}f})"
 
 
-def paired_ratio(values: Mapping[str, Sequence[float]], numerator: str,
-                 denominator: str) -> Spread:
+def paired_ratio(values: Mapping[str, Sequence[float]], numerator: str, denominator: str) -> Spread:
     """numerator / denominator taken round by round."""
     return Spread.of([a / b for a, b in zip(values[numerator], values[denominator])])
 
@@ -195,8 +194,7 @@ def machine_line(m: Mapping[str, Any], wall_s: float | None = None) -> str:
 def git(*args: str) -> str | None:
     try:
         return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent.parent,
-                              capture_output=True, text=True, check=True, timeout=10
-                              ).stdout.strip()
+                              capture_output=True, text=True, check=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -1,5 +1,4 @@
-"""Each rank's memory predicted against measured, for every schedule; plans under a memory cap
-(issue 28).
+"""Each rank's memory predicted against measured, per schedule; plans under a memory cap (issue 28).
 
 Per model, schedule and depth, one run on rank processes measures what every rank holds
 (`measure_memory=True`) and the simulator predicts it from a profile at the microbatch. Cap:
@@ -115,8 +114,7 @@ def microbatch_profile(name: str, chunks: int, repeat: int = 1) -> Any:
     m = model(name)
     chain = trace(m, first)
     return profile_model(m, chain.flatten_inputs(first), BATCH // chunks, optimizer="adam",
-                         warmup=0 if repeat == 1 else 1, repeat=repeat, progress=False,
-                         chain=chain)
+                         warmup=0 if repeat == 1 else 1, repeat=repeat, progress=False, chain=chain)
 
 
 def simulated(profile: Any, plan: Plan, schedule: str, steps: int, chunks: int) -> Any:
@@ -238,8 +236,7 @@ def main() -> int:
                     data.append({"model": name, "ranks": ranks, "schedule": schedule,
                                  "rank": rank, "measured": got, "predicted": want.to_dict()})
                 print(f"{name} {ranks} ranks {schedule}: " + "; ".join(
-                    f"rank {r[3]} {r[6]} (activations {r[7]})" for r in rows[-ranks:]),
-                    flush=True)
+                    f"rank {r[3]} {r[6]} (activations {r[7]})" for r in rows[-ranks:]), flush=True)
     print(f"worst error of a rank's predicted peak: {worst:.1%}")
     cap_intro, cap_rows, cap_data = (cap_experiment(args.cap_rounds) if args.cap_rounds
                                      else ([], [], {}))

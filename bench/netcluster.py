@@ -268,10 +268,9 @@ class Cluster:
 
     def run(self, argv: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,
             fail_grace: float = FAIL_GRACE_S) -> RunResult:
-        """Run `argv` once per rank in its namespace, with this environment, torchrun's
-        (MASTER_ADDR: rank 0), GLOO_SOCKET_IFNAME = the rank's veth and `env`; wait for all.
-        When one fails the others get `fail_grace` s, then are killed and `RankFailed` names
-        it; at `timeout` all are killed (`RunTimeout`)."""
+        """Run `argv` once per rank in its namespace with this environment, torchrun's (MASTER_ADDR:
+        rank 0), GLOO_SOCKET_IFNAME = the rank's veth and `env`; wait for all. One failing gives the
+        rest `fail_grace` s, then kills them (`RankFailed`); `timeout` kills all (`RunTimeout`)."""
         if not self._built:
             raise ClusterError("the cluster is not built: use `with Cluster(...) as cluster:`")
         before, self._processes = self._counters(), []
@@ -376,7 +375,6 @@ def measure_throughput(cluster: Cluster, nbytes: int = 8 << 20) -> Throughput:
 
 
 # ---- the benchmarks (bench/ is on their sys.path, not on the tests') -------------------------
-
 def snapshot() -> dict[str, float]:
     """In a rank: its clock, its veth's tx_bytes (0 outside a cluster), the machine's busy CPU
     seconds and this process's; `since(snapshot())` gives a window's deltas."""
@@ -438,8 +436,7 @@ def sweep(rates: Sequence[str], each: Callable[[Cluster, str], None]) -> dict[st
         with Cluster(world=WORLD, rate=rate) as cluster:
             nbytes = 8 << 20 if (cluster.rate_bits or 0) <= 10**8 else 64 << 20
             links[rate] = measure_throughput(cluster, nbytes).payload_bytes_per_s / 1e6
-            print(f"[{rate}] link check: one TCP stream carries {links[rate]:.1f} MB/s",
-                  flush=True)
+            print(f"[{rate}] link check: one TCP stream carries {links[rate]:.1f} MB/s", flush=True)
             each(cluster, rate)
     return links
 
@@ -479,10 +476,9 @@ def _rates(text: str) -> list[str]:
 def launch(doc: str, worker: Callable[..., Any], rates: str,
            measure: Callable[[argparse.Namespace], tuple[str, Any]],
            options: Mapping[str, Mapping[str, Any]]) -> int:
-    """A benchmark's main. As a rank (`--worker JSON`, from `run_workers`): prints
-    `worker(*JSON)`'s result. Else: reads --rates (default `rates`), `options` (flag: keyword
-    arguments) and --out; rc 2 where no cluster can be built; else emits `measure(args)`'s
-    markdown and data."""
+    """A benchmark's main. As a rank (`--worker JSON`, from `run_workers`): prints `worker(*JSON)`'s
+    result. Else: reads --rates (default `rates`), `options` (flag: keyword arguments) and --out;
+    rc 2 where no cluster can be built; else emits `measure(args)`'s markdown and data."""
     import harness
 
     if sys.argv[1:2] == ["--worker"]:

@@ -74,8 +74,7 @@ def plain(rank: int, trips: int) -> Callable[[], float]:
     return round_trips(rank, trips,
                        lambda i: pending.append(dist.irecv(buffer, src=peer, group=group)),
                        wait, lambda i, got: dist.isend(message if got is None else got.clone(),
-                                                       dst=peer, group=group).wait(),
-                       lambda: None)
+                                                       dst=peer, group=group).wait(), lambda: None)
 
 
 def job(rank: int, world: int, trips: int, rounds: int) -> dict[str, list[float]]:

@@ -30,8 +30,7 @@ def main_job_plans(repeat: int) -> tuple[collections.Counter[str], list[float]]:
     plans: collections.Counter[str] = collections.Counter()
     rates = []
     for i in range(repeat):
-        setup = train._prepare(s, args, s.schedule, s.chunks, train_data, lambda _: None,
-                               main=True)
+        setup = train._prepare(s, args, s.schedule, s.chunks, train_data, lambda _: None, main=True)
         plans[f"{setup.plan.schedule}: {setup.plan.describe()}"] += 1
         rates.append(setup.simulated_samples_per_s or 0.0)
         print(f"main job {i + 1}/{repeat}: {setup.plan.describe()}", flush=True)

@@ -152,9 +152,8 @@ def run(configs: list[Config], steps: int, repeats: int
     harness.say("measuring the loopback all-reduce and how much slower ranks compute together "
                 "than alone ...")
     probes = launch(probe_rank, 2, timeout=300)
-    # A 2-rank ring moves the whole buffer once: the simulator's bytes per second. Shared
-    # caches and memory bandwidth: the profile times blocks alone, a pipeline runs its ranks
-    # at once.
+    # A 2-rank ring moves the whole buffer once: the simulator's bytes per second. Shared caches and
+    # memory bandwidth: the profile times blocks alone, a pipeline runs its ranks at once.
     bandwidth = (64 << 20) / probes[0][0]
     factor = statistics.fmean(p[2] for p in probes) / probes[0][1]
     harness.say(f"  {bandwidth / 1e9:.2f} GB/s; {factor:.2f}x")
@@ -233,8 +232,7 @@ def markdown(rows: list[dict[str, Any]], bandwidth: float, factor: float, steps:
               averages(r["measured_runs"]), f"{r['calibrated']:.1f}",
               f"{r['measured_next']:.1f}", over(r["calibrated_error_pct"]),
               f"{r['calibrated_same_error_pct']:+.1f}%"] for r in ok]
-            + [[r["config"], "-", "-", r["error"], *["-"] * 6] for r in rows if "error" in r]),
-        ""])
+            + [[r["config"], "-", "-", r["error"], *["-"] * 6] for r in rows if "error" in r]), ""])
 
 
 def main() -> int:

@@ -1,9 +1,8 @@
 """Staleness corrections on a real model: the char LM at 4 stages, training loss against samples.
 
-1f1b and pipedream, uncorrected and with each `staleness=` correction, on the same minibatches
-from the same weights; with SGD + momentum and with Adam, each at every rate of a grid (seed 0),
-then at its best rate with more seeds. Writes the markdown, a plot (.png) and the raw figures
-(.json).
+1f1b and pipedream, uncorrected and with each `staleness=` correction, on the same minibatches from
+the same weights; with SGD + momentum and with Adam, each at every rate of a grid (seed 0), then at
+its best rate with more seeds. Writes the markdown, a plot (.png) and the raw figures (.json).
 
     python bench/staleness_lm.py [--quick] [--out bench/results/staleness_lm.md]
 """
@@ -58,8 +57,7 @@ def make_data(train: Any, test: Any, steps: int, batch: int, seed: int
         return torch.stack(xs), torch.stack(ys)
 
     return ([stack(order[s * batch:(s + 1) * batch], train) for s in range(steps)],
-            [stack(range(i, min(len(test), i + batch)), test)
-             for i in range(0, len(test), batch)])
+            [stack(range(i, min(len(test), i + batch)), test) for i in range(0, len(test), batch)])
 
 
 def run(method: str, opt: str, lr: float, data: list[Any], held: list[Any], seed: int
@@ -237,8 +235,7 @@ def plot(steps: int, seeds: int, summary: dict[str, Any], path: Path) -> None:
     with harness.figure(path, len(summary), 3, (17, 4.8 * len(summary)), dpi=90) as (fig, axes):
         for row, (opt, rows) in enumerate(summary.items()):
             # the tuned curves: mean over the seeds on which every method trained to the end
-            common = [i for i in range(seeds)
-                      if all(complete(r["runs"][i]) for r in rows.values())]
+            common = [i for i in range(seeds) if all(complete(r["runs"][i]) for r in rows.values())]
             which = (f"mean of seeds {', '.join(map(str, common))}" if len(common) > 1
                      else f"seed {common[0]}" if common else "no seed where all trained")
             for col, title in enumerate((f"tuned lr, {which}", "tuned lr, last half",
@@ -289,8 +286,7 @@ def main() -> int:
             "train_windows": len(train), "test_windows": len(test), "out": str(out),
             "source": "not a git checkout" if head is None else f"commit {head}"
             + (" with uncommitted changes in pipedream_fast/" if dirty else "")}
-    data = {seed: make_data(train, test, steps, CHUNKS * MICROBATCH, seed)
-            for seed in range(seeds)}
+    data = {seed: make_data(train, test, steps, CHUNKS * MICROBATCH, seed) for seed in range(seeds)}
     held = data[0][1]
     total = sum(len(g) for by in grids.values() for g in by.values()) \
         + len(grids) * (seeds - 1) * len(METHODS)

@@ -80,8 +80,7 @@ def main() -> int:
             ("SIGTERM to the agreed step's end", f"{last_step - sent:.1f}"),
             ("SIGTERM to the checkpoint saved", f"{max(saved) - sent:.1f}" if saved else "-"),
             ("SIGTERM to the launcher's exit", f"{ended:.1f}"),
-            ("launcher's exit status", str(launcher.returncode)),
-            ("checkpoint complete", complete)]
+            ("launcher's exit status", str(launcher.returncode)), ("checkpoint complete", complete)]
     print("\n".join([*(f"{name:34s} {value}" for name, value in rows),
                      *(f"launcher: {line}" for line in said)]))
     if args.out:

@@ -5,8 +5,7 @@ many steps. Per link rate (bench/netcluster.py), DDP (16 samples per rank) and P
 "pipedream" (2 stages) train a wide MLP on scikit-learn's digits from the same weights and
 stream of batches, until the target or --cap-s of rank 0's training clock.
 
-    python bench/time_to_accuracy.py [--rates 1gbit,100mbit] [--quick] [--cap-s 330]
-                                     [--out bench/results/time_to_accuracy.md]
+    python bench/time_to_accuracy.py [--quick] ... [--out bench/results/time_to_accuracy.md]
 """
 
 from __future__ import annotations
@@ -67,7 +66,6 @@ def global_batches(x: torch.Tensor, y: torch.Tensor,
 
 
 # ---- ranks (run inside the namespaces) -----------------------------------------------------
-
 def next_segment(steps: int, train_s: float, reached: bool, cap_s: float) -> int:
     """Rank 0's decision: how many steps to train next (0: stop). First one step, to learn the
     pace; then up to the next multiple of EVAL_EVERY, cut to the steps the pace says fit in the
@@ -152,7 +150,6 @@ def worker(contender: str, cap_s: float) -> dict[str, Any]:
 
 
 # ---- the harness ---------------------------------------------------------------------------
-
 def run(rates: list[str], cap_s: float) -> dict[str, Any]:
     """The reference, then each contender at each rate, as a JSON-able dict."""
     began, model = time.monotonic(), build_model()
@@ -191,7 +188,6 @@ def run(rates: list[str], cap_s: float) -> dict[str, Any]:
 
 
 # ---- the report ----------------------------------------------------------------------------
-
 def reached_text(ref: dict[str, Any], bold: str = "") -> str:
     return (f"{TARGET:.0%} after {bold}{ref['reached_step']} steps{bold} "
             f"({ref['reached_s']:.1f} s)" if ref["reached_step"]

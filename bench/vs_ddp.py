@@ -6,8 +6,7 @@ Models: `a` (build_cnn, cut at conv | fc) and `convs` (few parameters: data para
 win). Against the planner's predictions and the balanced-pipeline limit; the reading under the
 results' tables is written by hand.
 
-    python bench/vs_ddp.py [--rates 10gbit,1gbit,100mbit] [--models a,convs] [--scale 1]
-                           [--retries 1] [--out bench/results/vs_ddp.md]
+    python bench/vs_ddp.py [--rates 10gbit,1gbit,100mbit] ... [--out bench/results/vs_ddp.md]
 """
 
 from __future__ import annotations
@@ -64,7 +63,6 @@ def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---- ranks (run inside the namespaces) -----------------------------------------------------
-
 def worker(contender: str, model_name: str, split: int, warmup: int,
            measured: int) -> dict[str, Any]:
     """A contender's rank, or ("alone") the whole model on the whole batch in this process: its
@@ -75,8 +73,7 @@ def worker(contender: str, model_name: str, split: int, warmup: int,
     torch.manual_seed(0)
     model, batch = MODELS[model_name](), fixed_batch()
     if contender in ("ddp", "alone"):
-        train = netcluster.trainer(model, contender == "ddp",
-                                   lambda ps: torch.optim.SGD(ps, lr=LR))
+        train = netcluster.trainer(model, contender == "ddp", lambda ps: torch.optim.SGD(ps, lr=LR))
         train([batch] * warmup)
         start = netcluster.snapshot()
         train([batch] * measured)
@@ -94,7 +91,6 @@ def worker(contender: str, model_name: str, split: int, warmup: int,
 
 
 # ---- the planner's view --------------------------------------------------------------------
-
 def planner_view(model_name: str, rate_bits: int, split: int) -> dict[str, Any]:
     """ms per batch: the planner's plan for 2 workers at this rate, the bench's 2-stage pipeline
     (cut before `split`), DDP (from a profile at its per-rank batch); on free links, the
@@ -129,7 +125,6 @@ def profile(model_name: str, batch: int = BATCH) -> Any:
 
 
 # ---- the harness ---------------------------------------------------------------------------
-
 def run_all(models: list[str], rates: list[str], scale: float, retries: int) -> dict[str, Any]:
     """Every model and contender at every rate; the planner's views, one rank alone."""
     from pipedream_fast.planner.baselines import balanced_partition
@@ -178,7 +173,6 @@ def run_all(models: list[str], rates: list[str], scale: float, retries: int) -> 
 
 
 # ---- the report ----------------------------------------------------------------------------
-
 def markdown(got: dict[str, Any], total_s: float) -> str:
     rows = got["rows"]
     ddp = {r["rate"]: f"{r['warmup']}+{r['measured']}" for r in rows if r["contender"] == "ddp"}
