@@ -270,14 +270,13 @@ def data_source(feed: MicrobatchFeed, schedule: Schedule, rank: int,
     if 0 not in schedule.stages_of(rank):
         return None
 
-    if device == CPU:  # where the loader's tensors are: nothing to walk per microbatch
-        def inputs(mb: int) -> tuple[tuple[Any, ...], Any]:
-            x, y = feed.take(mb)
-            return flatten(x), y
-    else:
-        def inputs(mb: int) -> tuple[tuple[Any, ...], Any]:
-            x, y = feed.take(mb)
-            return flatten(to_device(x, device)), to_device(y, device)
+    move = device != CPU  # on the CPU the loader's tensors are there: nothing to walk
+
+    def inputs(mb: int) -> tuple[tuple[Any, ...], Any]:
+        x, y = feed.take(mb)
+        if move:
+            x, y = to_device(x, device), to_device(y, device)
+        return flatten(x), y
 
     return inputs
 
