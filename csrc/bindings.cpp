@@ -10,6 +10,7 @@
 #include "activation_queue.h"
 #include "comm_engine.h"
 #include "errors.h"
+#include "transfer_loop.h"
 #include "weight_ring.h"
 
 namespace py = pybind11;
@@ -180,4 +181,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["wait_recv_s"] = static_cast<double>(s.wait_recv_ns) * 1e-9;
         return d;
       });
+
+  py::class_<TransferLoop>(
+      m, "TransferLoop",
+      "Performs a run of transfer actions of a rank's program in one call, on `engine`.")
+      .def(py::init<CommEngine&>(), py::arg("engine"), py::keep_alive<1, 2>())
+      .def(
+          "run",
+          [](TransferLoop& loop, const py::list& actions) {
+            // Each (kind, stage, microbatch, peer, tensors or None), kind 0..3 as
+            // TransferKind: converted with the GIL, performed without it.
+            std::vector<TransferAction> run;
+            run.reserve(actions.size());
+            for (const auto& item : actions) {
+              const auto t = item.cast<py::tuple>();
+              if (t.size() != 5) throw std::invalid_argument("a transfer action is 5 fields");
+              TransferAction a{static_cast<TransferKind>(t[0].cast<int>()), t[1].cast<int>(),
+                               t[2].cast<int64_t>(), t[3].cast<int>(), {}};
+              if (!t[4].is_none()) a.tensors = t[4].cast<std::vector<at::Tensor>>();
+              run.push_back(std::move(a));
+            }
+            py::gil_scoped_release no_gil;
+            return loop.run(std::move(run));
+          },
+          py::arg("actions"),
+          "Performs (kind, stage, microbatch, peer, tensors) in order: kind 0 sends the "
+          "activation of `stage` to stage + 1 on `peer`, 1 the gradient to stage - 1, 2 and 3 "
+          "post the receive of an activation or a gradient for `stage`. Returns each action's "
+          "start and end on time.perf_counter's clock, 2 floats per action.")
+      .def_property_readonly("position", &TransferLoop::position,
+                             "The index in the run in progress of the action being performed "
+                             "(-1: none).");
 }

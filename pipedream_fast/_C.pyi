@@ -153,3 +153,18 @@ class CommEngine:
     def stats(self) -> dict[str, float]:
         """A new dict: messages_sent, messages_received, bytes_sent, bytes_received (int);
         send_s, recv_s, wait_recv_s (float)."""
+
+
+class TransferLoop:
+    """Performs a run of transfer actions of a rank's program in one call on `engine`."""
+
+    def __init__(self, engine: CommEngine) -> None: ...
+    def run(self, actions: list[tuple[int, int, int, int, list[torch.Tensor] | None]]
+            ) -> list[float]:
+        """(kind, stage, microbatch, peer, tensors) in order: kind 0 sends the activation of
+        `stage` to stage + 1 on `peer`, 1 the gradient to stage - 1, 2 and 3 post the receive
+        of an activation or a gradient for `stage`. Each action's start and end on
+        time.perf_counter's clock, 2 floats per action."""
+    @property
+    def position(self) -> int:
+        """The index in the run in progress of the action being performed (-1: none)."""

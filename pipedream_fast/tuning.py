@@ -92,6 +92,13 @@ class Tuning:
     filling every core through long computes an idle I/O thread would wait for a core, and a
     send the peer waits for with it: "auto" keeps "normal" for several compute threads."""
 
+    transfer_runs: bool = True
+    """Perform each run of transfer actions between two computes (sends, posted receives) in
+    one call into the C++ core (`_C.TransferLoop`) instead of one Python action at a time;
+    ranks as processes, plans without replicated stages (whose loss agreement is timed action
+    by action). False: the Python executor performs every action itself (the reference the
+    exactness tests compare with). Same messages, same order, same results."""
+
     def __post_init__(self) -> None:
         if self.queue_depth is not None and not _is_int_at_least(self.queue_depth, 1):
             raise TuningError("queue_depth", f"queue_depth must be an integer >= 1 (messages "
@@ -117,6 +124,9 @@ class Tuning:
         if not isinstance(self.link_threads, bool):
             raise TuningError("link_threads", f"link_threads must be True or False; got "
                                               f"{self.link_threads!r}")
+        if not isinstance(self.transfer_runs, bool):
+            raise TuningError("transfer_runs", f"transfer_runs must be True or False; got "
+                                               f"{self.transfer_runs!r}")
         if self.io_priority not in IO_PRIORITIES:
             raise TuningError("io_priority", f"io_priority must be one of "
                                              f"{', '.join(IO_PRIORITIES)}; got "

@@ -19,6 +19,7 @@ from pipedream_fast.launch import LaunchError, launch
 from pipedream_fast.pipeline import Pipeline
 from pipedream_fast.schedules import make_schedule
 from pipedream_fast.training import target_spec
+from pipedream_fast.tuning import Tuning
 from runtime_reference import interpret_sequential, train_reference
 
 STEPS, CHUNKS, BATCH = 3, 4, 8
@@ -81,16 +82,18 @@ def plan_for(layout: str) -> Plan:
                 stages=stages, bottleneck_ms=1.0, data_parallel_ms=1.0)
 
 
-def train_job(rank: int, world: int, runs: list[tuple[str, str, str]]) -> dict:
-    """Every (layout, schedule, optimizer) in `runs`, one Pipeline each; returns rank 0's
-    gathered state and the last stage's losses."""
+def train_job(rank: int, world: int, runs: list[tuple[str, ...]]) -> dict:
+    """Every (layout, schedule, optimizer[, "python"]) in `runs`, one Pipeline each; returns
+    rank 0's gathered state and the last stage's losses. "python": the executor performs
+    every action itself (`Tuning.transfer_runs` off: the reference path)."""
     out = {}
-    for layout, schedule, opt in runs:
+    for layout, schedule, opt, *path in runs:
         chunks = chunks_for(layout)
         pipe = Pipeline(model_for(layout), loss_fn, optimizer(opt), plan=plan_for(layout),
-                        schedule=schedule, chunks=chunks, timeout=60)
+                        schedule=schedule, chunks=chunks, timeout=60,
+                        tuning=Tuning(transfer_runs=not path))
         losses = list(pipe.train(batches(batch=2 * chunks), steps=STEPS))
-        out[(layout, schedule, opt)] = (losses, pipe.state_dict())
+        out[(layout, schedule, opt, *path)] = (losses, pipe.state_dict())
         pipe.close()
     return out
 
@@ -121,6 +124,7 @@ def two_ranks() -> dict:
                                                         ("2-stage", "pipedream", "adam"),
                                                         ("dp2", "data-parallel", "sgd"),
                                                         ("looped-2x2", "interleaved-1f1b", "sgd")]
+    runs += [("2-stage", s, "sgd", "python") for s in ("1f1b", "zb-h1", "pipedream")]
     return launch(train_job, 2, runs, timeout=120)
 
 
@@ -138,6 +142,18 @@ def test_flush_schedules_equal_gradient_accumulation(two_ranks, schedule):
     assert len(last_stage_losses) == STEPS and all(torch.isfinite(x) for x in last_stage_losses)
     # the loss travels back with the gradients: rank 0 (first stage) yields the same losses
     assert torch.equal(torch.stack(losses), torch.stack(last_stage_losses))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "pipedream"])
+def test_transfer_runs_change_nothing(two_ranks, schedule):
+    """The C++ core performing each run of transfers (the default) against the executor
+    performing every action in Python: the same losses and weights, bit for bit."""
+    fast_losses, fast_state = two_ranks[0][("2-stage", schedule, "sgd")]
+    python_losses, python_state = two_ranks[0][("2-stage", schedule, "sgd", "python")]
+    assert [float(x) for x in fast_losses] == [float(x) for x in python_losses]
+    assert set(fast_state) == set(python_state)
+    for key, value in python_state.items():
+        assert torch.equal(fast_state[key], value), key
 
 
 def test_data_parallel_equals_gradient_accumulation(two_ranks):

@@ -101,3 +101,46 @@ def test_process_transport_keeps_stage_boundaries_of_one_rank_pair_apart():
     for result in launch(_process_boundaries_job, 2, timeout=60):
         assert result["wrong"] == []
         assert "stage 512" in result["rejected"][0], result["rejected"]
+
+
+def _transfer_loop_job(rank: int, world: int) -> dict:
+    """Rank 0 sends two activations of stage 0 and posts a gradient's receive in one run;
+    rank 1 posts both receives and sends the gradient in one run. Then a run whose second
+    action is refused (a stage past the tags' range)."""
+    transport = ProcessTransport([[0], [1]], timeout_s=30.0)
+    loop = transport.transfer_loop()
+    try:
+        if rank == 0:
+            stamps = loop.run([(0, 0, mb, 1, [payload(ACTIVATION, 1, mb), torch.tensor([mb])])
+                               for mb in (0, 1)] + [(3, 0, 0, 1, None)])
+            got = transport.wait_recv(1, GRADIENT, 0, 0)
+        else:
+            stamps = loop.run([(2, 1, 0, 0, None), (2, 1, 1, 0, None),
+                               (1, 1, 0, 0, [payload(GRADIENT, 0, 0)])])
+            got = transport.wait_recv(0, ACTIVATION, 1, 0) + transport.wait_recv(0, ACTIVATION,
+                                                                                 1, 1)
+        transport.flush()
+        try:
+            loop.run([(2, 1 - rank, 5, 1 - rank, None), (0, 511, 0, 1 - rank, [torch.zeros(1)])])
+            refused = "no error"
+        except ValueError as err:
+            refused = str(err)
+        return {"stamps": stamps, "got": got, "refused": refused, "position": loop.position}
+    finally:
+        transport.close()
+
+
+@pytest.mark.slow
+def test_transfer_loop_performs_a_run_in_order_and_stamps_each_action():
+    sender, receiver = launch(_transfer_loop_job, 2, timeout=60)
+    assert len(sender["stamps"]) == 6 and len(receiver["stamps"]) == 6
+    for result in (sender, receiver):  # start <= end, each after the one before
+        assert result["stamps"] == sorted(result["stamps"])
+    torch.testing.assert_close(sender["got"][0], payload(GRADIENT, 0, 0), rtol=0, atol=0)
+    for mb in (0, 1):
+        torch.testing.assert_close(receiver["got"][2 * mb], payload(ACTIVATION, 1, mb),
+                                   rtol=0, atol=0)
+        assert receiver["got"][2 * mb + 1].tolist() == [mb]
+    for result in (sender, receiver):  # the second action failed, and says so
+        assert "stage 512" in result["refused"], result["refused"]
+        assert result["position"] == 1

@@ -150,9 +150,14 @@ class RunLoop:
                 inputs = self.calibration.timed_feed(inputs)
         if self.trace and self._first_run and self.stages.meter is not None:
             self.stages.meter.start_samples()  # the memory held over the traced run
+        # A replicated stage's loss agreement is timed action by action (`_losses`): its
+        # plans keep every action in Python.
+        transfer_runs = (self.ctx.tuning.transfer_runs
+                         and all(len(s.ranks) == 1 for s in self.stages.plan.stages))
         executor = Executor(schedule, self.ctx.rank, runtimes, transport, inputs,
                             target_spec=spec, trace=self.trace, update_sync=self.stages.sync,
-                            calibration=self.calibration, sample_counts=True)
+                            calibration=self.calibration, sample_counts=True,
+                            transfer_runs=transfer_runs)
         self.executor = executor
         if self.hang_watch is not None:
             self.hang_watch.start()
@@ -341,7 +346,8 @@ class RunLoop:
                                                   self.ctx.precision)
                     for i, m in self.stages.modules.items()}
         executor = Executor(schedule, self.ctx.rank, runtimes, self.stages.inference_transport(key),
-                            inputs, target_spec=spec, outputs=sink)
+                            inputs, target_spec=spec, outputs=sink,
+                            transfer_runs=self.ctx.tuning.transfer_runs)
         self.executor = executor
         if self.hang_watch is not None:
             self.hang_watch.start()

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 K = ActionKind
 _COMPUTE = frozenset(kind for kind in ActionKind if kind.is_compute)
 _UPDATES = frozenset((K.OPTIMIZER_STEP, K.AVERAGE))
+# How `_C.TransferLoop` codes each transfer action (see `Executor._transfer`).
+_TRANSFER_CODES = {K.SEND_ACT: 0, K.SEND_GRAD: 1, K.RECV_ACT: 2, K.RECV_GRAD: 3}
 
 # A microbatch's first-stage positional arguments and its target (which travels to the last
 # stage with the activations).
@@ -114,13 +116,17 @@ class Executor:
                  transport: Transport, inputs: InputSource | None = None,
                  target_spec: pytree.TreeSpec | None = None, trace: bool = False,
                  outputs: OutputSink | None = None, update_sync: UpdateSync | None = None,
-                 calibration: Calibration | None = None, sample_counts: bool = False) -> None:
+                 calibration: Calibration | None = None, sample_counts: bool = False,
+                 transfer_runs: bool = False) -> None:
         """`target_spec`: the structure of a microbatch's target (every rank must know it to
         split it off the activations). `outputs` given: evaluation, forwards only, in eval
         mode, each last-stage output handed to it. `update_sync`: called before updates.
         `calibration`: the rank's running estimate of its costs, handed every action.
         `sample_counts`: each target is (target, counts) (`MicrobatchFeed(counts=True)`), and
-        the last stage weighs the microbatch's loss by them (`sample_weight`)."""
+        the last stage weighs the microbatch's loss by them (`sample_weight`).
+        `transfer_runs`: hand each run of transfer actions between two others to the C++ core
+        in one call where the transport can (`ProcessTransport.transfer_loop`); those actions
+        are then not yielded one by one (see `run`)."""
         self.schedule = schedule
         self.rank = rank
         self.stages = stages
@@ -142,6 +148,10 @@ class Executor:
         self._carried: dict[tuple[int, int], Any] = {}  # (stage, mb) -> target to pass on
         self._losses: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> loss to pass back
         self.events: list[TraceEvent] | None = [] if trace else None
+        make_loop = getattr(transport, "transfer_loop", None) if transfer_runs else None
+        self._loop = make_loop() if make_loop is not None else None
+        # The run of transfers the loop is performing: (index of its first, its actions).
+        self._run_of: tuple[int, list[Action]] | None = None
         self._program = Lookahead(compiled_program(schedule, rank))  # replayed by period
         if self.training:  # the schedule's correction for stale weights, if it has one
             for stage in stages.values():
@@ -205,10 +215,12 @@ class Executor:
         (`HangWatch`; called from another thread): the action in progress and for how long,
         what it waits for, the receives posted and not taken, the sends queued. None
         between actions."""
-        current, waiting = self.current, self._waiting
+        current, waiting, run_of = self.current, self._waiting, self._run_of
         if current is None:
             return None
         index, action, since = current
+        if run_of is not None and self._loop is not None and self._loop.position >= 0:
+            index, action = run_of[0] + self._loop.position, run_of[1][self._loop.position]
         text = f"in action {index} ({action.to_text()}) for {now - since:.1f} s"
         if waiting is not None and waiting[0] == "all-reduce":
             ranks = list(self.schedule.stage_ranks[waiting[1]])
@@ -336,6 +348,51 @@ class Executor:
         self._posted[(channel, a.stage, mb)] = peer
         self.transport.post_recv(peer, channel, a.stage, mb)
 
+    def _transfer(self, a: Action, code: int) -> tuple[Any, ...]:
+        """A transfer action as `_C.TransferLoop.run` takes it, with the Python side's
+        bookkeeping done: a send's message taken off the stage, a receive noted as posted.
+        What `_send_act`, `_send_grad` and `_post` do, but the engine call."""
+        stage, mb, peer = a.stage, a.microbatch, a.peer
+        assert mb is not None and peer is not None
+        if code == 0:
+            outputs = self._outputs.pop((stage, mb))
+            tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+            tensors += _leaves(self._carried.pop((stage, mb)))  # the engine detaches
+            return 0, stage, mb, peer, tensors
+        if code == 1:
+            tensors = self.stages[stage].take_input_grads(mb)
+            return 1, stage, mb, peer, [*tensors, self._losses.pop((stage, mb))]
+        self._posted[(ACTIVATION if code == 2 else GRADIENT, stage, mb)] = peer
+        return code, stage, mb, peer, None
+
+    def _run_transfers(self, first: int, actions: list[Action], records: list[Any]) -> None:
+        """Performs a run of transfer actions (numbered from `first`) in one call into the
+        core, then notes each as the Python loop would: calibration and trace."""
+        assert self._loop is not None
+        self._run_of = (first, actions)
+        self.current = (first, actions[0], time.perf_counter())
+        try:
+            stamps = self._loop.run(records)
+        except Exception as err:
+            at = max(self._loop.position, 0)
+            raise RuntimeFailure(f"rank {self.rank}, action {first + at} "
+                                 f"({actions[at].to_text()}): {err}") from err
+        finally:
+            self._run_of = None
+        self.current = None
+        calibration, events = self.calibration, self.events
+        if calibration is not None:
+            for i, action in enumerate(actions):
+                calibration.record(action, stamps[2 * i], stamps[2 * i + 1], 0.0)
+        if events is not None:
+            for i, action in enumerate(actions):
+                t0, t1 = stamps[2 * i], stamps[2 * i + 1]
+                events.append(TraceEvent(
+                    rank=self.rank, kind=action.kind.value, start_ms=t0 * 1e3,
+                    duration_ms=(t1 - t0) * 1e3, stage=action.stage,
+                    microbatch=action.microbatch, version=action.version,
+                    args={"token": action.to_text(), "waited_ms": 0.0}))
+
     def _allreduce(self, a: Action) -> None:
         buckets = self.stages[a.stage].buckets
         if buckets is not None:
@@ -435,14 +492,35 @@ class Executor:
         """Performs every action; yields (index, action, loss) after each one, where loss is
         the detached loss of the action's microbatch where this rank learns it (the last
         stage's forward; the backward of a stage before it, from the gradient message) and
-        None otherwise. A rank holding several stages may learn a loss twice (same value)."""
+        None otherwise. A rank holding several stages may learn a loss twice (same value).
+
+        With a transfer loop (`transfer_runs`), the transfers between two other actions are
+        gathered as they come and performed in one call just before the next other action
+        (or the program's end), and are not yielded: the indices yielded skip them. Nothing
+        is pending at a yield, so a caller that stops there and drains leaves none behind."""
         start = time.perf_counter()
         handlers = self._handlers()
         index = 0
         if self.calibration is not None:
             self.calibration.begin_run()
         stats, clock, pop = self.stats, time.perf_counter, self._program.pop
+        codes = _TRANSFER_CODES if self._loop is not None else {}
+        gathered: list[Action] = []
+        records: list[Any] = []
         while (action := pop()) is not None:
+            code = codes.get(action.kind)
+            if code is not None:
+                try:
+                    records.append(self._transfer(action, code))
+                except Exception as err:
+                    raise RuntimeFailure(f"rank {self.rank}, action {index} "
+                                         f"({action.to_text()}): {err}") from err
+                gathered.append(action)
+                index += 1
+                continue
+            if gathered:
+                self._run_transfers(index - len(gathered), gathered, records)
+                gathered, records = [], []
             t0, waited = clock(), stats.wait_s
             self.current = (index, action, t0)
             try:
@@ -468,6 +546,8 @@ class Executor:
             self.current = None
             yield index, action, result
             index += 1
+        if gathered:
+            self._run_transfers(index - len(gathered), gathered, records)
         self.transport.flush()
         self.stats.actions = index
         self.stats.total_s = time.perf_counter() - start

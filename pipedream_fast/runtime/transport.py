@@ -174,6 +174,10 @@ class ProcessTransport:
         # One bucket per dtype: the weight ring keeps each dtype's gradients in one flat buffer.
         return _Works([dist.all_reduce(t, group=group, async_op=True) for t in tensors])
 
+    def transfer_loop(self) -> _C.TransferLoop:
+        """A C++ performer of runs of transfer actions on this transport's engine."""
+        return _C.TransferLoop(self._engine)
+
     def flush(self) -> None:
         self._engine.flush()
 
