@@ -156,6 +156,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("stage"), py::arg("microbatch"), py::call_guard<py::gil_scoped_release>(),
            "Block until the posted receive of `microbatch` for `stage` from rank `peer` has "
            "arrived; receives are handed out in post order on each link.")
+      .def("arrived", &CommEngine::arrived, py::arg("peer"), py::arg("channel"),
+           py::arg("stage"), py::arg("microbatch"), py::call_guard<py::gil_scoped_release>(),
+           "Whether the posted receive of `microbatch` for `stage` from rank `peer` has come, "
+           "so that wait_recv would return at once (a hint; never blocks).")
       .def("flush", &CommEngine::flush, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &CommEngine::shutdown, py::arg("grace") = 1.0,
            py::call_guard<py::gil_scoped_release>())

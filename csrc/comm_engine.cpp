@@ -810,6 +810,19 @@ struct CommEngine::Link {
     return out;
   }
 
+  // Whether the posted receive of `microbatch` has come in full (its header too): a wait for
+  // it would return at once. A frame with an overflow part says yes before that part.
+  bool direct_arrived(int64_t microbatch) {
+    std::lock_guard<std::mutex> guard(mutex);
+    if (!got_header || receiving.empty() || receiving.front().microbatch != microbatch) {
+      return false;
+    }
+    for (const auto& work : receiving.front().works) {
+      if (!work->isCompleted()) return false;
+    }
+    return true;
+  }
+
   void push(std::deque<Transfer>& to, Transfer t) {
     std::lock_guard<std::mutex> guard(mutex);
     to.push_back(std::move(t));
@@ -946,6 +959,12 @@ void CommEngine::post_recv(int peer, Channel channel, int stage, int64_t microba
     return;
   }
   l.requests.push(Bundle{{}, microbatch, -1}, timeout_s_);
+}
+
+bool CommEngine::arrived(int peer, Channel channel, int stage, int64_t microbatch) {
+  Link& l = link(peer, channel, stage);
+  if (l.direct) return l.direct_arrived(microbatch);
+  return l.done.size() > 0;
 }
 
 std::vector<at::Tensor> CommEngine::wait_recv(int peer, Channel channel, int stage,

@@ -119,6 +119,10 @@ class CommEngine {
   // QueueClosed once the engine is shut down.
   std::vector<at::Tensor> wait_recv(int peer, Channel channel, int stage, int64_t microbatch);
 
+  // Whether the posted receive of `microbatch` for `stage` from `peer` has arrived, so that
+  // wait_recv would return at once (a hint: false where unknown). Never blocks.
+  bool arrived(int peer, Channel channel, int stage, int64_t microbatch);
+
   // Blocks until every queued send has been handed to the process group and completed.
   // Raises QueueTimeout after the timeout, or a send thread's error as it was thrown.
   void flush();

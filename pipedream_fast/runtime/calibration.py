@@ -27,6 +27,10 @@ float adds per action and no trace. From those the calibration keeps, per rank:
 - the **run overhead**: the time of a `train()` call outside its executor runs (agreeing on
   the data, building and validating the schedule, setting up the stages, the last votes).
 
+The executor hands each action over as it ends (`later`) and the recording itself waits
+(`catch_up`) until the rank would wait for a message that has not come, where it costs the
+pipeline nothing; every reader catches up first, so what is read is the same.
+
 Every estimate is a **windowed mean** over the rank's last `window` to 2 x `window` actions
 (default 1024): each kept as two buckets of sums, the one being filled and the last full one,
 and every bucket of the rank turned over at once when `window` actions have been recorded, so
@@ -72,6 +76,7 @@ _GAP: tuple[str, int | None] = ("gap", None)
 Link = tuple[str, int, int, int]
 
 WINDOW = 1024  # actions per bucket: estimates cover the rank's last 1024 to 2048 actions
+MAX_PENDING = 4096  # actions `Calibration.later` keeps before it records them anyway
 
 
 class WindowedMean:
@@ -190,12 +195,15 @@ class Calibration:
         self._train_began: float | None = None
         self._spans = 0.0  # executor time of the train() call in progress
         self._run_first: float | None = None
+        # Actions performed and not recorded yet (`later`): (action, start, end, waited, feed)
+        self.pending: list[tuple[Action, float, float, float, float]] = []
         self.reset(window)
 
     def reset(self, window: int | None = None) -> None:
         """Forgets every estimate: a new window starts here (of `window` actions per bucket,
         if given). May be called mid-run (between two steps): the run goes on being
         recorded, its warm-up already left out."""
+        self.catch_up()
         if window is not None:
             if window < 1:
                 raise ValueError(f"window must be >= 1 action, got {window}")
@@ -221,11 +229,13 @@ class Calibration:
     # --- fed by the run loop and the executor --------------------------------------------------
     def begin_train(self) -> None:
         """A `train()` call starts (its overhead is measured from here)."""
+        self.catch_up()
         self._close_run()
         self._train_began, self._spans = time.perf_counter(), 0.0
 
     def end_train(self) -> None:
         """A `train()` call ended normally: its time outside the executor is one sample."""
+        self.catch_up()
         self._close_run()
         if self._train_began is not None:
             if self._trains >= self.skip_first:  # the first call also sets everything up
@@ -236,6 +246,7 @@ class Calibration:
 
     def begin_run(self) -> None:
         """An executor run starts: no gap before its first action, kinds warm up again."""
+        self.catch_up()
         self._close_run()
         self._seen.clear()
         self._posted.clear()
@@ -261,6 +272,30 @@ class Calibration:
         """Time the data feed took inside the action being performed (a first-stage forward):
         the feed's, not the action's own."""
         self._feed_pending += seconds
+
+    def later(self, action: Action, start: float, end: float, waited: float) -> None:
+        """`record`, deferred: the action is kept (with the feed's time inside it) until
+        `catch_up`, which the executor calls while it waits for a message that has not come
+        (so the bookkeeping costs the pipeline nothing) and every reader calls first. Past
+        `MAX_PENDING` actions it records them at once (bounded memory)."""
+        pending = self.pending
+        pending.append((action, start, end, waited, self._feed_pending))
+        self._feed_pending = 0.0
+        if len(pending) >= MAX_PENDING:
+            self.catch_up()
+
+    def catch_up(self) -> None:
+        """Records every action `later` kept, in order."""
+        pending = self.pending
+        if not pending:
+            return
+        self.pending = []
+        noted = self._feed_pending  # the feed of the action in progress, if any
+        record = self.record
+        for action, start, end, waited, feed in pending:
+            self._feed_pending = feed
+            record(action, start, end, waited)
+        self._feed_pending = noted
 
     def record(self, action: Action, start: float, end: float, waited: float) -> None:
         """One action the executor performed: `start`/`end` (perf_counter seconds) and the
@@ -336,6 +371,7 @@ class Calibration:
     # --- read ----------------------------------------------------------------------------------
     def snapshot(self) -> CalibrationSnapshot:
         """The estimates now, frozen."""
+        self.catch_up()
         def est(m: WindowedMean) -> Estimate | None:
             return m.estimate()
 

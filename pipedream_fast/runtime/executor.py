@@ -150,6 +150,7 @@ class Executor:
         self.events: list[TraceEvent] | None = [] if trace else None
         make_loop = getattr(transport, "transfer_loop", None) if transfer_runs else None
         self._loop = make_loop() if make_loop is not None else None
+        self._arrived = getattr(transport, "arrived", None)
         # The run of transfers the loop is performing: (index of its first, its actions).
         self._run_of: tuple[int, list[Action]] | None = None
         self._program = Lookahead(compiled_program(schedule, rank))  # replayed by period
@@ -203,6 +204,10 @@ class Executor:
         peer = self._posted.pop(key)
         start = time.perf_counter()
         self._waiting = ("receive", channel, stage, mb, peer)
+        calibration = self.calibration
+        if calibration is not None and calibration.pending and not (
+                self._arrived is not None and self._arrived(peer, channel, stage, mb)):
+            calibration.catch_up()  # the message is not there: bookkeeping costs nothing now
         try:
             tensors = self.transport.wait_recv(peer, channel, stage, mb)
         finally:
@@ -383,7 +388,7 @@ class Executor:
         calibration, events = self.calibration, self.events
         if calibration is not None:
             for i, action in enumerate(actions):
-                calibration.record(action, stamps[2 * i], stamps[2 * i + 1], 0.0)
+                calibration.later(action, stamps[2 * i], stamps[2 * i + 1], 0.0)
         if events is not None:
             for i, action in enumerate(actions):
                 t0, t1 = stamps[2 * i], stamps[2 * i + 1]
@@ -542,7 +547,7 @@ class Executor:
                     microbatch=action.microbatch, version=action.version,
                     args={"token": action.to_text(), "waited_ms": waited * 1e3}))
             if self.calibration is not None:
-                self.calibration.record(action, t0, t1, waited)
+                self.calibration.later(action, t0, t1, waited)
             self.current = None
             yield index, action, result
             index += 1

@@ -91,6 +91,12 @@ class Transport(Protocol):
     def wait_recv(self, peer: int, channel: _C.Channel, stage: int,
                   microbatch: int) -> list[torch.Tensor]: ...
 
+    def arrived(self, peer: int, channel: _C.Channel, stage: int, microbatch: int) -> bool:
+        """Whether `wait_recv` of this posted receive would return at once (a hint: False
+        where unknown); never blocks. The executor does its deferred bookkeeping while a
+        message is not there yet."""
+        ...
+
     def allreduce(self, ranks: Sequence[int], tensors: Sequence[torch.Tensor]) -> PendingReduce: ...
 
     def flush(self) -> None: ...
@@ -168,6 +174,9 @@ class ProcessTransport:
     def wait_recv(self, peer: int, channel: _C.Channel, stage: int,
                   microbatch: int) -> list[torch.Tensor]:
         return self._engine.wait_recv(peer, channel, stage, microbatch)
+
+    def arrived(self, peer: int, channel: _C.Channel, stage: int, microbatch: int) -> bool:
+        return self._engine.arrived(peer, channel, stage, microbatch)
 
     def allreduce(self, ranks: Sequence[int], tensors: Sequence[torch.Tensor]) -> PendingReduce:
         group = self._groups[tuple(sorted(ranks))]
@@ -323,6 +332,9 @@ class ThreadTransport:
 
     def post_recv(self, peer: int, channel: _C.Channel, stage: int, microbatch: int) -> None:
         return None  # the queue already holds what the peer sent
+
+    def arrived(self, peer: int, channel: _C.Channel, stage: int, microbatch: int) -> bool:
+        return len(self._hub.queue(peer, self.rank, channel, stage)) > 0
 
     def wait_recv(self, peer: int, channel: _C.Channel, stage: int,
                   microbatch: int) -> list[torch.Tensor]:
