@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 K = ActionKind
 _COMPUTE = frozenset(kind for kind in ActionKind if kind.is_compute)
 _UPDATES = frozenset((K.OPTIMIZER_STEP, K.AVERAGE))
+# Actions made ahead while a rank waits for a message (`Executor._while_waiting`), in steps.
+_PREFETCH, _PREFETCH_STEP = 64, 8
 # How `_C.TransferLoop` codes each transfer action (see `Executor._transfer`).
 _TRANSFER_CODES = {K.SEND_ACT: 0, K.SEND_GRAD: 1, K.RECV_ACT: 2, K.RECV_GRAD: 3}
 
@@ -204,16 +206,29 @@ class Executor:
         peer = self._posted.pop(key)
         start = time.perf_counter()
         self._waiting = ("receive", channel, stage, mb, peer)
-        calibration = self.calibration
-        if calibration is not None and calibration.pending and not (
-                self._arrived is not None and self._arrived(peer, channel, stage, mb)):
-            calibration.catch_up()  # the message is not there: bookkeeping costs nothing now
+        self._while_waiting(peer, channel, stage, mb)
         try:
             tensors = self.transport.wait_recv(peer, channel, stage, mb)
         finally:
             self._waiting = None
         self.stats.wait_s += time.perf_counter() - start
         return tensors
+
+    def _while_waiting(self, peer: int, channel: Any, stage: int, mb: int) -> None:
+        """Bookkeeping that can wait, done while the message is not there yet, where it costs
+        the pipeline nothing: the calibration's records, then the next actions of the
+        program, a few at a time until the message comes or enough are made."""
+        arrived = self._arrived
+        if arrived is not None and arrived(peer, channel, stage, mb):
+            return
+        calibration = self.calibration
+        if calibration is not None and calibration.pending:
+            calibration.catch_up()
+        program = self._program
+        for ahead in range(_PREFETCH_STEP, _PREFETCH + 1, _PREFETCH_STEP):
+            if (not program.prefetch(ahead)
+                    or (arrived is not None and arrived(peer, channel, stage, mb))):
+                return
 
     def standing(self, now: float) -> str | None:
         """Where this rank stands, in words, for a report on a rank that makes no progress

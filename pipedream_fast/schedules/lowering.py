@@ -58,6 +58,14 @@ class Lookahead:
         self._head = head
         return item
 
+    def prefetch(self, count: int) -> bool:
+        """Makes up to `count` actions ahead now (a rank that would wait anyway), so that
+        `pop` later only hands them out; False once the source is spent."""
+        while len(self._buffer) - self._head < count:
+            if not self._pull():
+                return False
+        return True
+
     def ahead(self) -> Iterator[Action]:
         i = self._head
         while i < len(self._buffer) or self._pull():
