@@ -4,8 +4,9 @@ Two ranks, each a near-empty stage (one Linear(16, 16); the last adds the loss),
 1f1b action stream (chunks 4) through `Pipeline.train` (executor, C++ transport, weight ring)
 and through a plain loop over the very same actions (`dist.isend`/`dist.irecv` into
 preallocated buffers, forward, backward, `optimizer.step()`). The arithmetic is the same, so
-the difference is what the runtime adds. Per action: rank 0's run time over its actions. Both
-drivers live in the same two processes and alternate (A B, B A, ...; a warm-up round dropped);
+the difference is what the runtime adds; a third driver is the executor's reference path
+(`Tuning(transfer_runs=False)`: every action in Python). Per action: rank 0's run time over its
+actions. The drivers live in the same two processes and alternate (A B C, C B A; a warm-up round dropped);
 the ratio is taken round by round. `--profile MD`: one more run of each under cProfile.
 """
 
@@ -31,6 +32,7 @@ from pipedream_fast.training import build_schedule
 from harness import Spread, alternate, paired_ratio, positive, write_results  # noqa: E402
 
 WIDTH, BATCH, CHUNKS = 16, 16, 4
+PYTHON_PATH = "executor, every action in Python"  # Tuning(transfer_runs=False)
 PLAN = Plan("tiny", BATCH // CHUNKS, 2, "1f1b",
             [StagePlan(0, 1, 1, (0,), 0.0), StagePlan(1, 2, 1, (1,), 0.0)], 1.0, 1.0)
 
@@ -46,11 +48,12 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(steps)]
 
 
-def executor_driver(steps: int, io_priority: str = "auto") -> Any:
-    """The Pipeline, and a run of `steps` minibatches through it returning us per action."""
+def executor_driver(steps: int, io_priority: str = "auto", transfer_runs: bool = True) -> Any:
+    """The Pipeline, and a run of `steps` minibatches through it returning us per action.
+    `transfer_runs` False: every action in Python (the executor's reference path)."""
     pipe = Pipeline(model(), nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.01),
                     plan=PLAN, schedule="1f1b", chunks=CHUNKS,
-                    tuning=Tuning(io_priority=io_priority))
+                    tuning=Tuning(io_priority=io_priority, transfer_runs=transfer_runs))
     batches = data(steps)
 
     def run() -> float:
@@ -129,10 +132,13 @@ def overhead_job(rank: int, world: int, steps: int, repeat: int,
     torch.set_num_threads(1)
     pipe, executor_run = executor_driver(steps, io_priority)
     executor_run()  # its transport (and its groups' I/O threads) exist from here
+    reference, reference_run = executor_driver(steps, io_priority, transfer_runs=False)
+    reference_run()
     set_io_priority(io_priority)
     plain_run = plain_driver(rank, world, steps)
     values = alternate({"plain torch.distributed": plain_run,
-                        "pipedream_fast executor": executor_run}, repeat)
+                        "pipedream_fast executor": executor_run,
+                        PYTHON_PATH: reference_run}, repeat)
     actions = int(pipe.last_stats["actions"])
     where, calls = None, None
     if profile:
@@ -152,6 +158,7 @@ def overhead_job(rank: int, world: int, steps: int, repeat: int,
                         for (path, line, fn), (_, n, own, total, _) in stats.items()),
                        key=lambda r: -r["own_us"])[:25]
     pipe.close()
+    reference.close()
     return {"values": values, "actions": actions, "profile": where, "calls": calls}
 
 
@@ -187,6 +194,7 @@ def main() -> int:
     values = result["values"]
     spreads = {name: Spread.of(v) for name, v in values.items()}
     ratio = paired_ratio(values, "pipedream_fast executor", "plain torch.distributed")
+    ratios = {name: paired_ratio(values, name, "plain torch.distributed") for name in values}
     for name, spread in spreads.items():
         print(f"{name:26s} {spread.text()} us/action (median, range over {args.repeat} "
               f"rounds; {result['actions']} actions on rank 0)", flush=True)
@@ -197,18 +205,21 @@ def main() -> int:
             args.out, "Runtime overhead per action (near-empty stages)",
             [f"Two ranks, gloo, 1 thread each, gloo's I/O threads at priority "
              f"{args.io_priority}; 1f1b, {args.steps} steps of {CHUNKS} "
-             f"microbatches; Linear({WIDTH}, {WIDTH}) per stage. The two drivers alternate "
-             f"in the same processes ({args.repeat} rounds after a warm-up, A B then B A); "
-             f"medians with their range."],
+             f"microbatches; Linear({WIDTH}, {WIDTH}) per stage. The drivers alternate "
+             f"in the same processes ({args.repeat} rounds after a warm-up, A B C then C B A); "
+             f"medians with their range. The executor hands each run of transfers to the C++ "
+             f"core (`Tuning.transfer_runs`, the default); '{PYTHON_PATH}' is its reference "
+             f"path, every action a Python one."],
             ["driver", "us per action (rank 0)", "actions", "vs plain (round by round)"],
             [(name, spread.text(), result["actions"],
-              "1.00x" if name.startswith("plain") else f"{ratio.text(2)}x")
+              "1.00x" if name.startswith("plain") else f"{ratios[name].text(2)}x")
              for name, spread in spreads.items()],
             [f"The executor adds {overhead:+.1f} us per action over the plain loop."],
             {"steps": args.steps, "rounds": args.repeat, "io_priority": args.io_priority,
              "values_us_per_action": values,
              "rows": [{"driver": name, "us_per_action": spread.median,
-                       "actions": result["actions"]} for name, spread in spreads.items()],
+                       "actions": result["actions"], "vs_plain": ratios[name].median}
+                      for name, spread in spreads.items()],
              "actions": result["actions"], "ratio": ratio.median,
              "ratio_range": [ratio.low, ratio.high]})
     return 0

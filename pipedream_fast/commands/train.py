@@ -155,6 +155,10 @@ def register(subparsers: Any) -> None:
     knobs.add_argument("--link-threads", action="store_true",
                        help="move CPU transfers on a send and a receive thread per link, as "
                             "on a GPU (default: issued on the rank's own thread)")
+    knobs.add_argument("--python-transfers", action="store_true",
+                       help="perform every transfer action in the Python executor, one at a "
+                            "time (the reference path; default: each run of them in one call "
+                            "into the C++ core)")
     knobs.add_argument("--io-priority", choices=("auto", "normal", "low", "idle"),
                        default="auto",
                        help="priority of gloo's I/O threads: idle where busy threads outnumber "

@@ -194,7 +194,8 @@ def _tuning(args: argparse.Namespace, on_gpus: bool) -> Tuning:
         tuning = Tuning(queue_depth=args.queue_depth, spin_us=args.spin_us,
                         bucket_mb=args.bucket_mb, weight_slots=args.weight_slots,
                         recv_pool=args.recv_pool, offload_stash=args.offload_stash,
-                        link_threads=args.link_threads, io_priority=args.io_priority)
+                        link_threads=args.link_threads, io_priority=args.io_priority,
+                        transfer_runs=not args.python_transfers)
     except TuningError as err:
         raise UsageError(f"--{err.field.replace('_', '-')}: {err}") from None
     if tuning.offload_stash and not on_gpus:
