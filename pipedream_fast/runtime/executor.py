@@ -239,8 +239,9 @@ class Executor:
         if current is None:
             return None
         index, action, since = current
-        if run_of is not None and self._loop is not None and self._loop.position >= 0:
-            index, action = run_of[0] + self._loop.position, run_of[1][self._loop.position]
+        at = self._loop.position if run_of is not None and self._loop is not None else -1
+        if run_of is not None and 0 <= at < len(run_of[1]):  # read once: it moves meanwhile
+            index, action = run_of[0] + at, run_of[1][at]
         text = f"in action {index} ({action.to_text()}) for {now - since:.1f} s"
         if waiting is not None and waiting[0] == "all-reduce":
             ranks = list(self.schedule.stage_ranks[waiting[1]])
