@@ -347,32 +347,10 @@ class Executor:
         if buckets is not None and self._completes_gradients(a):
             buckets.arm()
 
-    def _send_act(self, a: Action) -> None:
-        mb, peer = a.microbatch, a.peer
-        assert mb is not None and peer is not None
-        outputs = self._outputs.pop((a.stage, mb))
-        target = self._carried.pop((a.stage, mb))
-        leaves = _leaves(target)
-        self.transport.send(peer, ACTIVATION, a.stage + 1, mb,
-                            [t.detach() for t in outputs if isinstance(t, torch.Tensor)] + leaves)
-
-    def _send_grad(self, a: Action) -> None:
-        mb, peer = a.microbatch, a.peer
-        assert mb is not None and peer is not None
-        grads = self.stages[a.stage].take_input_grads(mb)
-        loss = self._losses.pop((a.stage, mb))
-        self.transport.send(peer, GRADIENT, a.stage - 1, mb, [*grads, loss])
-
-    def _post(self, channel: Any, a: Action) -> None:
-        mb, peer = a.microbatch, a.peer
-        assert mb is not None and peer is not None
-        self._posted[(channel, a.stage, mb)] = peer
-        self.transport.post_recv(peer, channel, a.stage, mb)
-
     def _transfer(self, a: Action, code: int) -> tuple[Any, ...]:
         """A transfer action as `_C.TransferLoop.run` takes it, with the Python side's
         bookkeeping done: a send's message taken off the stage, a receive noted as posted.
-        What `_send_act`, `_send_grad` and `_post` do, but the engine call."""
+        `_transfer_now` makes the engine call for an action performed on its own."""
         stage, mb, peer = a.stage, a.microbatch, a.peer
         assert mb is not None and peer is not None
         if code == 0:
@@ -385,6 +363,16 @@ class Executor:
             return 1, stage, mb, peer, [*tensors, self._losses.pop((stage, mb))]
         self._posted[(ACTIVATION if code == 2 else GRADIENT, stage, mb)] = peer
         return code, stage, mb, peer, None
+
+    def _transfer_now(self, a: Action) -> None:
+        """A transfer action performed on its own (the Python path, and `drain`)."""
+        code, stage, mb, peer, tensors = self._transfer(a, _TRANSFER_CODES[a.kind])
+        if code == 0:
+            self.transport.send(peer, ACTIVATION, stage + 1, mb, [t.detach() for t in tensors])
+        elif code == 1:
+            self.transport.send(peer, GRADIENT, stage - 1, mb, tensors)
+        else:
+            self.transport.post_recv(peer, ACTIVATION if code == 2 else GRADIENT, stage, mb)
 
     def _run_transfers(self, first: int, actions: list[Action], records: list[Any]) -> None:
         """Performs a run of transfer actions (numbered from `first`) in one call into the
@@ -461,9 +449,8 @@ class Executor:
         """How this executor performs each action kind: one entry per kind of the IR."""
         return {K.FORWARD: self._forward, K.BACKWARD: self._backward,
                 K.BACKWARD_INPUT: self._backward_input, K.BACKWARD_WEIGHT: self._backward_weight,
-                K.SEND_ACT: self._send_act, K.SEND_GRAD: self._send_grad,
-                K.RECV_ACT: lambda a: self._post(ACTIVATION, a),
-                K.RECV_GRAD: lambda a: self._post(GRADIENT, a),
+                K.SEND_ACT: self._transfer_now, K.SEND_GRAD: self._transfer_now,
+                K.RECV_ACT: self._transfer_now, K.RECV_GRAD: self._transfer_now,
                 K.ALLREDUCE: self._allreduce, K.OPTIMIZER_STEP: self._step,
                 K.SNAPSHOT: lambda a: self.stages[a.stage].snapshot(a.needs("version"), a.copy),
                 K.RELEASE: lambda a: self.stages[a.stage].release(a.needs("version"), a.copy),
