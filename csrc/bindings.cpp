@@ -136,13 +136,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "(0 <= stage < 512). send() and post_recv() return at once; wait_recv() blocks (GIL "
       "released) until the tensors arrive or `timeout` seconds pass. `depth`: messages queued "
       "per link and direction; `spin_us`: how long the link queues spin before blocking; "
-      "`recv_pool`: receive buffer sets pooled per link.")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, double, int64_t, at::Device, double,
-                    int64_t, bool>(),
+      "`recv_pool`: receive buffer sets pooled per link; `gradient_group`: a group of the same "
+      "ranks for the gradient channel's links (its own NCCL streams).")
+      .def(py::init([](c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout,
+                       int64_t depth, at::Device device, double spin_us, int64_t recv_pool,
+                       bool background,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> gradient_group) {
+             return std::make_unique<CommEngine>(std::move(group), timeout, depth, device,
+                                                 spin_us, recv_pool, background,
+                                                 gradient_group.value_or(nullptr));
+           }),
            py::arg("group"), py::arg("timeout") = 300.0,
            py::arg("depth") = CommEngine::kDefaultDepth, py::arg("device") = at::Device(at::kCPU),
            py::arg("spin_us") = 0.0, py::arg("recv_pool") = CommEngine::kDefaultRecvPool,
-           py::arg("background") = false)
+           py::arg("background") = false, py::arg("gradient_group") = py::none())
       .def_readonly_static("DEFAULT_DEPTH", &CommEngine::kDefaultDepth)
       .def_readonly_static("DEFAULT_RECV_POOL", &CommEngine::kDefaultRecvPool)
       .def("send", &CommEngine::send, py::arg("peer"), py::arg("channel"), py::arg("stage"),
@@ -169,6 +176,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("spin_us", &CommEngine::spin_us)
       .def_property_readonly("recv_pool", &CommEngine::recv_pool)
       .def_property_readonly("background", &CommEngine::background)
+      .def_property_readonly("split_channels", &CommEngine::split_channels)
       .def("unfinished_sends", &CommEngine::unfinished_sends,
            "The sends queued on link threads and not yet completed: (peer, channel, receiving "
            "stage, -1), one per send (only their number is known); none where the caller's "

@@ -851,8 +851,9 @@ struct CommEngine::Link {
 
 CommEngine::CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout_s,
                        int64_t depth, at::Device device, double spin_us, int64_t recv_pool,
-                       bool background)
+                       bool background, c10::intrusive_ptr<c10d::ProcessGroup> gradient_group)
     : group_(std::move(group)),
+      gradient_group_(std::move(gradient_group)),
       rank_(group_->getRank()),
       timeout_s_(timeout_s),
       depth_(depth),
@@ -868,6 +869,14 @@ CommEngine::CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, double time
   if (recv_pool < 1) {
     throw std::invalid_argument("CommEngine: recv_pool must be >= 1 (buffer sets per link), got " +
                                 std::to_string(recv_pool));
+  }
+  if (gradient_group_ && (gradient_group_->getSize() != group_->getSize() ||
+                          gradient_group_->getRank() != rank_)) {
+    throw std::invalid_argument(
+        "CommEngine: the gradient group must hold the ranks of the group in the same order "
+        "(this rank is " + std::to_string(rank_) + " of " + std::to_string(group_->getSize()) +
+        " there, but " + std::to_string(gradient_group_->getRank()) + " of " +
+        std::to_string(gradient_group_->getSize()) + " in the gradient group)");
   }
 }
 
@@ -894,7 +903,9 @@ CommEngine::Link& CommEngine::link(int peer, Channel channel, int stage) {
   check_link(peer, channel, stage);
   auto& slot = links_[{peer, static_cast<int>(channel), stage}];
   if (!slot) {
-    slot = std::make_shared<Link>(group_, rank_, peer, channel, stage, millis(timeout_s_), device_,
+    const auto& group =
+        channel == Channel::kGradient && gradient_group_ ? gradient_group_ : group_;
+    slot = std::make_shared<Link>(group, rank_, peer, channel, stage, millis(timeout_s_), device_,
                                   depth_, spin_us_, recv_pool_, !background_);
     if (background_) Link::start_threads(slot);
   }

@@ -89,11 +89,16 @@ class CommEngine {
   // `device`: where received tensors are allocated (CPU for gloo, the rank's GPU for NCCL).
   // `spin_us`: how long a link's queues spin before blocking (see ActivationQueue).
   // `recv_pool`: receive buffer sets pooled per link. `background`: transfers on link threads
-  // even on CPU (on a GPU they always are; see "Two ways to move a message" above). Speed only:
-  // none changes what arrives.
+  // even on CPU (on a GPU they always are; see "Two ways to move a message" above).
+  // `gradient_group`: where given, the gradient channel's links run on it instead of `group`
+  // (the same ranks in the same order; invalid_argument otherwise): under NCCL a group is a
+  // communicator with a stream of its own per peer, so a gradient received never queues
+  // behind an activation sent to the same peer, nor the other way. Speed only: none changes
+  // what arrives.
   CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout_s,
              int64_t depth = kDefaultDepth, at::Device device = at::kCPU, double spin_us = 0.0,
-             int64_t recv_pool = kDefaultRecvPool, bool background = false);
+             int64_t recv_pool = kDefaultRecvPool, bool background = false,
+             c10::intrusive_ptr<c10d::ProcessGroup> gradient_group = {});
   CommEngine(const CommEngine&) = delete;
   CommEngine& operator=(const CommEngine&) = delete;
   ~CommEngine();
@@ -144,6 +149,7 @@ class CommEngine {
   double spin_us() const { return spin_us_; }
   int64_t recv_pool() const { return recv_pool_; }
   bool background() const { return background_; }
+  bool split_channels() const { return static_cast<bool>(gradient_group_); }
 
  private:
   struct Link;  // a link's queues, its send and receive loops and their state
@@ -153,6 +159,7 @@ class CommEngine {
   void check_link(int peer, Channel channel, int stage) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  c10::intrusive_ptr<c10d::ProcessGroup> gradient_group_;  // null: `group_` carries both
   const int rank_;
   const double timeout_s_;
   const int64_t depth_;

@@ -118,7 +118,9 @@ class CommEngine:
     CPU the caller's thread issues each transfer (gloo's are asynchronous); on a GPU, or with
     `background=True`, each link's send and receive threads do. `depth`: messages in flight
     per link and direction before a send waits; `spin_us`: how long the link threads' queues
-    spin before blocking; `recv_pool`: receive buffer sets pooled per link (>= 1).
+    spin before blocking; `recv_pool`: receive buffer sets pooled per link (>= 1);
+    `gradient_group`: a group of the same ranks, in the same order, for the gradient channel's
+    links (under NCCL its own communicator, hence its own streams).
     """
 
     DEFAULT_DEPTH: ClassVar[int]  # 8
@@ -127,7 +129,8 @@ class CommEngine:
     # device defaults to torch.device("cpu"); pybind11 takes a torch.device only, not a str.
     def __init__(self, group: ProcessGroup, timeout: float = 300.0, depth: int = 8,
                  device: torch.device = ..., spin_us: float = 0.0,
-                 recv_pool: int = 64, background: bool = False) -> None: ...
+                 recv_pool: int = 64, background: bool = False,
+                 gradient_group: ProcessGroup | None = None) -> None: ...
     def send(self, peer: int, channel: Channel, stage: int, microbatch: int,
              tensors: Sequence[torch.Tensor]) -> None: ...
     def post_recv(self, peer: int, channel: Channel, stage: int, microbatch: int) -> None: ...
@@ -149,6 +152,9 @@ class CommEngine:
     def recv_pool(self) -> int: ...
     @property
     def background(self) -> bool: ...
+    @property
+    def split_channels(self) -> bool:
+        """Whether the gradient channel runs on a group of its own."""
     def unfinished_sends(self) -> list[tuple[int, Channel, int, int]]:
         """The sends queued on link threads and not yet completed: (peer, channel, receiving
         stage, -1), one per send; none where the caller's thread issues transfers."""

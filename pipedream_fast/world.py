@@ -140,15 +140,21 @@ class ProcessWorld:
     def transport(self, stage_ranks: Sequence[Sequence[int]], device: torch.device,
                   tuning: Tuning) -> Transport:
         """Point-to-point links on a group of their own (a run left early abandons them with
-        receives posted, which must not disturb any other traffic) and the replica groups of
-        `stage_ranks`. Collective."""
+        receives posted, which must not disturb any other traffic), the gradients' on another
+        where `tuning.split_channels` says so, and the replica groups of `stage_ranks`.
+        Collective."""
         group = self.new_group(list(range(self.size)))
         assert group is not None
+        split = tuning.split_channels
+        if split is None:
+            split = device.type != "cpu"
+        gradients = self.new_group(list(range(self.size))) if split else None
         transport = ProcessTransport(stage_ranks, self.timeout_s, device=device,
                                      group=group.group, depth=tuning.process_queue_depth,
                                      spin_us=tuning.spin_us, recv_pool=tuning.recv_pool,
                                      link_threads=tuning.link_threads,
-                                     io_priority=tuning.io_priority)
+                                     io_priority=tuning.io_priority,
+                                     gradient_group=gradients.group if gradients else None)
         self._transports.append(transport)
         return transport
 

@@ -83,15 +83,17 @@ def plan_for(layout: str) -> Plan:
 
 
 def train_job(rank: int, world: int, runs: list[tuple[str, ...]]) -> dict:
-    """Every (layout, schedule, optimizer[, "python"]) in `runs`, one Pipeline each; returns
-    rank 0's gathered state and the last stage's losses. "python": the executor performs
-    every action itself (`Tuning.transfer_runs` off: the reference path)."""
+    """Every (layout, schedule, optimizer[, variant]) in `runs`, one Pipeline each; returns
+    rank 0's gathered state and the last stage's losses. Variant "python": the executor
+    performs every action itself (`Tuning.transfer_runs` off: the reference path); "split":
+    gradients on a process group of their own (`Tuning.split_channels`)."""
     out = {}
     for layout, schedule, opt, *path in runs:
         chunks = chunks_for(layout)
         pipe = Pipeline(model_for(layout), loss_fn, optimizer(opt), plan=plan_for(layout),
                         schedule=schedule, chunks=chunks, timeout=60,
-                        tuning=Tuning(transfer_runs=not path))
+                        tuning=Tuning(transfer_runs=path != ["python"],
+                                      split_channels=path == ["split"]))
         losses = list(pipe.train(batches(batch=2 * chunks), steps=STEPS))
         out[(layout, schedule, opt, *path)] = (losses, pipe.state_dict())
         pipe.close()
@@ -125,12 +127,14 @@ def two_ranks() -> dict:
                                                         ("dp2", "data-parallel", "sgd"),
                                                         ("looped-2x2", "interleaved-1f1b", "sgd")]
     runs += [("2-stage", s, "sgd", "python") for s in ("1f1b", "zb-h1", "pipedream")]
+    runs += [("2-stage", s, "sgd", "split") for s in ("1f1b", "pipedream")]
     return launch(train_job, 2, runs, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def three_ranks() -> dict:
     runs = [("2+1", s, "sgd") for s in SCHEDULES] + [("looped-3x2", "interleaved-1f1b", "sgd")]
+    runs += [("2+1", "1f1b", "sgd", "split"), ("looped-3x2", "interleaved-1f1b", "sgd", "split")]
     return launch(train_job, 3, runs, timeout=120)
 
 
@@ -154,6 +158,22 @@ def test_transfer_runs_change_nothing(two_ranks, schedule):
     assert set(fast_state) == set(python_state)
     for key, value in python_state.items():
         assert torch.equal(fast_state[key], value), key
+
+
+@pytest.mark.parametrize("ranks, layout, schedule", [
+    (2, "2-stage", "1f1b"), (2, "2-stage", "pipedream"), (3, "2+1", "1f1b"),
+    (3, "looped-3x2", "interleaved-1f1b")])
+def test_split_channels_change_nothing(two_ranks, three_ranks, ranks, layout, schedule):
+    """Gradients on a process group of their own (`Tuning.split_channels`): the same losses
+    and weights as on one group, bit for bit (a replicated stage, and a rank holding two
+    stages, included)."""
+    runs = two_ranks if ranks == 2 else three_ranks
+    one_losses, one_state = runs[0][(layout, schedule, "sgd")]
+    split_losses, split_state = runs[0][(layout, schedule, "sgd", "split")]
+    assert [float(x) for x in split_losses] == [float(x) for x in one_losses]
+    assert set(split_state) == set(one_state)
+    for key, value in one_state.items():
+        assert torch.equal(split_state[key], value), key
 
 
 def test_data_parallel_equals_gradient_accumulation(two_ranks):

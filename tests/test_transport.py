@@ -74,10 +74,14 @@ def test_thread_transport_errors_name_the_stage():
     hub.close()
 
 
-def _process_boundaries_job(rank: int, world: int) -> dict[str, list[str]]:
+def _process_boundaries_job(rank: int, world: int, split: bool) -> dict[str, list[str]]:
     """Rank 0 holds stages 0 and 2, rank 1 holds 1 and 3: activations to stages 1 and 3 go
-    0 -> 1, gradients to stages 0 and 2 go 1 -> 0, all on the one rank pair."""
-    transport = ProcessTransport([[0], [1], [0], [1]], timeout_s=30.0)
+    0 -> 1, gradients to stages 0 and 2 go 1 -> 0, all on the one rank pair (`split`: the
+    gradients on a process group of their own)."""
+    import torch.distributed as dist
+
+    gradients = dist.new_group([0, 1]) if split else None
+    transport = ProcessTransport([[0], [1], [0], [1]], timeout_s=30.0, gradient_group=gradients)
     try:
         if rank == 0:
             send_both_boundaries(transport, 1, ACTIVATION, (1, 3))
@@ -97,10 +101,57 @@ def _process_boundaries_job(rank: int, world: int) -> dict[str, list[str]]:
 
 
 @pytest.mark.slow
-def test_process_transport_keeps_stage_boundaries_of_one_rank_pair_apart():
-    for result in launch(_process_boundaries_job, 2, timeout=60):
+@pytest.mark.parametrize("split", [False, True], ids=["one group", "split channels"])
+def test_process_transport_keeps_stage_boundaries_of_one_rank_pair_apart(split):
+    for result in launch(_process_boundaries_job, 2, split, timeout=60):
         assert result["wrong"] == []
         assert "stage 512" in result["rejected"][0], result["rejected"]
+
+
+def _split_routing_job(rank: int, world: int) -> dict[str, str]:
+    """Rank 0 puts gradients on a group of their own, rank 1 does not: activations still
+    meet, gradients do not (rank 1 sends them on the main group, where rank 0 does not
+    listen for them). Also: a gradient group of other ranks is refused."""
+    import torch.distributed as dist
+
+    main, gradients = dist.new_group([0, 1]), dist.new_group([0, 1])
+    lone = dist.new_group([0])  # collective: every rank makes it
+    out: dict[str, str] = {}
+    if rank == 0:
+        try:
+            _C.CommEngine(dist.distributed_c10d._get_default_group(), timeout=5.0,
+                          gradient_group=lone)
+            out["refused"] = "no error"
+        except ValueError as err:
+            out["refused"] = str(err)
+    mismatched = ProcessTransport([[0], [1]], timeout_s=1.0, group=main,
+                                  gradient_group=gradients if rank == 0 else None)
+    try:
+        if rank == 0:
+            mismatched.send(1, ACTIVATION, 1, 0, [payload(ACTIVATION, 1, 0)])
+            mismatched.post_recv(1, GRADIENT, 0, 0)
+            try:
+                mismatched.wait_recv(1, GRADIENT, 0, 0)
+                out["gradient"] = "arrived"
+            except _C.QueueTimeout:
+                out["gradient"] = "timed out"
+        else:
+            mismatched.post_recv(0, ACTIVATION, 1, 0)
+            got = mismatched.wait_recv(0, ACTIVATION, 1, 0)
+            out["activation"] = "ok" if torch.equal(got[0], payload(ACTIVATION, 1, 0)) else str(got)
+            mismatched.send(0, GRADIENT, 0, 0, [payload(GRADIENT, 0, 0)])  # never taken
+        dist.barrier()  # rank 1 stays until rank 0 has waited in vain
+    finally:
+        mismatched.close()
+    return out
+
+
+@pytest.mark.slow
+def test_split_channels_put_the_gradients_on_their_own_group():
+    sender, receiver = launch(_split_routing_job, 2, timeout=60)
+    assert receiver["activation"] == "ok"
+    assert sender["gradient"] == "timed out"  # sent on the default group, awaited on its own
+    assert "same order" in sender["refused"] and "0 of 1" in sender["refused"], sender
 
 
 def _transfer_loop_job(rank: int, world: int) -> dict:

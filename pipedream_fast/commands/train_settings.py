@@ -195,7 +195,9 @@ def _tuning(args: argparse.Namespace, on_gpus: bool) -> Tuning:
                         bucket_mb=args.bucket_mb, weight_slots=args.weight_slots,
                         recv_pool=args.recv_pool, offload_stash=args.offload_stash,
                         link_threads=args.link_threads, io_priority=args.io_priority,
-                        transfer_runs=not args.python_transfers)
+                        transfer_runs=not args.python_transfers,
+                        split_channels={"auto": None, "on": True,
+                                        "off": False}[args.split_channels])
     except TuningError as err:
         raise UsageError(f"--{err.field.replace('_', '-')}: {err}") from None
     if tuning.offload_stash and not on_gpus:

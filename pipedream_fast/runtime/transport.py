@@ -137,14 +137,16 @@ class ProcessTransport:
                  device: torch.device | None = None, group: Any = None, *,
                  depth: int = _C.CommEngine.DEFAULT_DEPTH, spin_us: float = 0.0,
                  recv_pool: int = _C.CommEngine.DEFAULT_RECV_POOL,
-                 link_threads: bool = False, io_priority: str = "auto") -> None:
+                 link_threads: bool = False, io_priority: str = "auto",
+                 gradient_group: Any = None) -> None:
         """`group`: the process group of every rank that carries the point-to-point traffic
         (default: the default group). A link's first message fixes what crosses it (the
         number of tensors and their dimensions; sizes and dtypes may vary) and the size of
         its posted receive buffers, so traffic of another structure (evaluation) uses its own
         group.
-        `depth`, `spin_us`, `recv_pool`, `link_threads`, `io_priority`: the engine's speed
-        knobs (see `Tuning`)."""
+        `gradient_group`: a group of the same ranks for the gradient channel
+        (`Tuning.split_channels`). `depth`, `spin_us`, `recv_pool`, `link_threads`,
+        `io_priority`: the engine's speed knobs (see `Tuning`)."""
         if not dist.is_initialized():
             raise RuntimeError("ProcessTransport needs torch.distributed to be initialised "
                                "(run under torchrun or pipedream_fast.launch)")
@@ -154,7 +156,8 @@ class ProcessTransport:
         self._engine = _C.CommEngine(group, timeout=timeout_s, depth=depth,
                                      device=device or torch.device("cpu"), spin_us=spin_us,
                                      recv_pool=recv_pool,
-                                     background=link_threads)
+                                     background=link_threads,
+                                     gradient_group=gradient_group)
         self._closed = False
         self._groups: dict[tuple[int, ...], Any] = {}
         for ranks in stage_groups:

@@ -450,3 +450,43 @@ TEST(CommEngine, RejectsKnobsOutOfRange) {
   EXPECT_EQ(defaults.recv_pool(), CommEngine::kDefaultRecvPool);
   EXPECT_EQ(defaults.spin_us(), 0.0);
 }
+
+TEST(CommEngine, GradientsTravelOnTheGradientGroupWhenGiven) {
+  auto main_box = std::make_shared<Mailbox>();
+  auto gradient_box = std::make_shared<Mailbox>();
+  CommEngine a{c10::make_intrusive<LoopbackGroup>(main_box, 0, 2), 5.0, CommEngine::kDefaultDepth,
+               at::kCPU, 0.0, CommEngine::kDefaultRecvPool, link_threads(),
+               c10::make_intrusive<LoopbackGroup>(gradient_box, 0, 2)};
+  CommEngine b{c10::make_intrusive<LoopbackGroup>(main_box, 1, 2), 5.0, CommEngine::kDefaultDepth,
+               at::kCPU, 0.0, CommEngine::kDefaultRecvPool, link_threads(),
+               c10::make_intrusive<LoopbackGroup>(gradient_box, 1, 2)};
+  EXPECT_TRUE(a.split_channels());
+  constexpr int kMicrobatches = 5;
+  for (int mb = 0; mb < kMicrobatches; ++mb) {
+    b.post_recv(0, Channel::kActivation, 1, mb);
+    a.post_recv(1, Channel::kGradient, 0, mb);
+  }
+  for (int mb = 0; mb < kMicrobatches; ++mb) {
+    a.send(1, Channel::kActivation, 1, mb, {at::full({2}, static_cast<float>(mb))});
+    EXPECT_EQ(b.wait_recv(0, Channel::kActivation, 1, mb).at(0)[1].item<float>(), mb);
+    b.send(0, Channel::kGradient, 0, mb, {at::full({3}, static_cast<float>(-mb))});
+    EXPECT_EQ(a.wait_recv(1, Channel::kGradient, 0, mb).at(0)[2].item<float>(), -mb);
+  }
+  a.flush();
+  b.flush();
+  // Each link's first message is a header, then one packed transfer per message.
+  EXPECT_EQ(main_box->transfers, 1 + kMicrobatches);      // the activations only
+  EXPECT_EQ(gradient_box->transfers, 1 + kMicrobatches);  // the gradients only
+}
+
+TEST(CommEngine, RefusesAGradientGroupOfOtherRanks) {
+  auto box = std::make_shared<Mailbox>();
+  EXPECT_THROW(CommEngine(c10::make_intrusive<LoopbackGroup>(box, 0, 2), 5.0,
+                          CommEngine::kDefaultDepth, at::kCPU, 0.0, CommEngine::kDefaultRecvPool,
+                          false, c10::make_intrusive<LoopbackGroup>(box, 0, 3)),
+               std::invalid_argument);
+  EXPECT_THROW(CommEngine(c10::make_intrusive<LoopbackGroup>(box, 0, 2), 5.0,
+                          CommEngine::kDefaultDepth, at::kCPU, 0.0, CommEngine::kDefaultRecvPool,
+                          false, c10::make_intrusive<LoopbackGroup>(box, 1, 2)),
+               std::invalid_argument);
+}
