@@ -15,6 +15,7 @@ Exit status: 0 passed; 1 a check failed; 2 no CUDA GPU (or no CUDA build of _C, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as `python bench/gpu.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from pipedream_fast import _C  # noqa: E402
+from pipedream_fast import Tuning, _C  # noqa: E402
 from pipedream_fast.data_feed import to_device  # noqa: E402
 from pipedream_fast.formats import Plan, StagePlan  # noqa: E402
 from pipedream_fast.launch import launch  # noqa: E402
@@ -507,6 +508,7 @@ class Layout:
     device: str  # "cpu", "cuda:0", or "default" (Pipeline's choice: cuda:LOCAL_RANK)
     one_stage: bool = False
     what: str = ""
+    split_channels: bool = False  # Tuning.split_channels: the gradients on a group of their own
 
 
 def layout_for(device: torch.device) -> Layout:
@@ -548,7 +550,8 @@ def zoo_rank(rank: int, world: int, layout: Layout, models: list[str], steps: in
             model = entries[name].build()
             tied = dict(model.named_parameters(remove_duplicate=False)).get(TIED.get(name, ""))
             pipe = Pipeline(model, loss_fn=None, optimizer=sgd_momentum, schedule="1f1b",
-                            chunks=ZOO_CHUNKS, timeout=timeout, device=device, **split)
+                            chunks=ZOO_CHUNKS, timeout=timeout, device=device,
+                            tuning=Tuning(split_channels=layout.split_channels), **split)
             losses, first = [], time.perf_counter()
             for step, loss in enumerate(pipe.train(entries[name].batches(steps, 1), steps=steps)):
                 losses.append(float(loss) if loss is not None else None)
@@ -624,7 +627,7 @@ def run_layout(layout: Layout, models: list[str], want: dict[str, list[float]],
     return rows
 
 
-def zoo_report(out: str | None, device: torch.device, layout: Layout, rows: list[Row],
+def zoo_report(out: str | None, device: torch.device, layouts: list[Layout], rows: list[Row],
                rtol: float, final: bool) -> bool:
     """The markdown report (to --out, and printed when `final`); whether the check passed."""
     checked = [r for r in rows if r.outcome != "skipped"]
@@ -635,7 +638,8 @@ def zoo_report(out: str | None, device: torch.device, layout: Layout, rows: list
               f"momentum {MOMENTUM}, split before the second layer; pass: every step's loss "
               f"within {rtol:g} (relative) of the loop on {device} with the same gradient "
               f"accumulation (no TF32), and the tied embedding and head identical on both ranks "
-              f"(within {TIED_TOL:g}).", "", f"Layouts: '{layout.name}' = {layout.what}.", "",
+              f"(within {TIED_TOL:g}).", "",
+              "Layouts: " + "; ".join(f"'{x.name}' = {x.what}" for x in layouts) + ".", "",
               "| layout | model | outcome | max loss rel diff | tied drift | time | note |",
               "| --- | --- | --- | ---: | ---: | --- | --- |"]
     lines += [f"| {r.layout} | {r.model} | {r.outcome} | {harness.fmt(r.loss_rel_diff, '.1e', '')}"
@@ -669,13 +673,18 @@ def zoo_main(args: argparse.Namespace, device: torch.device) -> int:
     rtol = ZOO_RTOL[device.type]
     rows = [Row("-", m, "skipped", note=why) for m, why in skipped.items()]
     layout = layout_for(device)
-    zoo_report(args.out, device, layout, rows, rtol, final=False)  # kept if the job is killed
-    if ran:
-        print(f"\n-- layout {layout.name}: {layout.what}", flush=True)
-        for row in run_layout(layout, ran, want, rtol):  # the table comes at the end
+    layouts = [layout]
+    if layout.world > 1:  # and once more with the gradients on a group of their own
+        layouts.append(dataclasses.replace(
+            layout, name=f"{layout.name}, split channels", split_channels=True,
+            what=f"{layout.what}; Tuning(split_channels=True)"))
+    zoo_report(args.out, device, layouts, rows, rtol, final=False)  # kept if the job is killed
+    for each in layouts if ran else []:
+        print(f"\n-- layout {each.name}: {each.what}", flush=True)
+        for row in run_layout(each, ran, want, rtol):  # the table comes at the end
             print(f"  {row.model:8s} {row.outcome} {row.timing}", flush=True)
             rows.append(row)
-    return 0 if zoo_report(args.out, device, layout, rows, rtol, final=True) else 1
+    return 0 if zoo_report(args.out, device, layouts, rows, rtol, final=True) else 1
 
 
 # ==== the command line ==========================================================================

@@ -99,14 +99,14 @@ class Tuning:
     by action). False: the Python executor performs every action itself (the reference the
     exactness tests compare with). Same messages, same order, same results."""
 
-    split_channels: bool | None = None
+    split_channels: bool = False
     """Carry activations and gradients on process groups of their own (ranks as processes).
     Under NCCL a group is a communicator, and a communicator's transfers with one peer run on
     one stream, in order: a gradient received from the next stage then waits behind an
-    activation sent to it (and the other way), which a schedule meant to overlap. Two groups,
-    two streams: they overlap. None: on for GPU runs, off on CPU (gloo moves each group's
-    bytes on an I/O thread of its own; see TUNING.md for the measured effect). Same
-    messages, same results."""
+    activation sent to it (and the other way), where the schedule meant them to overlap. Two
+    groups, two streams. Opt-in until a machine of two GPUs or more has measured it
+    (`bench/gpu.py --set zoo` times both); on the CPU it changes nothing measurable (gloo has
+    no such queue). Same messages, same results."""
 
     def __post_init__(self) -> None:
         if self.queue_depth is not None and not _is_int_at_least(self.queue_depth, 1):
@@ -136,9 +136,8 @@ class Tuning:
         if not isinstance(self.transfer_runs, bool):
             raise TuningError("transfer_runs", f"transfer_runs must be True or False; got "
                                                f"{self.transfer_runs!r}")
-        if self.split_channels not in (None, True, False):
-            raise TuningError("split_channels", f"split_channels must be True, False or None "
-                                                f"(on for GPU runs); got "
+        if not isinstance(self.split_channels, bool):
+            raise TuningError("split_channels", f"split_channels must be True or False; got "
                                                 f"{self.split_channels!r}")
         if self.io_priority not in IO_PRIORITIES:
             raise TuningError("io_priority", f"io_priority must be one of "

@@ -145,10 +145,7 @@ class ProcessWorld:
         Collective."""
         group = self.new_group(list(range(self.size)))
         assert group is not None
-        split = tuning.split_channels
-        if split is None:
-            split = device.type != "cpu"
-        gradients = self.new_group(list(range(self.size))) if split else None
+        gradients = self.new_group(list(range(self.size))) if tuning.split_channels else None
         transport = ProcessTransport(stage_ranks, self.timeout_s, device=device,
                                      group=group.group, depth=tuning.process_queue_depth,
                                      spin_us=tuning.spin_us, recv_pool=tuning.recv_pool,

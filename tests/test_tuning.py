@@ -98,7 +98,7 @@ def assert_same_run(got: tuple[list[float], dict], want: tuple[list[float], dict
     ("offload_stash", "yes", "offload_stash must be True or False"),
     ("link_threads", 1, "link_threads must be True or False"),
     ("transfer_runs", "no", "transfer_runs must be True or False"),
-    ("split_channels", "yes", "split_channels must be True, False or None"),
+    ("split_channels", "yes", "split_channels must be True or False"),
     ("io_priority", "high", "io_priority must be one of auto, normal, low, idle"),
 ])
 def test_a_bad_value_is_refused_naming_the_knob_and_the_value(field, value, words):
@@ -275,7 +275,7 @@ def test_the_tuning_flags_parse_into_the_tuning():
                                       "--bucket-mb", "0.5", "--weight-slots", "3",
                                       "--recv-pool", "4", "--link-threads",
                                       "--io-priority", "idle", "--python-transfers",
-                                      "--split-channels", "on"])
+                                      "--split-channels"])
     assert settings(args).tuning == Tuning(queue_depth=2, spin_us=50.0, bucket_mb=0.5,
                                            weight_slots=3, recv_pool=4, link_threads=True,
                                            io_priority="idle", transfer_runs=False,

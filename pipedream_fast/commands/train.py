@@ -159,10 +159,10 @@ def register(subparsers: Any) -> None:
                        help="perform every transfer action in the Python executor, one at a "
                             "time (the reference path; default: each run of them in one call "
                             "into the C++ core)")
-    knobs.add_argument("--split-channels", choices=("auto", "on", "off"), default="auto",
+    knobs.add_argument("--split-channels", action="store_true",
                        help="activations and gradients on process groups of their own, so "
                             "that under NCCL a receive never waits behind a send to the same "
-                            "peer (default auto: on for GPU runs)")
+                            "peer (default: one group)")
     knobs.add_argument("--io-priority", choices=("auto", "normal", "low", "idle"),
                        default="auto",
                        help="priority of gloo's I/O threads: idle where busy threads outnumber "
