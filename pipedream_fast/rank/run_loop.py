@@ -162,10 +162,13 @@ class RunLoop:
         if self.hang_watch is not None:
             self.hang_watch.start()
         tracker = StepTracker(schedule, self.ctx.rank, chunks)
+        # Every backward starts from its loss / chunks (under fp16 times the scale, as
+        # GradScaler): the update's average over its microbatches is then one scalar at each
+        # root instead of a pass over every gradient (`StageRuntime.prepare_update`).
+        scale = self.stages.scaler.scale if self.stages.scaler is not None else 1.0
         for runtime in runtimes.values():
             runtime.begin_run()
-            if self.stages.scaler is not None:  # a microbatch's loss / chunks, scaled, as GradScaler
-                runtime.loss_scale = self.stages.scaler.scale / chunks
+            runtime.loss_scale = scale / chunks
         yielded = 0
         try:
             for item in self._losses(executor, tracker, steps, chunks, request, vote, kept):

@@ -105,7 +105,9 @@ class StageRuntime:
             raise ValueError(f"precision must be one of {', '.join(AUTOCAST_DTYPES)}, got "
                              f"{precision!r}")
         self.autocast_dtype = AUTOCAST_DTYPES[precision]
-        self.loss_scale = 1.0  # fp16: the backward starts from loss * loss_scale
+        # The backward starts from loss * loss_scale: 1 / chunks in a run (the update's
+        # average, applied at the root), times the scale under fp16.
+        self.loss_scale = 1.0
         self.prepared = False  # gradients already averaged and unscaled for this update
         named = list(module.named_parameters())
         self.param_names = [name for name, _ in named]
@@ -442,7 +444,7 @@ class StageRuntime:
         if not self.prepared:
             grads = self._copy(copy).grads
             scale = 1.0 / (len(microbatches) * self.loss_scale)
-            if scale != 1.0 and grads:  # one microbatch, unscaled: a pass saved
+            if grads and abs(scale - 1.0) > 1e-12:  # the roots averaged already: a pass saved
                 torch._foreach_mul_(grads, scale)
             self.prepared = True
 
