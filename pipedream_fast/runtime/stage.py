@@ -440,7 +440,9 @@ class StageRuntime:
 
     def prepare_update(self, microbatches: Sequence[int], copy: int = 0) -> None:
         """Turns the accumulated gradients (of weight copy `copy`) into the update's:
-        averaged over `microbatches` and, under fp16 loss scaling, unscaled."""
+        averaged over `microbatches` and, under fp16 loss scaling, unscaled. The roots
+        averaged already where the update holds `chunks` microbatches (`loss_scale` =
+        scale / chunks): this divides by what is left, the fp16 scale or another count."""
         if not self.prepared:
             grads = self._copy(copy).grads
             scale = 1.0 / (len(microbatches) * self.loss_scale)
