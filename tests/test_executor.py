@@ -19,8 +19,8 @@ from pipedream_fast.runtime.executor import _PREFETCH, Executor
 from pipedream_fast.runtime.stage import StageRuntime
 from pipedream_fast.schedules import looped_ranks, make_schedule
 from pipedream_fast.schedules.registry import splits_backward
-from pipedream_fast.training import (MicrobatchFeed, check_backend, data_source, feed_uses,
-                                     target_spec)
+from pipedream_fast.training import (MicrobatchFeed, StepTracker, check_backend, data_source,
+                                     feed_uses, target_spec)
 from runtime_reference import interpret_schedule, train_reference
 
 CHUNKS, BATCH = 4, 8
@@ -51,11 +51,14 @@ def split(bounds: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def run_fake(schedule: Schedule, ranges: list[tuple[int, int]], steps: int,
-             chunks: int = CHUNKS, batch: int = BATCH, peaks: dict[str, int] | None = None
+             chunks: int = CHUNKS, batch: int = BATCH, peaks: dict[str, int] | None = None,
+             send_ahead: bool = False
              ) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
     """Trains deep_mlp with `schedule` over the fake transport; returns the whole model's
     weights (checked equal across replicas) and each step's losses. `peaks`, if given, gets
-    the largest size seen of each piece of per-microbatch bookkeeping during the run."""
+    the largest size seen of each piece of per-microbatch bookkeeping during the run.
+    `send_ahead`: at each step a rank finishes, `Executor.send_ahead` as the run loop calls
+    it, checked to leave no send of the finished steps at the head of the program."""
     children = list(deep_mlp().children())
     hub = FakeHub(schedule.num_ranks)
     ranks = range(schedule.num_ranks)
@@ -76,8 +79,17 @@ def run_fake(schedule: Schedule, ranges: list[tuple[int, int]], steps: int,
         inputs = data_source(feed, schedule, rank, lambda x: (x,))
         executor = Executor(schedule, rank, runtimes[rank], FakeTransport(hub, rank),
                             inputs, target_spec=target_spec(torch.zeros(1)))
+        tracker = StepTracker(schedule, rank, chunks)
         try:
             for _, action, loss in executor.run():
+                done = tracker.done(action, steps) if send_ahead else []
+                if done:
+                    limit = (done[-1] + 1) * chunks
+                    executor.send_ahead(limit)
+                    for b in executor._program.ahead():  # up to the next other action
+                        if not b.kind.is_p2p:
+                            break
+                        assert not (b.kind.spec.sends and b.needs("microbatch") < limit), b
                 if loss is not None:
                     mb = action.microbatch
                     seen = losses.setdefault(mb // chunks, {})
@@ -146,6 +158,22 @@ def test_every_schedule_equals_its_reference(name: str, layout: str) -> None:
     schedule = make_schedule(name, len(stage_ranks), steps * CHUNKS, stage_ranks=stage_ranks,
                              **kw)
     got, losses = run_fake(schedule, split(bounds), steps)
+    assert_same(got, reference(schedule, split(bounds), steps, synchronous=name in FLUSH))
+    assert sorted(losses) == list(range(steps)) and all(len(v) == CHUNKS for v in losses.values())
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", FLUSH + ASYNC)
+def test_sends_ahead_of_the_step_bookkeeping_change_nothing(name: str, layout: str) -> None:
+    """`Executor.send_ahead` (the run loop's, at each step a rank finishes) performs the next
+    transfers early: every schedule still equals its reference, and no send of a finished
+    step is left for after the caller's code."""
+    bounds, stage_ranks = LAYOUTS[layout]
+    steps = 3
+    kw = {"chunks": CHUNKS} if name in FLUSH + ("2bw",) else {}
+    schedule = make_schedule(name, len(stage_ranks), steps * CHUNKS, stage_ranks=stage_ranks,
+                             **kw)
+    got, losses = run_fake(schedule, split(bounds), steps, send_ahead=True)
     assert_same(got, reference(schedule, split(bounds), steps, synchronous=name in FLUSH))
     assert sorted(losses) == list(range(steps)) and all(len(v) == CHUNKS for v in losses.values())
 

@@ -270,7 +270,10 @@ class RunLoop:
                                  f"{self.ctx.rank} at {action.to_text()})")
                 if not shared or action.stage == last:  # shared: each loss counted once
                     losses[step][action.microbatch] = loss
-            for step in tracker.done(action, steps):
+            done = tracker.done(action, steps)
+            if done:  # its last sends go out before the step's bookkeeping and the caller's
+                executor.send_ahead((done[-1] + 1) * chunks)
+            for step in done:
                 if shared:
                     finished.append(step)
                 else:

@@ -155,6 +155,10 @@ class Executor:
         self._arrived = getattr(transport, "arrived", None)
         # The run of transfers the loop is performing: (index of its first, its actions).
         self._run_of: tuple[int, list[Action]] | None = None
+        # The index of the action `run` yielded last, and the actions `send_ahead` performed
+        # since (`run` numbers on after them).
+        self._yielded = -1
+        self._ahead = 0
         self._program = Lookahead(compiled_program(schedule, rank))  # replayed by period
         if self.training:  # the schedule's correction for stale weights, if it has one
             for stage in stages.values():
@@ -402,6 +406,49 @@ class Executor:
                     microbatch=action.microbatch, version=action.version,
                     args={"token": action.to_text(), "waited_ms": 0.0}))
 
+    def send_ahead(self, limit: int) -> None:
+        """Called between two yields of `run`, where the caller is about to do a step's
+        bookkeeping (and its own code runs): performs now the transfers that come next in the
+        program, up to the next other action or a send of a microbatch >= `limit` (the first
+        of the steps not yet finished). Otherwise they would wait for that bookkeeping, and a
+        peer finishing the step (for the last stage, the first stage waiting for the last
+        gradient) with them. Receives posted early are posted early anyway (the lowering posts
+        each as soon as it can); nothing is pending afterwards."""
+        gathered: list[Action] = []
+        for b in self._program.ahead():
+            code = _TRANSFER_CODES.get(b.kind)
+            if code is None or (code < 2 and (b.microbatch or 0) >= limit):
+                break
+            gathered.append(b)
+        if not gathered:
+            return
+        for _ in gathered:
+            self._program.pop()
+        first = self._yielded + 1 + self._ahead
+        self._ahead += len(gathered)
+        if self._loop is not None:
+            self._run_transfers(first, gathered, [self._transfer(a, _TRANSFER_CODES[a.kind])
+                                                  for a in gathered])
+            return
+        for index, action in enumerate(gathered, first):  # as `run` performs one
+            t0 = time.perf_counter()
+            self.current = (index, action, t0)
+            try:
+                self._transfer_now(action)
+            except Exception as err:
+                raise RuntimeFailure(f"rank {self.rank}, action {index} ({action.to_text()}): "
+                                     f"{err}") from err
+            t1 = time.perf_counter()
+            self.current = None
+            if self.events is not None:
+                self.events.append(TraceEvent(
+                    rank=self.rank, kind=action.kind.value, start_ms=t0 * 1e3,
+                    duration_ms=(t1 - t0) * 1e3, stage=action.stage,
+                    microbatch=action.microbatch, version=action.version,
+                    args={"token": action.to_text(), "waited_ms": 0.0}))
+            if self.calibration is not None:
+                self.calibration.later(action, t0, t1, 0.0)
+
     def _allreduce(self, a: Action) -> None:
         buckets = self.stages[a.stage].buckets
         if buckets is not None:
@@ -552,8 +599,10 @@ class Executor:
             if self.calibration is not None:
                 self.calibration.later(action, t0, t1, waited)
             self.current = None
+            self._yielded = index
             yield index, action, result
-            index += 1
+            index += 1 + self._ahead  # numbered on after what `send_ahead` performed
+            self._ahead = 0
         if gathered:
             self._run_transfers(index - len(gathered), gathered, records)
         self.transport.flush()
