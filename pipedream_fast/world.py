@@ -135,7 +135,15 @@ class ProcessWorld:
         group = dist.new_group(list(ranks), backend=backend,
                                timeout=timedelta(seconds=self.timeout_s))
         self._groups.append(group)
-        return ProcessGroup(group, ranks) if self.rank in ranks else None
+        if self.rank not in ranks:
+            return None
+        if dist.get_backend(group) == "gloo":
+            # gloo connects the group's mesh inside new_group, and each rank returns once its
+            # own side is up: one that closed the group at once (a Pipeline made and closed)
+            # would cut a peer still connecting ("Connection closed by peer"). A barrier on it
+            # returns only when every member is through.
+            dist.barrier(group=group)
+        return ProcessGroup(group, ranks)
 
     def transport(self, stage_ranks: Sequence[Sequence[int]], device: torch.device,
                   tuning: Tuning) -> Transport:
