@@ -236,8 +236,13 @@ class StepTracker:
         self._stages = schedule.stages_of(rank)
         self._left: dict[int, int] = {}  # step -> computes still to run on this rank
         self._next = 0
+        # Stages of one rank each run every microbatch here: the count is the same every step
+        self._fixed = (2 * chunks * len(self._stages)
+                       if all(schedule.stage_ranks[s] == (rank,) for s in self._stages) else None)
 
     def _expected(self, step: int) -> int:
+        if self._fixed is not None:
+            return self._fixed
         mbs = range(step * self._chunks, (step + 1) * self._chunks)
         return 2 * sum(self._schedule.rank_of(s, mb) == self._rank
                        for s in self._stages for mb in mbs)

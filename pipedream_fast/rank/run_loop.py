@@ -39,6 +39,18 @@ from pipedream_fast.rank.state import RankContext
 from pipedream_fast.rank.state import NonFiniteLoss, _StopAgreed
 
 
+def step_mean(losses: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A step's loss from its microbatches' (each weighed already): their mean. On the CPU
+    from their values, summed in double: a stack and a mean are two operator calls, tens of
+    microseconds at the end of every step, where the first stage's next forward waits for
+    them (`bench/results/hot_path.md`, section 9). Elsewhere on their device, where reading
+    a value would wait for the device."""
+    first = next(iter(losses.values()))
+    if first.device.type == "cpu":
+        return first.new_tensor(math.fsum(map(float, losses.values())) / len(losses))
+    return torch.stack(list(losses.values())).mean()
+
+
 class RunLoop:
     """Runs of the schedule on this rank (see the module's docstring).
 
@@ -278,8 +290,7 @@ class RunLoop:
                     finished.append(step)
                 else:
                     got = losses.pop(step, {})
-                    yield from finish(step, torch.stack(list(got.values())).mean()
-                                      if got else None)
+                    yield from finish(step, step_mean(got) if got else None)
             while finished and due(finished[0]):
                 step = finished.pop(0)
                 yield from finish(step, agreed(step))
