@@ -103,8 +103,7 @@ def components_driver(rank: int, world: int, steps: int, io_priority: str = "aut
                 transport.post_recv(a.peer, act if kind is K.RECV_ACT else grad, a.stage, mb)
             elif kind is K.FORWARD:
                 if rank == 0:
-                    x, y = batches[mb // CHUNKS][0].chunk(CHUNKS)[mb % CHUNKS], \
-                        batches[mb // CHUNKS][1].chunk(CHUNKS)[mb % CHUNKS]
+                    x, y = (t.chunk(CHUNKS)[mb % CHUNKS] for t in batches[mb // CHUNKS])
                 else:
                     x, y, _ = transport.wait_recv(0, act, a.stage, mb)
                 outputs[mb] = stage.forward(mb, a.version, (x,), y)

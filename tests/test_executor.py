@@ -149,17 +149,23 @@ FLUSH = ("gpipe", "1f1b", "zb-h1")
 ASYNC = ("pipedream", "pipedream-vsync", "2bw")
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", FLUSH + ASYNC)
-def test_every_schedule_equals_its_reference(name: str, layout: str) -> None:
+def check_against_reference(name: str, layout: str, send_ahead: bool = False) -> None:
+    """Three steps of schedule `name` on `layout` equal its reference, every step's losses
+    learned."""
     bounds, stage_ranks = LAYOUTS[layout]
     steps = 3
     kw = {"chunks": CHUNKS} if name in FLUSH + ("2bw",) else {}
     schedule = make_schedule(name, len(stage_ranks), steps * CHUNKS, stage_ranks=stage_ranks,
                              **kw)
-    got, losses = run_fake(schedule, split(bounds), steps)
+    got, losses = run_fake(schedule, split(bounds), steps, send_ahead=send_ahead)
     assert_same(got, reference(schedule, split(bounds), steps, synchronous=name in FLUSH))
     assert sorted(losses) == list(range(steps)) and all(len(v) == CHUNKS for v in losses.values())
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", FLUSH + ASYNC)
+def test_every_schedule_equals_its_reference(name: str, layout: str) -> None:
+    check_against_reference(name, layout)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -168,14 +174,7 @@ def test_sends_ahead_of_the_step_bookkeeping_change_nothing(name: str, layout: s
     """`Executor.send_ahead` (the run loop's, at each step a rank finishes) performs the next
     transfers early: every schedule still equals its reference, and no send of a finished
     step is left for after the caller's code."""
-    bounds, stage_ranks = LAYOUTS[layout]
-    steps = 3
-    kw = {"chunks": CHUNKS} if name in FLUSH + ("2bw",) else {}
-    schedule = make_schedule(name, len(stage_ranks), steps * CHUNKS, stage_ranks=stage_ranks,
-                             **kw)
-    got, losses = run_fake(schedule, split(bounds), steps, send_ahead=True)
-    assert_same(got, reference(schedule, split(bounds), steps, synchronous=name in FLUSH))
-    assert sorted(losses) == list(range(steps)) and all(len(v) == CHUNKS for v in losses.values())
+    check_against_reference(name, layout, send_ahead=True)
 
 
 @pytest.mark.parametrize("ranks, v, bounds", [

@@ -155,10 +155,9 @@ class Executor:
         self._arrived = getattr(transport, "arrived", None)
         # The run of transfers the loop is performing: (index of its first, its actions).
         self._run_of: tuple[int, list[Action]] | None = None
-        # The index of the action `run` yielded last, and the actions `send_ahead` performed
-        # since (`run` numbers on after them).
-        self._yielded = -1
-        self._ahead = 0
+        # The index the next action performed gets: `run` sets it at each yield, `send_ahead`
+        # moves it on past what it performs, and `run` numbers on from it.
+        self._next_index = 0
         self._program = Lookahead(compiled_program(schedule, rank))  # replayed by period
         if self.training:  # the schedule's correction for stale weights, if it has one
             for stage in stages.values():
@@ -399,12 +398,17 @@ class Executor:
                 calibration.later(action, stamps[2 * i], stamps[2 * i + 1], 0.0)
         if events is not None:
             for i, action in enumerate(actions):
-                t0, t1 = stamps[2 * i], stamps[2 * i + 1]
-                events.append(TraceEvent(
-                    rank=self.rank, kind=action.kind.value, start_ms=t0 * 1e3,
-                    duration_ms=(t1 - t0) * 1e3, stage=action.stage,
-                    microbatch=action.microbatch, version=action.version,
-                    args={"token": action.to_text(), "waited_ms": 0.0}))
+                self._trace(action, stamps[2 * i], stamps[2 * i + 1], 0.0)
+
+    def _trace(self, action: Action, t0: float, t1: float, waited: float) -> None:
+        """The trace's event of an action performed (with `trace`)."""
+        assert self.events is not None
+        self.events.append(TraceEvent(
+            # Absolute monotonic time: comparable across the processes of one machine.
+            rank=self.rank, kind=action.kind.value, start_ms=t0 * 1e3,
+            duration_ms=(t1 - t0) * 1e3, stage=action.stage,
+            microbatch=action.microbatch, version=action.version,
+            args={"token": action.to_text(), "waited_ms": waited * 1e3}))
 
     def send_ahead(self, limit: int) -> None:
         """Called between two yields of `run`, where the caller is about to do a step's
@@ -424,8 +428,8 @@ class Executor:
             return
         for _ in gathered:
             self._program.pop()
-        first = self._yielded + 1 + self._ahead
-        self._ahead += len(gathered)
+        first = self._next_index
+        self._next_index += len(gathered)
         if self._loop is not None:
             self._run_transfers(first, gathered, [self._transfer(a, _TRANSFER_CODES[a.kind])
                                                   for a in gathered])
@@ -441,11 +445,7 @@ class Executor:
             t1 = time.perf_counter()
             self.current = None
             if self.events is not None:
-                self.events.append(TraceEvent(
-                    rank=self.rank, kind=action.kind.value, start_ms=t0 * 1e3,
-                    duration_ms=(t1 - t0) * 1e3, stage=action.stage,
-                    microbatch=action.microbatch, version=action.version,
-                    args={"token": action.to_text(), "waited_ms": 0.0}))
+                self._trace(action, t0, t1, 0.0)
             if self.calibration is not None:
                 self.calibration.later(action, t0, t1, 0.0)
 
@@ -590,19 +590,13 @@ class Executor:
             elif action.kind in _UPDATES:
                 stats.update_s += t1 - t0
             if self.events is not None:
-                self.events.append(TraceEvent(
-                    # Absolute monotonic time: comparable across the processes of one machine.
-                    rank=self.rank, kind=action.kind.value, start_ms=t0 * 1e3,
-                    duration_ms=(t1 - t0) * 1e3, stage=action.stage,
-                    microbatch=action.microbatch, version=action.version,
-                    args={"token": action.to_text(), "waited_ms": waited * 1e3}))
+                self._trace(action, t0, t1, waited)
             if self.calibration is not None:
                 self.calibration.later(action, t0, t1, waited)
             self.current = None
-            self._yielded = index
+            self._next_index = index + 1
             yield index, action, result
-            index += 1 + self._ahead  # numbered on after what `send_ahead` performed
-            self._ahead = 0
+            index = self._next_index  # on past what `send_ahead` performed meanwhile
         if gathered:
             self._run_transfers(index - len(gathered), gathered, records)
         self.transport.flush()
