@@ -39,8 +39,14 @@ class Call:
     grads: list[torch.Tensor | None] = field(default_factory=list)
 
     def keep_grad(self, index: int) -> Any:
+        """A hook for output `index` that keeps its gradient. It holds the list, not the call:
+        the call holds the output, whose hook this is, so a hook holding the call would make
+        a cycle (output -> hook -> call -> output) that only the cyclic garbage collector
+        frees, with the microbatch's activations and gradients in it."""
+        grads = self.grads
+
         def hook(grad: torch.Tensor) -> None:
-            self.grads[index] = grad
+            grads[index] = grad
         return hook
 
 
