@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -90,17 +91,32 @@ def machine_busy_s() -> float:
 
 class Clock:
     """A rank's stamps (comparable across ranks) at the end of the warm-up and of the last
-    step, with the machine's busy and this process's CPU time in between."""
+    step, with the machine's busy and this process's CPU time in between, the page faults
+    the process took meanwhile (minor: fresh memory faulted in) and its resident memory at
+    the end."""
 
     def __init__(self) -> None:
         self.start = self.busy = self.cpu = 0.0
+        self.faults = 0
 
     def warmed_up(self) -> None:
         self.start, self.busy, self.cpu = time.perf_counter(), machine_busy_s(), time.process_time()
+        self.faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
     def done(self) -> dict[str, float]:
         return {"start": self.start, "end": time.perf_counter(),
-                "busy_s": machine_busy_s() - self.busy, "cpu_s": time.process_time() - self.cpu}
+                "busy_s": machine_busy_s() - self.busy, "cpu_s": time.process_time() - self.cpu,
+                "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.faults,
+                "rss_mb": resident_mb()}
+
+
+def resident_mb() -> float:
+    """This process's resident memory in MiB (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return 0.0
 
 
 def window(ranks: Sequence[Mapping[str, Any]], samples: int) -> dict[str, float]:

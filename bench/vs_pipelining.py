@@ -35,12 +35,14 @@ from pipedream_fast.formats import Plan, StagePlan
 from pipedream_fast.launch import launch
 from pipedream_fast.models import build_cnn
 from pipedream_fast.training import model_loss, split_microbatches
+from pipedream_fast.tuning import Tuning
 
 import harness  # noqa: E402 - a sibling
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the zoo
 
 BATCH, WORLD, LR = 32, 2, 0.01
+NO_CACHE = "ours, no CPU cache"  # a side: Tuning(cpu_cache_mb=0), malloc's own behaviour
 VOCAB, SEQ, LAYERS, HEADS, WIDTH = 64, 16, 2, 4, 64  # the transformer set's nanoGPT
 A2, A4 = [(0, 6), (6, 9)], [(0, 3), (3, 6), (6, 7), (7, 9)]  # model A's blocks [start, stop)
 # per model: ours, torch's class, stages, microbatch counts per step, placement on the ranks
@@ -145,6 +147,7 @@ def one_run(ranks: list[dict[str, Any]], samples: int) -> dict[str, Any]:
         return {"error": (own or errors)[0],
                 "tracebacks": [r.get("traceback", "") for r in ranks if "error" in r]}
     return {**harness.window(ranks, samples), "first_step_s": max(r["first_step_s"] for r in ranks),
+            "page_faults": [r["page_faults"] for r in ranks], "rss_mb": [r["rss_mb"] for r in ranks],
             "losses": next(r["losses"] for r in ranks if r["losses"] is not None)}
 
 
@@ -213,16 +216,19 @@ def stage_rank(k: int, num_stages: int, placement: str) -> int:
 def side_rank(rank: int, world: int, side: str, schedule: str, model: str,
               stages: list[tuple[int, int]], chunks: int, warmup: int, steps: int,
               placement: str) -> dict[str, Any]:
-    """One run on this rank of `side` ("ours" or "torch") on `stages`, `chunks` microbatches."""
+    """One run on this rank of `side` ("ours", NO_CACHE: ours without the CPU block cache, or
+    "torch") on `stages`, `chunks` microbatches."""
     began, total = time.perf_counter(), warmup + steps
     module, loss_fn, batch = sequential(model)
     where = [stage_rank(k, len(stages), placement) for k in range(len(stages))]
     last = where[-1] == rank
-    if side == "ours":
+    if side in ("ours", NO_CACHE):
         plan = Plan(model, BATCH, WORLD, schedule, [StagePlan(a, b, 1, (r,), 0.0)
                                                     for (a, b), r in zip(stages, where)], 1.0, 1.0)
+        tuning = Tuning(cpu_cache_mb=0) if side == NO_CACHE else Tuning()
         return ours_steps(module, loss_fn, lambda ps: torch.optim.SGD(ps, lr=LR), [batch] * total,
-                          warmup, last, began, plan=plan, schedule=schedule, chunks=chunks)
+                          warmup, last, began, plan=plan, schedule=schedule, chunks=chunks,
+                          tuning=tuning)
     from torch.distributed import pipelining
 
     blocks = list(module.children())

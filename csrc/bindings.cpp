@@ -9,6 +9,7 @@
 
 #include "activation_queue.h"
 #include "comm_engine.h"
+#include "cpu_cache.h"
 #include "errors.h"
 #include "transfer_loop.h"
 #include "weight_ring.h"
@@ -41,6 +42,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::register_exception<VersionError>(m, "VersionError", PyExc_LookupError);
 
   m.def("now_ns", &now_ns, "Monotonic clock in ns (the clock that stamps Bundle.enqueued_ns).");
+
+  m.attr("CPU_CACHE_MIN_BYTES") = kCpuCacheMinBytes;
+  m.def("cpu_cache_acquire", &cpu_cache_acquire, py::arg("limit_bytes"),
+        "Installs the CPU block cache as c10's CPU allocator (counted: one release each), "
+        "keeping up to `limit_bytes` of freed blocks; False when another allocator has a "
+        "higher priority (nothing installed).");
+  m.def("cpu_cache_release", &cpu_cache_release,
+        "One user of the CPU block cache less; the last one puts the previous allocator back "
+        "and frees the cached blocks.");
+  m.def("cpu_cache_empty", &cpu_cache_empty, "Frees the CPU block cache's free blocks.");
+  m.def(
+      "cpu_cache_stats",
+      [] {
+        const CpuCacheStats s = cpu_cache_stats();
+        py::dict d;
+        d["installed"] = s.installed;
+        d["users"] = s.users;
+        d["limit_bytes"] = s.limit_bytes;
+        d["cached_bytes"] = s.cached_bytes;
+        d["live_bytes"] = s.live_bytes;
+        d["hits"] = s.hits;
+        d["misses"] = s.misses;
+        d["dropped"] = s.dropped;
+        return d;
+      },
+      "The CPU block cache's state and counts (requests of at least CPU_CACHE_MIN_BYTES).");
 
   py::class_<Bundle>(m, "Bundle", "Tensors handed between pipeline stages, with their tags.")
       .def_readonly("tensors", &Bundle::tensors)

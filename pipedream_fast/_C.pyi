@@ -28,6 +28,23 @@ class VersionError(LookupError):
 def now_ns() -> int:
     """Monotonic clock in ns (the clock that stamps Bundle.enqueued_ns)."""
 
+CPU_CACHE_MIN_BYTES: int
+
+def cpu_cache_acquire(limit_bytes: int) -> bool:
+    """Installs the CPU block cache as c10's CPU allocator (counted: one release each),
+    keeping up to `limit_bytes` of freed blocks; False when another allocator has a higher
+    priority (nothing installed)."""
+
+def cpu_cache_release() -> None:
+    """One user of the CPU block cache less; the last one puts the previous allocator back
+    and frees the cached blocks."""
+
+def cpu_cache_empty() -> None:
+    """Frees the CPU block cache's free blocks."""
+
+def cpu_cache_stats() -> dict[str, int | bool]:
+    """The CPU block cache's state and counts (requests of at least CPU_CACHE_MIN_BYTES)."""
+
 class Bundle:
     """Tensors handed between pipeline stages, with their tags.
 

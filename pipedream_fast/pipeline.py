@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 
 from pipedream_fast import checkpoint as ckpt
 from pipedream_fast.formats import Plan, Profile
+from pipedream_fast.runtime.cpu_cache import CpuCacheHold
 from pipedream_fast.runtime.memory import rank_memory
 from pipedream_fast.runtime.stage import (OptimizerFactory, SchedulerFactory)
 from pipedream_fast.schedules import SYNCHRONOUS
@@ -303,6 +304,9 @@ class Pipeline:
         tuning.check_device(device)
         self._world = world
         weakref.finalize(self, world.release)
+        # Freed CPU tensor memory kept for reuse while the Pipeline is open (Tuning.cpu_cache_mb)
+        self._cpu_cache = CpuCacheHold(device, tuning.cpu_cache_bytes)
+        weakref.finalize(self, self._cpu_cache.release)
         ctx = RankContext(opts, world, device, tuning, loss_fn or model_loss,
                           inputs_only=loss_fn is None, optimizer_factory=optimizer,
                           scheduler_factory=scheduler, run_id=self._run_id)
@@ -736,3 +740,4 @@ class Pipeline:
         self._run_loop.close()
         self._world.release()
         self._stages.drop_links()
+        self._cpu_cache.release()

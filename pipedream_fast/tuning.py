@@ -108,6 +108,17 @@ class Tuning:
     (`bench/gpu.py --set zoo` times both); on the CPU it changes nothing measurable (gloo has
     no such queue). Same messages, same results."""
 
+    cpu_cache_mb: float = 2048.0
+    """MiB of freed CPU tensor memory each process keeps for reuse (CPU runs; blocks of 256
+    KiB or more; `csrc/cpu_cache.h`). Without it a block above malloc's mmap threshold is
+    mapped fresh at each allocation and unmapped at each free, and the heap's free top goes
+    back to the system, so every step faults in and zeroes its activations and gradients
+    page by page again: on model A a third of a step, and half of the fully connected
+    stages' (`bench/results/cpu_cache.md`). As the CUDA caching allocator, the cache keeps
+    freed blocks and hands them out again; the process then holds its peak memory instead
+    of giving it back between steps. Installed as c10's CPU allocator while a Pipeline is
+    open (the previous one comes back at close). 0: off, malloc's own behaviour."""
+
     def __post_init__(self) -> None:
         if self.queue_depth is not None and not _is_int_at_least(self.queue_depth, 1):
             raise TuningError("queue_depth", f"queue_depth must be an integer >= 1 (messages "
@@ -139,6 +150,9 @@ class Tuning:
         if not isinstance(self.split_channels, bool):
             raise TuningError("split_channels", f"split_channels must be True or False; got "
                                                 f"{self.split_channels!r}")
+        if not _is_finite_at_least(self.cpu_cache_mb, 0.0):
+            raise TuningError("cpu_cache_mb", f"cpu_cache_mb must be a finite size in MiB >= 0 "
+                                              f"(0: off); got {self.cpu_cache_mb!r}")
         if self.io_priority not in IO_PRIORITIES:
             raise TuningError("io_priority", f"io_priority must be one of "
                                              f"{', '.join(IO_PRIORITIES)}; got "
@@ -157,6 +171,10 @@ class Tuning:
     def thread_queue_depth(self) -> int:
         """The queue depth of a ThreadHub link (ranks as threads)."""
         return THREAD_QUEUE_DEPTH if self.queue_depth is None else self.queue_depth
+
+    @property
+    def cpu_cache_bytes(self) -> int:
+        return int(self.cpu_cache_mb * MIB)
 
     def check_device(self, device: torch.device) -> None:
         """Refuses offload_stash for weights that do not live on a GPU."""

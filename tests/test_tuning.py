@@ -72,7 +72,7 @@ def every_knob(plan: Plan, schedule: str) -> Tuning:
     """Every knob away from its default (offload_stash needs a GPU)."""
     return Tuning(queue_depth=1, spin_us=50.0, bucket_mb=0.01,
                   weight_slots=slots_needed(plan, schedule) + 2, recv_pool=1, link_threads=True,
-                  io_priority="idle")
+                  io_priority="idle", cpu_cache_mb=0.0)
 
 
 def assert_same_run(got: tuple[list[float], dict], want: tuple[list[float], dict]) -> None:
@@ -100,6 +100,8 @@ def assert_same_run(got: tuple[list[float], dict], want: tuple[list[float], dict
     ("transfer_runs", "no", "transfer_runs must be True or False"),
     ("split_channels", "yes", "split_channels must be True or False"),
     ("io_priority", "high", "io_priority must be one of auto, normal, low, idle"),
+    ("cpu_cache_mb", -1.0, "cpu_cache_mb must be a finite size in MiB >= 0"),
+    ("cpu_cache_mb", float("inf"), "cpu_cache_mb must be a finite size in MiB >= 0"),
 ])
 def test_a_bad_value_is_refused_naming_the_knob_and_the_value(field, value, words):
     with pytest.raises(TuningError) as info:
@@ -217,6 +219,7 @@ def process_job(rank: int, world: int) -> dict:
                 "run": (losses, pipe.state_dict()),
                 "engine": (engine.depth, engine.spin_us, engine.recv_pool, engine.background),
                 "io": io_policies(), "threads": torch.get_num_threads(),
+                "cpu_cache": _C.cpu_cache_stats()["installed"],
                 "rings": {i: rt.ring.capacity for i, rt in pipe._stages.runtimes.items()},
                 "buckets": {i: rt.buckets.num_buckets for i, rt in pipe._stages.runtimes.items()
                             if rt.buckets}}
@@ -260,6 +263,7 @@ def test_every_knob_reaches_the_comm_engine_rings_and_buckets(process_runs, plan
                                      else os.SCHED_OTHER]
         assert os.SCHED_IDLE in tuned["io"]  # the run's I/O threads, at least
         assert set(tuned["rings"].values()) == {tuning.weight_slots}
+        assert default["cpu_cache"] and not tuned["cpu_cache"]  # cpu_cache_mb=0: off
         if schedule == "data-parallel":  # the replicated stage's buckets
             assert default["buckets"] == {0: 1} and tuned["buckets"][0] > 1
 
@@ -275,11 +279,11 @@ def test_the_tuning_flags_parse_into_the_tuning():
                                       "--bucket-mb", "0.5", "--weight-slots", "3",
                                       "--recv-pool", "4", "--link-threads",
                                       "--io-priority", "idle", "--python-transfers",
-                                      "--split-channels"])
+                                      "--split-channels", "--cpu-cache-mb", "64"])
     assert settings(args).tuning == Tuning(queue_depth=2, spin_us=50.0, bucket_mb=0.5,
                                            weight_slots=3, recv_pool=4, link_threads=True,
                                            io_priority="idle", transfer_runs=False,
-                                           split_channels=True)
+                                           split_channels=True, cpu_cache_mb=64.0)
     assert settings(build_parser().parse_args(["train"])).tuning == Tuning()
 
 
@@ -287,6 +291,7 @@ def test_the_tuning_flags_parse_into_the_tuning():
     (["--queue-depth", "0"], "--queue-depth: queue_depth must be an integer >= 1"),
     (["--bucket-mb", "-1"], "--bucket-mb: bucket_mb must be a positive finite size"),
     (["--recv-pool", "0"], "--recv-pool: recv_pool must be an integer >= 1"),
+    (["--cpu-cache-mb", "-5"], "--cpu-cache-mb: cpu_cache_mb must be a finite size in MiB"),
     (["--threads", "2", "--offload-stash"], f"--offload-stash: {OFFLOAD_MESSAGE}"),
 ])
 def test_a_bad_tuning_flag_is_reported_under_its_flag(flags, words):

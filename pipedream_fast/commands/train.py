@@ -152,6 +152,11 @@ def register(subparsers: Any) -> None:
     knobs.add_argument("--recv-pool", type=int, default=Tuning.recv_pool, metavar="N",
                        help=f"receive buffer sets pooled per link between processes "
                             f"(default {Tuning.recv_pool})")
+    knobs.add_argument("--cpu-cache-mb", type=float, default=Tuning.cpu_cache_mb,
+                       metavar="MIB",
+                       help=f"MiB of freed CPU tensor memory each process keeps for reuse "
+                            f"instead of faulting it in again every step (default "
+                            f"{Tuning.cpu_cache_mb:g}; 0: off)")
     knobs.add_argument("--link-threads", action="store_true",
                        help="move CPU transfers on a send and a receive thread per link, as "
                             "on a GPU (default: issued on the rank's own thread)")

@@ -196,7 +196,7 @@ def _tuning(args: argparse.Namespace, on_gpus: bool) -> Tuning:
                         recv_pool=args.recv_pool, offload_stash=args.offload_stash,
                         link_threads=args.link_threads, io_priority=args.io_priority,
                         transfer_runs=not args.python_transfers,
-                        split_channels=args.split_channels)
+                        split_channels=args.split_channels, cpu_cache_mb=args.cpu_cache_mb)
     except TuningError as err:
         raise UsageError(f"--{err.field.replace('_', '-')}: {err}") from None
     if tuning.offload_stash and not on_gpus:
