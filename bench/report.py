@@ -227,10 +227,26 @@ def adaptive_rows(data: dict[str, Any]) -> list[Row]:
              "; ".join(parts), f"at least 80% of the gap recovered: {goal(met)}")] if parts else []
 
 
+def cpu_cache_rows(data: dict[str, Any]) -> list[Row]:
+    """The CPU block cache's worth: ours with and without it, torch beside."""
+    parts = []
+    for row in data["rows"]:
+        if "error" in row:
+            parts.append(f"{row['schedule']}: failed")
+            continue
+        on, off = row["sides"]["ours"], row["sides"]["ours, no CPU cache"]
+        faults = max(off["faults_per_step"]), max(on["faults_per_step"])
+        parts.append(f"{row['schedule']}: {on['vs_no_cache']:.2f}x without it, page faults per "
+                     f"step {faults[0]:,.0f} -> {faults[1]:,.0f}; ours/torch {off['vs_torch']:.2f}x "
+                     f"without it, {on['vs_torch']:.2f}x with it")
+    return [("the CPU block cache on model A (`Tuning.cpu_cache_mb`): ours with it against ours "
+             "without it and torch.distributed.pipelining", "; ".join(parts), "-")]
+
+
 SECTIONS: dict[str, Callable[[Any], list[Row]]] = {
     "vs_ddp": ddp_rows, "time_to_accuracy": accuracy_rows, "vs_pipelining": pipelining_rows,
     "sim_accuracy": sim_rows, "adaptive": adaptive_rows, "overhead": overhead_rows,
-    "memory": memory_rows, "knobs": knob_rows}
+    "memory": memory_rows, "knobs": knob_rows, "cpu_cache": cpu_cache_rows}
 
 
 def table(results: Path) -> str:

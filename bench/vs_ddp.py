@@ -68,16 +68,25 @@ def worker(contender: str, model_name: str, split: int, warmup: int,
     """A contender's rank, or ("alone") the whole model on the whole batch in this process: its
     window after the warm-up (`netcluster.since`)."""
     from pipedream_fast.pipeline import Pipeline
+    from pipedream_fast.runtime.cpu_cache import CpuCacheHold
+    from pipedream_fast.tuning import Tuning
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, batch = MODELS[model_name](), fixed_batch()
     if contender in ("ddp", "alone"):
-        train = netcluster.trainer(model, contender == "ddp", lambda ps: torch.optim.SGD(ps, lr=LR))
-        train([batch] * warmup)
-        start = netcluster.snapshot()
-        train([batch] * measured)
-        return netcluster.since(start)
+        # The same memory behaviour as the pipelines' (the CPU block cache a Pipeline holds),
+        # so that the ratios measure the parallelism, not the allocator.
+        hold = CpuCacheHold(torch.device("cpu"), Tuning().cpu_cache_bytes)
+        try:
+            train = netcluster.trainer(model, contender == "ddp",
+                                       lambda ps: torch.optim.SGD(ps, lr=LR))
+            train([batch] * warmup)
+            start = netcluster.snapshot()
+            train([batch] * measured)
+            return netcluster.since(start)
+        finally:
+            hold.release()
     schedule = "pipedream" if contender == "pipedream-balanced" else contender
     pipe = Pipeline(model, nn.functional.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=LR),
                     plan=two_stage_plan(model_name, split, len(model), schedule), timeout=600.0,
@@ -187,7 +196,9 @@ def markdown(got: dict[str, Any], total_s: float) -> str:
     lines = [*netcluster.header("pipedream_fast vs DistributedDataParallel on an emulated "
                                 "2-machine cluster", got["links_mb_s"], total_s),
              "- A batch of 32 a step, SGD lr 0.01, one fixed synthetic batch. DDP: 16 per rank; "
-             "`pipedream`: one microbatch; `2bw` and `1f1b`: two of 16, one update a step.",
+             "`pipedream`: one microbatch; `2bw` and `1f1b`: two of 16, one update a step. "
+             "DDP and the ranks alone (the limit) run with the CPU block cache a Pipeline holds "
+             "(`Tuning.cpu_cache_mb`), so the ratios measure the parallelism, not the allocator.",
              "- Samples/s: after the warm-up (a pipeline: its last rank's clock); steps, warm-up "
              "+ measured: DDP " + ", ".join(f"{k} {v}" for k, v in ddp.items()) + "; pipelines "
              + next(f"{r['warmup']}+{r['measured']}" for r in rows if r["contender"] != "ddp")

@@ -2,6 +2,7 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <pthread.h>
 
 #include <iterator>
 #include <map>
@@ -65,7 +66,14 @@ class CpuBlockCache final : public c10::Allocator {
 
   static CpuBlockCache& instance() {
     // Never destroyed: a tensor freed during the process's exit still finds it.
-    static auto* cache = new CpuBlockCache();
+    static auto* cache = [] {
+      auto* made = new CpuBlockCache();
+      // A fork (a DataLoader's workers) while another thread holds the lock would leave the
+      // child's copy locked for good: the lock is taken around the fork, as malloc's is.
+      pthread_atfork([] { instance().mu_.lock(); }, [] { instance().mu_.unlock(); },
+                     [] { instance().mu_.unlock(); });
+      return made;
+    }();
     return *cache;
   }
 
