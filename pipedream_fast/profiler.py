@@ -46,7 +46,9 @@ import torch
 from torch import nn
 
 from pipedream_fast.formats import BlockProfile, Profile
+from pipedream_fast.runtime.cpu_cache import CpuCacheHold
 from pipedream_fast.tracing import LayerChain, trace
+from pipedream_fast.tuning import MIB, Tuning
 
 # lr=0 so that the one measuring step leaves the weights as they were.
 OPTIMIZERS: dict[str, Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer]] = {
@@ -244,11 +246,16 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
                   optimizer: str | Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer] = "sgd",
                   warmup: int = 2, repeat: int = 5, device: str | torch.device = "cpu",
                   progress: bool = True, model_name: str | None = None,
-                  leaf_modules: Sequence[Any] = (), chain: LayerChain | None = None) -> Profile:
+                  leaf_modules: Sequence[Any] = (), chain: LayerChain | None = None,
+                  cpu_cache_mb: float | None = None) -> Profile:
     """Trace `model`, run each block alone, and return its per-block `Profile`.
 
     `example_input` is one minibatch of `batch_size` samples (a tensor or a tuple of them).
     The model is moved to `device` and put in training mode; its weights are not changed.
+    `cpu_cache_mb`: on the CPU the blocks are measured under the memory behaviour the
+    runtime will train with (the C++ core's CPU block cache, `Tuning.cpu_cache_mb`; None:
+    its default; 0: malloc's), since a block whose large tensors are faulted in afresh at
+    every run takes longer than the same block on reused memory.
     """
     if warmup < 0 or repeat < 1:
         raise ValueError(f"need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}")
@@ -289,6 +296,8 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
     runs = warmup + repeat
     title = f"profiling {model_name or type(model).__name__}"
     saved_grads = {p: p.grad for p in model.parameters()}
+    cache = CpuCacheHold(dev, int((Tuning.cpu_cache_mb if cpu_cache_mb is None
+                                   else cpu_cache_mb) * MIB))
     try:
         with _progress(progress) as bar:
             task = bar.add_task(title, total=len(chain) * runs + 1) if bar else None
@@ -335,6 +344,7 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
             if bar is not None:
                 bar.advance(task)
     finally:
+        cache.release()
         for p, grad in saved_grads.items():
             p.grad = grad  # undo what the measuring backward passes accumulated
         with torch.no_grad():

@@ -98,3 +98,29 @@ def test_a_pipeline_holds_the_cache_while_open_and_trains_exactly_as_without() -
     assert cached[0] == plain[0]
     assert cached[1].keys() == plain[1].keys()
     assert all(torch.equal(cached[1][k], plain[1][k]) for k in plain[1])
+
+
+class Seen(nn.Module):
+    """A layer that notes whether the cache is installed each time it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.installed: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.installed.append(bool(_C.cpu_cache_stats()["installed"]))
+        return self.lin(x)
+
+
+def test_the_profiler_measures_under_the_memory_behaviour_the_run_will_have() -> None:
+    from pipedream_fast.profiler import profile_model
+
+    for mb, want in ((None, True), (0.0, False)):
+        model = nn.Sequential(Seen(), nn.ReLU(), Seen())
+        profile_model(model, torch.randn(4, 8), 4, warmup=0, repeat=1, progress=False,
+                      cpu_cache_mb=mb)
+        # the timed runs (the trace's and the reference forward before them are not timed)
+        assert model[0].installed[-1] is want and model[2].installed[-1] is want, mb
+        assert want or not any(model[0].installed + model[2].installed)
+        assert not cpu_cache_stats()["installed"]  # released with the profile

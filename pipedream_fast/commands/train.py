@@ -213,7 +213,8 @@ def _profile(s: Settings, micro: int, train_data: Any) -> Profile:
     module, _ = build_model(s.model, micro)
     inputs, _ = _check_fit(module, next(iter(DataLoader(train_data, batch_size=micro))), s)
     return profile_model(module, inputs, micro, warmup=1, repeat=3, progress=False,
-                         model_name=s.model, optimizer=PROFILE_OPTIMIZER[s.optimizer])
+                         model_name=s.model, optimizer=PROFILE_OPTIMIZER[s.optimizer],
+                         cpu_cache_mb=s.tuning.cpu_cache_mb)
 
 
 def _given_profile(path: str, micro: int) -> Profile:

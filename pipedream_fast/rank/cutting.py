@@ -258,7 +258,8 @@ class Stages:
                                      split_microbatches(example_inputs, chunks)[0])
         args = self.chain.flatten_inputs(microbatch)
         profile = profile_model(self.model, args, batch_size=batch_size(microbatch),
-                                progress=False, chain=self.chain)
+                                progress=False, chain=self.chain,
+                                cpu_cache_mb=self.ctx.tuning.cpu_cache_mb)
         if self.profile is None:  # what `adapt` re-plans from
             self.profile = profile
         plan = self._plan_profile(profile, chunks)
