@@ -4,6 +4,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <pthread.h>
 
+#include <atomic>
 #include <iterator>
 #include <map>
 #include <mutex>
@@ -20,11 +21,8 @@ constexpr size_t kPage = 4096;
 class CpuBlockCache final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) override {
-    c10::Allocator* previous = nullptr;
-    {
-      std::lock_guard<std::mutex> guard(mu_);
-      previous = previous_;
-    }
+    // Every CPU tensor comes here, the small ones too: no lock on their way through.
+    c10::Allocator* previous = previous_.load(std::memory_order_acquire);
     if (previous == nullptr) previous = c10::GetDefaultCPUAllocator();
     if (n < static_cast<size_t>(kCpuCacheMinBytes)) return previous->allocate(n);
     const size_t size = (n + kPage - 1) / kPage * kPage;
@@ -81,10 +79,10 @@ class CpuBlockCache final : public c10::Allocator {
     std::lock_guard<std::mutex> guard(mu_);
     if (users_ == 0) {
       c10::Allocator* current = c10::GetCPUAllocator();
-      if (current != this) previous_ = current;
+      if (current != this) previous_.store(current, std::memory_order_release);
       c10::SetCPUAllocator(this, /*priority=*/0);  // not over a higher priority one
       if (c10::GetCPUAllocator() != this) {
-        previous_ = nullptr;
+        previous_.store(nullptr, std::memory_order_release);
         return false;
       }
       limit_ = limit;
@@ -101,8 +99,9 @@ class CpuBlockCache final : public c10::Allocator {
       std::lock_guard<std::mutex> guard(mu_);
       if (users_ == 0) return;
       if (--users_ > 0) return;
-      if (c10::GetCPUAllocator() == this && previous_ != nullptr) {
-        c10::SetCPUAllocator(previous_, /*priority=*/0);
+      c10::Allocator* previous = previous_.load(std::memory_order_acquire);
+      if (c10::GetCPUAllocator() == this && previous != nullptr) {
+        c10::SetCPUAllocator(previous, /*priority=*/0);
       }
       limit_ = 0;  // blocks freed from now on go back at once
       take_free(freed);
@@ -154,8 +153,8 @@ class CpuBlockCache final : public c10::Allocator {
       auto it = live_.find(data);
       if (it == live_.end()) {
         // Not one of ours: a small block that `raw_deallocate` hands to this deleter.
-        c10::Allocator* previous = previous_ != nullptr ? previous_
-                                                        : c10::GetDefaultCPUAllocator();
+        c10::Allocator* previous = previous_.load(std::memory_order_acquire);
+        if (previous == nullptr) previous = c10::GetDefaultCPUAllocator();
         c10::DeleterFnPtr deleter = previous->raw_deleter();
         if (deleter != nullptr) deleter(data);
         return;
@@ -174,7 +173,7 @@ class CpuBlockCache final : public c10::Allocator {
   }
 
   std::mutex mu_;
-  c10::Allocator* previous_ = nullptr;
+  std::atomic<c10::Allocator*> previous_{nullptr};  // written under mu_
   int64_t users_ = 0;
   int64_t limit_ = 0;
   int64_t cached_ = 0;

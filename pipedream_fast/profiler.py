@@ -48,7 +48,7 @@ from torch import nn
 from pipedream_fast.formats import BlockProfile, Profile
 from pipedream_fast.runtime.cpu_cache import CpuCacheHold
 from pipedream_fast.tracing import LayerChain, trace
-from pipedream_fast.tuning import MIB, Tuning
+from pipedream_fast.tuning import Tuning
 
 # lr=0 so that the one measuring step leaves the weights as they were.
 OPTIMIZERS: dict[str, Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer]] = {
@@ -296,8 +296,8 @@ def profile_model(model: nn.Module, example_input: Any, batch_size: int, *,
     runs = warmup + repeat
     title = f"profiling {model_name or type(model).__name__}"
     saved_grads = {p: p.grad for p in model.parameters()}
-    cache = CpuCacheHold(dev, int((Tuning.cpu_cache_mb if cpu_cache_mb is None
-                                   else cpu_cache_mb) * MIB))
+    cache = CpuCacheHold(dev, (Tuning() if cpu_cache_mb is None
+                               else Tuning(cpu_cache_mb=cpu_cache_mb)).cpu_cache_bytes)
     try:
         with _progress(progress) as bar:
             task = bar.add_task(title, total=len(chain) * runs + 1) if bar else None
