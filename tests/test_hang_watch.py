@@ -155,7 +155,7 @@ loss.calls = 0
 torch.manual_seed(0)
 pipe = Pipeline(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)), loss,
                 lambda ps: torch.optim.SGD(ps, lr=0.1), schedule="1f1b", chunks=2,
-                balance=[2, 1], timeout=300)
+                balance=[2, 1], timeout=300, hang_report=0.5)
 data = [(torch.randn(8, 6), torch.randn(8, 3)) for _ in range(4)]
 for _ in pipe.train(data, steps=4):
     pass
@@ -168,23 +168,29 @@ def test_sigterm_during_a_hang_says_where_each_rank_stands_before_the_grace_ends
     import sys
     from pathlib import Path
 
-    job, hung = tmp_path / "job.py", tmp_path / "hung"
+    job, hung, log = tmp_path / "job.py", tmp_path / "hung", tmp_path / "stderr.txt"
     job.write_text(HUNG_JOB)
     root = Path(__file__).resolve().parent.parent
-    launcher = subprocess.Popen([sys.executable, "-m", "pipedream_fast.cli", "run", "--nproc",
-                                 "2", str(job), str(hung)], cwd=root, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    with open(log, "w") as err:
+        launcher = subprocess.Popen([sys.executable, "-m", "pipedream_fast.cli", "run",
+                                     "--nproc", "2", str(job), str(hung)], cwd=root,
+                                    stdout=subprocess.DEVNULL, stderr=err, text=True)
     try:
+        # SIGTERM only once rank 0's own hang report says it waits for rank 1's gradient
+        # (a fixed pause after rank 1 hangs is too short on a loaded machine).
         deadline = time.monotonic() + 120
-        while not hung.exists():
-            assert launcher.poll() is None, launcher.communicate()
-            assert time.monotonic() < deadline, "rank 1 never reached its hanging loss"
+        while not any(line.startswith("pipedream_fast: rank 0 has made no progress")
+                      and "waiting for the gradient" in line
+                      for line in log.read_text().splitlines()):
+            assert launcher.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"rank 0 never reported its wait: {log.read_text()}"
             time.sleep(0.1)
-        time.sleep(0.5)  # rank 0 is in its receive by now
+        assert hung.exists()
         launcher.send_signal(signal.SIGTERM)
-        _, stderr = launcher.communicate(timeout=60)
+        launcher.wait(timeout=60)
     finally:
         launcher.kill()
+    stderr = log.read_text()
     # The default 5 s grace ends in SIGKILL (nothing progresses); before it, each rank said
     # where it was: rank 0 blocked in C++ waiting for rank 1, rank 1 in its own code.
     assert "SIGKILL" in stderr, stderr

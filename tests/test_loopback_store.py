@@ -97,3 +97,15 @@ def test_each_rank_gets_its_share_of_the_cores_unless_omp_num_threads_is_set(mon
     assert "OMP_NUM_THREADS" not in rank_environment(0, 1, 1234)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert "OMP_NUM_THREADS" not in rank_environment(0, 2, 1234)  # the inherited 3 stays
+
+
+def test_launch_starts_fn_only_once_every_rank_is_through_its_init(monkeypatch):
+    # gloo returns from the init on each rank once its own side of the mesh is up. A fn that
+    # destroyed the group at once (to make its own) cut rank 0 still connecting: "Gloo
+    # connectFullMesh failed ... Connection closed by peer" in its init. Rank 0 here returns
+    # a second late; rank 1's fn must not start before that.
+    import slow_rank_init
+
+    monkeypatch.setenv("SLOW_RANK_INIT", "1")
+    (init_0, _), (_, began_1) = launch(slow_rank_init.job, 2, timeout=60)
+    assert began_1 >= init_0, f"rank 1 began {init_0 - began_1:.2f} s before rank 0's init ended"

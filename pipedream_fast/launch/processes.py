@@ -92,6 +92,10 @@ def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int,
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
+        # gloo returns from the init once this rank's side of the mesh is up: a fn that
+        # destroys the group at once (to make one of its own) would cut a peer still
+        # connecting ("Connection closed by peer"). No rank starts fn before all are through.
+        dist.barrier()
         value = fn(rank, world_size, *args)
         # Plain pickle copies tensors into the message; torch's shared-memory handles would
         # die with this process.
@@ -237,7 +241,9 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300
     """Runs `fn(rank, world_size, *args)` in `nprocs` processes; returns the values by rank.
 
     `fn` and `args` must be picklable (a module-level function). `timeout` bounds every
-    collective and transfer, so a stuck rank fails the job instead of hanging it.
+    collective and transfer, so a stuck rank fails the job instead of hanging it. Each rank
+    joins the default process group, and `fn` starts on none before every rank is through
+    (a barrier), so `fn` may destroy the group and make its own.
 
     Failures raise `LaunchError` naming one rank, chosen as follows. The first failure seen
     (an error report, or a process that ended without one) opens a short window (`SETTLE_S`);
