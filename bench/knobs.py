@@ -65,7 +65,13 @@ def cpu_knobs(steps: int) -> list[Knob]:
             Knob("recv_pool", "pipedream", (Tuning.recv_pool, 1, 4)),
             Knob("weight_slots", "pipedream", (None, kept + 2)),
             Knob("bucket_mb", "data-parallel", (Tuning.bucket_mb, 100.0, 5.0, 1.0),
-                 (Tuning.bucket_mb, 100.0, 5.0))]
+                 (Tuning.bucket_mb, 100.0, 5.0)),
+            Knob("link_threads", "pipedream", (Tuning.link_threads, True)),
+            Knob("io_priority", "pipedream", (Tuning.io_priority, "normal", "low", "idle"),
+                 (Tuning.io_priority, "normal")),
+            Knob("transfer_runs", "pipedream", (Tuning.transfer_runs, False)),
+            Knob("split_channels", "pipedream", (Tuning.split_channels, True)),
+            Knob("cpu_cache_mb", "pipedream", (Tuning.cpu_cache_mb, 0.0))]
 
 
 OFFLOAD = Knob("offload_stash", "pipedream", (False, True))

@@ -308,3 +308,14 @@ def test_a_train_run_records_its_tuning(tmp_path):
     recorded = json.loads((out / "summary.json").read_text())["tuning"]
     assert Tuning(**recorded) == Tuning(queue_depth=2, spin_us=5.0, weight_slots=4)
     assert "--queue-depth 2, --spin-us 5, --weight-slots 4" in (out / "summary.txt").read_text()
+
+
+def test_the_knobs_benchmark_sweeps_every_knob():
+    # A knob added without a measurement leaves TUNING.md's advice unbacked.
+    import re
+    from pathlib import Path
+
+    source = (Path(__file__).resolve().parent.parent / "bench" / "knobs.py").read_text()
+    swept = set(re.findall(r'Knob\("(\w+)"', source))
+    assert swept == {f.name for f in dataclasses.fields(Tuning)}, \
+        "bench/knobs.py should sweep every Tuning field"
