@@ -854,6 +854,7 @@ CommEngine::CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, double time
                        bool background, c10::intrusive_ptr<c10d::ProcessGroup> gradient_group)
     : group_(std::move(group)),
       gradient_group_(std::move(gradient_group)),
+      split_channels_(static_cast<bool>(gradient_group_)),
       rank_(group_->getRank()),
       timeout_s_(timeout_s),
       depth_(depth),
@@ -897,7 +898,7 @@ void CommEngine::check_link(int peer, Channel channel, int stage) const {
   }
 }
 
-CommEngine::Link& CommEngine::link(int peer, Channel channel, int stage) {
+std::shared_ptr<CommEngine::Link> CommEngine::link(int peer, Channel channel, int stage) {
   std::lock_guard<std::mutex> lock(links_mutex_);
   if (shut_down_) throw QueueClosed("CommEngine of rank " + std::to_string(rank_) + " is shut down");
   check_link(peer, channel, stage);
@@ -909,12 +910,13 @@ CommEngine::Link& CommEngine::link(int peer, Channel channel, int stage) {
                                   depth_, spin_us_, recv_pool_, !background_);
     if (background_) Link::start_threads(slot);
   }
-  return *slot;
+  return slot;
 }
 
 void CommEngine::send(int peer, Channel channel, int stage, int64_t microbatch,
                       std::vector<at::Tensor> tensors) {
-  Link& l = link(peer, channel, stage);
+  const auto held = link(peer, channel, stage);  // alive through this call, even past a shutdown
+  Link& l = *held;
   for (auto& t : tensors) {
     if (!t.defined()) throw std::invalid_argument(l.what + ": cannot send an undefined tensor");
     // Each a dispatcher call: only where needed (a graph kept alive by a send in flight; a
@@ -964,7 +966,8 @@ void CommEngine::send(int peer, Channel channel, int stage, int64_t microbatch,
 }
 
 void CommEngine::post_recv(int peer, Channel channel, int stage, int64_t microbatch) {
-  Link& l = link(peer, channel, stage);
+  const auto held = link(peer, channel, stage);  // alive through this call, even past a shutdown
+  Link& l = *held;
   if (l.direct) {
     l.direct_post(microbatch);
     return;
@@ -973,14 +976,16 @@ void CommEngine::post_recv(int peer, Channel channel, int stage, int64_t microba
 }
 
 bool CommEngine::arrived(int peer, Channel channel, int stage, int64_t microbatch) {
-  Link& l = link(peer, channel, stage);
+  const auto held = link(peer, channel, stage);  // alive through this call, even past a shutdown
+  Link& l = *held;
   if (l.direct) return l.direct_arrived(microbatch);
   return l.done.size() > 0;
 }
 
 std::vector<at::Tensor> CommEngine::wait_recv(int peer, Channel channel, int stage,
                                               int64_t microbatch) {
-  Link& l = link(peer, channel, stage);
+  const auto held = link(peer, channel, stage);  // alive through this call, even past a shutdown
+  Link& l = *held;
   const int64_t start = now_ns();
   if (l.direct) {
     auto out = l.direct_wait(microbatch);
@@ -1046,6 +1051,15 @@ void CommEngine::flush() {
   }
 }
 
+void CommEngine::add_counters(CommStats& into, const Link& l) {
+  into.messages_sent += l.messages_sent;
+  into.messages_received += l.messages_received;
+  into.bytes_sent += l.bytes_sent;
+  into.bytes_received += l.bytes_received;
+  into.send_ns += l.send_ns;
+  into.recv_ns += l.recv_ns;
+}
+
 void CommEngine::shutdown(double grace_s) {
   std::vector<std::shared_ptr<Link>> links;
   {
@@ -1071,6 +1085,19 @@ void CommEngine::shutdown(double grace_s) {
     }
     l->threads.clear();
   }
+  // Release what the links hold (the transfers' works and buffers, the process groups) now,
+  // not whenever the engine object is collected: a Python cycle can keep a closed engine
+  // until interpreter teardown, and gloo's threads left running into exit() take the process
+  // down with them (an abort at exit). A call still inside a link keeps it alive till it
+  // returns; a thread detached above owns its link.
+  std::map<std::tuple<int, int, int>, std::shared_ptr<Link>> retired;
+  {
+    std::lock_guard<std::mutex> lock(links_mutex_);
+    for (const auto& [key, l] : links_) add_counters(retired_, *l);
+    retired.swap(links_);
+    group_.reset();
+    gradient_group_.reset();
+  }
 }
 
 std::vector<std::tuple<int, Channel, int, int64_t>> CommEngine::unfinished_sends() const {
@@ -1093,14 +1120,8 @@ std::vector<std::tuple<int, Channel, int, int64_t>> CommEngine::unfinished_sends
 CommStats CommEngine::stats() const {
   CommStats s;
   std::lock_guard<std::mutex> lock(links_mutex_);
-  for (const auto& [key, l] : links_) {
-    s.messages_sent += l->messages_sent;
-    s.messages_received += l->messages_received;
-    s.bytes_sent += l->bytes_sent;
-    s.bytes_received += l->bytes_received;
-    s.send_ns += l->send_ns;
-    s.recv_ns += l->recv_ns;
-  }
+  s = retired_;
+  for (const auto& [key, l] : links_) add_counters(s, *l);
   s.wait_recv_ns = wait_recv_ns_;
   return s;
 }

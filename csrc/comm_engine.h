@@ -132,7 +132,9 @@ class CommEngine {
   // Raises QueueTimeout after the timeout, or a send thread's error as it was thrown.
   void flush();
 
-  // Stops every thread (waits at most `grace_s` for transfers in progress). Idempotent.
+  // Stops every thread (waits at most `grace_s` for transfers in progress), then drops the
+  // links (their transfers and buffers) and the process groups; stats() keeps the counts.
+  // Idempotent.
   void shutdown(double grace_s = 1.0);
 
   CommStats stats() const;
@@ -149,17 +151,21 @@ class CommEngine {
   double spin_us() const { return spin_us_; }
   int64_t recv_pool() const { return recv_pool_; }
   bool background() const { return background_; }
-  bool split_channels() const { return static_cast<bool>(gradient_group_); }
+  bool split_channels() const { return split_channels_; }
 
  private:
   struct Link;  // a link's queues, its send and receive loops and their state
-  // The link of (peer, channel, stage), created and its threads started on first use.
-  Link& link(int peer, Channel channel, int stage);
+  // The link of (peer, channel, stage), created and its threads started on first use; the
+  // caller holds it for the length of its call, so a shutdown may drop it meanwhile.
+  std::shared_ptr<Link> link(int peer, Channel channel, int stage);
+  static void add_counters(CommStats& into, const Link& l);
   // invalid_argument unless `peer` is another rank of the group and `stage` fits in a tag.
   void check_link(int peer, Channel channel, int stage) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  // Both guarded by links_mutex_ and released at shutdown.
   c10::intrusive_ptr<c10d::ProcessGroup> gradient_group_;  // null: `group_` carries both
+  const bool split_channels_;
   const int rank_;
   const double timeout_s_;
   const int64_t depth_;
@@ -172,6 +178,7 @@ class CommEngine {
   std::map<std::tuple<int, int, int>, std::shared_ptr<Link>> links_;
   std::atomic<int64_t> wait_recv_ns_{0};
   bool shut_down_ = false;  // guarded by links_mutex_
+  CommStats retired_;       // the counters of the links a shutdown dropped; links_mutex_
 };
 
 }  // namespace pipedream_fast

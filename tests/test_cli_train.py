@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -373,8 +374,11 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
     launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert launcher is not None, "torchrun comes with torch"
+    # A rank that dies of a native fault prints its Python stacks (torchrun's ranks do not
+    # otherwise): what a failure in CI has to go on.
     return subprocess.run([launcher, "--standalone", "--nproc-per-node", str(nproc), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONFAULTHANDLER": "1"})
 
 
 def weight_norms(output: str) -> dict[str, str]:

@@ -4,6 +4,7 @@ run `fn`; their reports collected, their exits bounded, the rank that failed fir
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue
@@ -79,6 +80,9 @@ def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int,
                env: dict[str, str]) -> None:
     _own_session()
     _die_with_parent()
+    # A rank killed by a native fault (SIGSEGV, SIGABRT from std::terminate) says where each
+    # of its threads was, in Python, on its stderr; otherwise only its exit status is known.
+    faulthandler.enable(all_threads=True)
     for number in filter(_catchable, STOP_SIGNALS):
         signal.signal(number, on_stop_signal)
     os.environ.update({**rank_environment(rank, world_size, port), **env})

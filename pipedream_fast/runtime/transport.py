@@ -211,6 +211,7 @@ class ProcessTransport:
                     dist.destroy_process_group(group)
                 except (ValueError, RuntimeError):
                     pass  # gone with the default group already
+        self._groups = {}  # with the engine's, the last references: the groups go now
 
 
 class ThreadHub:

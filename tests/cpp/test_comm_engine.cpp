@@ -411,6 +411,45 @@ TEST(CommEngine, ShutdownStopsIdleLinksAndRefusesNewWork) {
   EXPECT_THROW(pair.a.send(1, Channel::kActivation, 1, 0, {at::zeros(1)}), QueueClosed);
 }
 
+TEST(CommEngine, ShutdownReleasesTheGroupsAndTransfersAndKeepsTheCounts) {
+  // A closed engine may live on (a Python cycle keeps it till interpreter teardown): it must
+  // hold no process group and no transfer by then, or the backend's threads run into exit().
+  auto box = std::make_shared<Mailbox>();
+  auto group_a = c10::make_intrusive<LoopbackGroup>(box, 0, 2);
+  auto group_b = c10::make_intrusive<LoopbackGroup>(box, 1, 2);
+  auto gradients_a = c10::make_intrusive<LoopbackGroup>(box, 0, 2);
+  CommEngine a{group_a, 5.0, CommEngine::kDefaultDepth, at::kCPU, 0.0,
+               CommEngine::kDefaultRecvPool, link_threads(), gradients_a};
+  CommEngine b{group_b, 5.0, CommEngine::kDefaultDepth, at::kCPU, 0.0,
+               CommEngine::kDefaultRecvPool, link_threads()};
+  a.send(1, Channel::kActivation, 1, 0, {at::full({4}, 1.0f)});
+  b.post_recv(0, Channel::kActivation, 1, 0);
+  EXPECT_EQ(b.wait_recv(0, Channel::kActivation, 1, 0).at(0)[3].item<float>(), 1.0f);
+  a.flush();
+  if (!link_threads()) {
+    // A receive posted and never matched: its transfer is dropped with its link (on link
+    // threads the receive thread would be inside it until its timeout).
+    a.post_recv(1, Channel::kGradient, 0, 0);
+  }
+  const int64_t box_users = box.use_count();
+  EXPECT_GT(group_a.use_count(), 1u);
+  EXPECT_GT(gradients_a.use_count(), 1u);
+  const CommStats before = a.stats();
+  a.shutdown(1.0);
+  b.shutdown(1.0);
+  EXPECT_EQ(group_a.use_count(), 1u);
+  EXPECT_EQ(gradients_a.use_count(), 1u);
+  EXPECT_EQ(group_b.use_count(), 1u);
+  if (!link_threads()) EXPECT_EQ(box.use_count(), box_users - 1);  // the posted receive's
+  EXPECT_TRUE(a.split_channels());
+  const CommStats after = a.stats();
+  EXPECT_EQ(after.messages_sent, 1);
+  EXPECT_EQ(after.messages_sent, before.messages_sent);
+  EXPECT_EQ(after.bytes_sent, before.bytes_sent);
+  EXPECT_EQ(b.stats().messages_received, 1);
+  EXPECT_THROW(a.post_recv(1, Channel::kGradient, 0, 1), QueueClosed);
+}
+
 TEST(CommEngine, KnobsChangeHowMessagesTravelNeverWhatArrives) {
   // Depth 1, spinning queues and a pool of one buffer set: while the receiver holds every
   // tensor it got, each receive must come in a fresh buffer, never overwrite a held one.
