@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pipedream_fast import Tuning, _C
+from pipedream_fast.commands.train_settings import tuning_flag
 from pipedream_fast.formats import Plan, StagePlan
 from pipedream_fast.launch import launch
 from pipedream_fast.models import build_cnn
@@ -134,7 +135,7 @@ def sweep(knobs: list[Knob], quick: bool, rounds: int, steps: int, on_gpus: bool
 
 def row(knob: Knob, value: Any, label: str, samples_per_s: float | None, rounds: list[float],
         ratio: float | None) -> dict[str, Any]:
-    return {"knob": knob.field, "flag": f"--{knob.field.replace('_', '-')}",
+    return {"knob": knob.field, "flag": tuning_flag(knob.field),
             "schedule": knob.schedule, "value": value, "label": label,
             "samples_per_s": samples_per_s, "rounds": rounds, "vs_default": ratio}
 

@@ -287,6 +287,33 @@ def test_the_tuning_flags_parse_into_the_tuning():
     assert settings(build_parser().parse_args(["train"])).tuning == Tuning()
 
 
+# One value away from the default for every field: the flags a report prints for it must
+# parse back into it (a report once printed `--transfer-runs 0`, no flag of `train`, and
+# crashed on `--io-priority idle`).
+AWAY_FROM_DEFAULT = {"queue_depth": 2, "spin_us": 7.5, "bucket_mb": 0.5, "weight_slots": 3,
+                     "recv_pool": 4, "offload_stash": True, "link_threads": True,
+                     "io_priority": "idle", "transfer_runs": False, "split_channels": True,
+                     "cpu_cache_mb": 64.0}
+
+
+def test_the_flags_a_report_prints_parse_back_into_the_tuning():
+    from pipedream_fast.commands.train_report import _changed_knobs
+    from pipedream_fast.commands.train_settings import _tuning, tuning_flags
+
+    assert set(AWAY_FROM_DEFAULT) == {f.name for f in dataclasses.fields(Tuning)}
+    for name, value in AWAY_FROM_DEFAULT.items():
+        tuning = Tuning(**{name: value})
+        flags = tuning_flags(tuning)
+        assert len(flags) == 1, (name, flags)
+        args = build_parser().parse_args(["train", *flags[0].split()])
+        assert _tuning(args, on_gpus=True) == tuning, (name, flags)
+        assert _changed_knobs(tuning) == flags[0]
+    everything = Tuning(**AWAY_FROM_DEFAULT)
+    argv = [word for flag in tuning_flags(everything) for word in flag.split()]
+    assert _tuning(build_parser().parse_args(["train", *argv]), on_gpus=True) == everything
+    assert tuning_flags(Tuning()) == []
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--queue-depth", "0"], "--queue-depth: queue_depth must be an integer >= 1"),
     (["--bucket-mb", "-1"], "--bucket-mb: bucket_mb must be a positive finite size"),

@@ -15,7 +15,8 @@ from typing import Any
 
 
 from pipedream_fast.tuning import Tuning
-from pipedream_fast.commands.train_settings import RunSetup, Settings, _schedule_options
+from pipedream_fast.commands.train_settings import (RunSetup, Settings, _schedule_options,
+                                                    tuning_flags)
 
 
 def _write(run_dir: Path, args: argparse.Namespace, s: Settings, setups: list[RunSetup],
@@ -281,13 +282,7 @@ def _profile_text(value: float | None) -> str:
 
 def _changed_knobs(tuning: Tuning) -> str:
     """The knobs set away from their defaults, as their flags: `--queue-depth 2, ...`."""
-    default = Tuning()
-    flags = []
-    for name, value in asdict(tuning).items():
-        if value != getattr(default, name):
-            flag = f"--{name.replace('_', '-')}"
-            flags.append(flag if value is True else f"{flag} {value:g}")
-    return ", ".join(flags)
+    return ", ".join(tuning_flags(tuning))
 
 
 def _summary_json(s: Settings, setups: list[RunSetup], histories: list[Any],

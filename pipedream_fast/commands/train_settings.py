@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +187,30 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise UsageError(f"--trace {args.trace}: its folder {trace.parent} does not exist")
 
 
+def tuning_flag(field_name: str) -> str:
+    """The `train` flag of a `Tuning` field: its name, dashed; `transfer_runs` is the one
+    a flag switches off (`--python-transfers`)."""
+    return "--python-transfers" if field_name == "transfer_runs" else \
+        f"--{field_name.replace('_', '-')}"
+
+
+def tuning_flags(tuning: Tuning) -> list[str]:
+    """The flags that give `tuning` (one per field away from its default, with its value
+    where it takes one): `_tuning`'s inverse, for a run's report."""
+    default = Tuning()
+    flags = []
+    for f in fields(Tuning):
+        value = getattr(tuning, f.name)
+        if value == getattr(default, f.name):
+            continue
+        flag = tuning_flag(f.name)
+        if isinstance(value, bool):  # a switch: on, or transfer_runs's off
+            flags.append(flag)
+        else:
+            flags.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+    return flags
+
+
 def _tuning(args: argparse.Namespace, on_gpus: bool) -> Tuning:
     """The tuning flags as a `Tuning`; a bad value is reported under its flag. `on_gpus`:
     the ranks will train on GPUs (processes, one GPU each: what `launch` picks)."""
@@ -198,7 +222,7 @@ def _tuning(args: argparse.Namespace, on_gpus: bool) -> Tuning:
                         transfer_runs=not args.python_transfers,
                         split_channels=args.split_channels, cpu_cache_mb=args.cpu_cache_mb)
     except TuningError as err:
-        raise UsageError(f"--{err.field.replace('_', '-')}: {err}") from None
+        raise UsageError(f"{tuning_flag(err.field)}: {err}") from None
     if tuning.offload_stash and not on_gpus:
         raise UsageError(f"--offload-stash: {OFFLOAD_NEEDS_CUDA}, and this run trains on the "
                          f"CPU (it needs a GPU per rank, and processes, not --threads)")
