@@ -124,20 +124,30 @@ def sweep(knobs: list[Knob], quick: bool, rounds: int, steps: int, on_gpus: bool
     rows = []
     for knob in knobs:
         values = knob.sweeps(quick)
-        default = statistics.median(samples[(knob.field, values[0])])
+        base = samples[(knob.field, values[0])]
+        default = statistics.median(base)
         for value in values:
-            median = statistics.median(samples[(knob.field, value)])
+            got = samples[(knob.field, value)]
+            median = statistics.median(got)
             rows.append(row(knob, value, describe(knob, value, WARMUP + steps)
                             + (" (default)" if value == values[0] else ""),
-                            median, samples[(knob.field, value)], median / default))
+                            median, got, median / default,
+                            [g / b for g, b in zip(got, base)]))
     return rows
 
 
 def row(knob: Knob, value: Any, label: str, samples_per_s: float | None, rounds: list[float],
-        ratio: float | None) -> dict[str, Any]:
+        ratio: float | None, round_ratios: list[float] | None = None) -> dict[str, Any]:
+    """`round_ratios`: against the default within each round (the rounds interleave the
+    values, so these cancel the machine's drift from round to round)."""
     return {"knob": knob.field, "flag": tuning_flag(knob.field),
             "schedule": knob.schedule, "value": value, "label": label,
-            "samples_per_s": samples_per_s, "rounds": rounds, "vs_default": ratio}
+            "samples_per_s": samples_per_s, "rounds": rounds, "vs_default": ratio,
+            "round_ratios": round_ratios or []}
+
+
+def spread(ratios: list[float]) -> str:
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "-"
 
 
 def main() -> int:
@@ -161,12 +171,15 @@ def main() -> int:
         "# The core's speed knobs on model A", "", f"Command: `{harness.command()}`", "",
         f"Machine: {harness.machine()}. Model A, batch {BATCH}, 2 ranks of 1 thread, gloo on "
         f"loopback; {steps} measured steps after {WARMUP} warm-up, median of {rounds} "
-        f"interleaved rounds.", "",
+        f"interleaved rounds. 'Per round': the value against the default within each "
+        f"round; where that range spans 1.00x the knob's effect is within this machine's "
+        f"noise.", "",
         *harness.markdown_table(
-            ["knob", "flag", "schedule", "value", "samples/s", "vs default"],
+            ["knob", "flag", "schedule", "value", "samples/s", "vs default", "per round"],
             [[r["knob"], f"`{r['flag']}`", r["schedule"], r["label"],
               harness.fmt(r["samples_per_s"], ".1f", "GPU only: not measured on CPU"),
-              "-" if r["vs_default"] is None else f"{r['vs_default']:.2f}x"]
+              "-" if r["vs_default"] is None else f"{r['vs_default']:.2f}x",
+              spread(r["round_ratios"])]
              for r in rows], left=4)]) + "\n"
     harness.emit(args.out, text, {"command": harness.command(), "batch": BATCH,
                                   "warmup": WARMUP, "steps": steps, "rounds": rounds,
