@@ -172,8 +172,8 @@ def main() -> int:
         f"Machine: {harness.machine()}. Model A, batch {BATCH}, 2 ranks of 1 thread, gloo on "
         f"loopback; {steps} measured steps after {WARMUP} warm-up, median of {rounds} "
         f"interleaved rounds. 'Per round': the value against the default within each "
-        f"round; where that range spans 1.00x the knob's effect is within this machine's "
-        f"noise.", "",
+        f"round; where that range comes within 2% of 1.00x, or spans it, the knob's effect is "
+        f"within this machine's noise.", "",
         *harness.markdown_table(
             ["knob", "flag", "schedule", "value", "samples/s", "vs default", "per round"],
             [[r["knob"], f"`{r['flag']}`", r["schedule"], r["label"],
