@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from pipedream_fast.runtime.engine_backward import backward as engine_backward
+
 
 @dataclass(eq=False)
 class Call:
@@ -104,9 +106,9 @@ def weight_part(calls: Sequence[Call], roots: Sequence[torch.Tensor],
     """Accumulates every recorded call's weight gradients into the parameters' `.grad`."""
     missed = [c for c in calls if any(g is None for g in c.grads)]
     if missed:  # outputs off the input path: from the roots, for their parameters only
-        torch.autograd.backward(list(roots), grads, retain_graph=True,
-                                inputs=[p for c in missed for p in c.params])
+        engine_backward(list(roots), grads, retain_graph=True,
+                        inputs=[p for c in missed for p in c.params])
     for call in calls:
         if call not in missed:
-            torch.autograd.backward(call.outputs, [g for g in call.grads if g is not None],
-                                    inputs=call.params)
+            engine_backward(call.outputs, [g for g in call.grads if g is not None],
+                            inputs=call.params)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from pipedream_fast import _C
+from pipedream_fast.runtime.engine_backward import backward as engine_backward
 from pipedream_fast.runtime.buckets import DEFAULT_BUCKET_BYTES, GradientBuckets
 from pipedream_fast.runtime.memory import MemoryMeter
 from pipedream_fast.runtime.staleness_correction import StalenessCorrection
@@ -401,7 +402,7 @@ class StageRuntime:
         state = self.inflight.pop(microbatch)
         roots, grads = self._roots(state, output_grads)
         if roots:
-            torch.autograd.backward(roots, grads)
+            engine_backward(roots, grads)
         if not self.is_first:
             self.input_grads[microbatch] = [t.grad if t.grad is not None else torch.zeros_like(t)
                                             for t in state.inputs]
@@ -418,7 +419,7 @@ class StageRuntime:
         if splittable(state.calls, self.trainable):
             self.input_grads[microbatch] = input_part(roots, grads, state.inputs)
             return
-        torch.autograd.backward(roots, grads)  # cannot split: all of it now
+        engine_backward(roots, grads)  # cannot split: all of it now
         state.weights_done = True
         self.input_grads[microbatch] = [t.grad if t.grad is not None else torch.zeros_like(t)
                                         for t in state.inputs]
@@ -431,7 +432,7 @@ class StageRuntime:
         if state.weights_done or not state.roots:
             return
         if self.is_first:
-            torch.autograd.backward(state.roots, state.root_grads)
+            engine_backward(state.roots, state.root_grads)
         else:
             weight_part(state.calls, state.roots, state.root_grads)
 
