@@ -207,17 +207,11 @@ def knob_rows(data: dict[str, Any]) -> list[Row]:
     rounds, a value without effect lies on one side of 1.00x in all of them 1 time in 8)."""
     measured = [r for r in data["rows"] if r.get("vs_default") is not None
                 and not str(r["label"]).endswith("(default)")]
-    if not all(r.get("round_ratios") for r in measured):  # a file from before the rounds
-        spans = []
-        for knob in dict.fromkeys(r["knob"] for r in measured):
-            ratios = [r["vs_default"] for r in measured if r["knob"] == knob]
-            spans.append(f"`{knob}` {min(ratios):.2f}-{max(ratios):.2f}x")
-        return [("each knob of the core swept on model A (samples/s against its default)",
-                 f"{'; '.join(spans)}; `offload_stash` GPU only", "-")]
-    effects = [f"`{r['knob']}` {r['label']}: {r['vs_default']:.2f}x" for r in measured
-               if min(r["round_ratios"]) > 1 + NOISE or max(r["round_ratios"]) < 1 - NOISE]
+    beyond = [r for r in measured
+              if min(r["round_ratios"]) > 1 + NOISE or max(r["round_ratios"]) < 1 - NOISE]
+    effects = [f"`{r['knob']}` {r['label']}: {r['vs_default']:.2f}x" for r in beyond]
     noise = [k for k in dict.fromkeys(r["knob"] for r in measured)
-             if not any(e.startswith(f"`{k}` ") for e in effects)]
+             if all(r["knob"] != k for r in beyond)]
     text = "; ".join(effects) if effects else "no value beyond the noise"
     if noise:
         text += (f"; within the noise (a round within {NOISE:.0%} of 1.00x, or both ways): "
