@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from collections import deque
@@ -33,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 
+from pipedream_fast.launch.stderr_line import write_line
 from pipedream_fast.launch import (STOP_WINDOW_S, TERM_SIGNALS, Stopped, on_stop_signal,
                                    signal_name, stop_request)
 
@@ -77,9 +77,9 @@ class DeferredStop:
         active, previous = self._active, self._previous.get(signum, signal.SIG_DFL)
         self._restore()  # a later repeat, or a signal after leaving: act as before
         if active:
-            print(f"pipedream_fast: {signal_name(signum)} again {stop_request.age() or 0:.1f} s "
-                  f"after the stop request, past its {STOP_WINDOW_S:g} s window: stopping at "
-                  f"once, with no agreed step and no checkpoint", file=sys.stderr, flush=True)
+            write_line(f"pipedream_fast: {signal_name(signum)} again {stop_request.age() or 0:.1f} "
+                       f"s after the stop request, past its {STOP_WINDOW_S:g} s window: stopping "
+                       f"at once, with no agreed step and no checkpoint")
         if callable(previous):
             previous(signum, frame)
         elif active:

@@ -52,6 +52,30 @@ def test_an_action_is_reported_once_after_the_delay_and_a_later_one_again():
     assert written == watch.reports and len(written) == 2
 
 
+def test_a_report_reaches_stderr_as_one_whole_line_in_one_write(monkeypatch):
+    """Ranks share the launcher's stderr: a report written as text, then newline, joined
+    rank 1's report to rank 0's in a CI log, and a reader looking for rank 0's line missed it."""
+    import sys
+
+    class Stream:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    stream = Stream()
+    monkeypatch.setattr(sys, "stderr", stream)
+    executor = Standing()
+    executor.current = (7, Action(K.FORWARD, 1, 0, version=0), 100.0)
+    report = HangWatch(0, 10.0, lambda: executor).check(110.0)
+    assert stream.writes == [f"{report}\n"]
+
+
 def test_hang_report_defaults_to_a_fifth_of_the_timeout_and_refuses_nonsense():
     assert PipelineOptions(timeout=100).hang_report_s == 20
     assert PipelineOptions(hang_report=0).hang_report_s == 0

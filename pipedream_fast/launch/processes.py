@@ -9,7 +9,6 @@ import os
 import pickle
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -26,6 +25,7 @@ from pipedream_fast.checkpoint.progress import SaveWatch
 from pipedream_fast.launch.ranks import (SETTLE_S, _die_with_parent, _is_peer_symptom,
                                          _last_line, _own_session, flush_std_streams,
                                          kill_leftovers, loopback_store, rank_environment)
+from pipedream_fast.launch.stderr_line import write_line
 from pipedream_fast.launch.signals import (GRACE_S, STOP_SIGNALS, Stopped, _catch_stop_signals,
                                            _catchable, _ignore_stop_signals, _Killed,
                                            _stop_processes, _StopRequests, describe_exit,
@@ -297,7 +297,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300
 
 
 def _say(text: str) -> None:
-    print(f"pipedream_fast.launch: {text}", file=sys.stderr, flush=True)
+    write_line(f"pipedream_fast.launch: {text}")
 
 
 def _supervise(ranks: dict[int, _Rank], nprocs: int, grace: float,

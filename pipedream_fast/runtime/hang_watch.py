@@ -23,13 +23,13 @@ The watch only reads (`Executor.standing`); it never interrupts the rank.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from pipedream_fast.launch.signals import stop_request
+from pipedream_fast.launch.stderr_line import write_line
 
 POLL_S = 1.0  # how often the watch looks; a report comes at most this late
 STOP_REPORT_S = 1.0  # a stop request and the action in progress this old: say where it stands
@@ -44,7 +44,7 @@ class HangWatch:
         self.rank = rank
         self.after_s = after_s
         self._executor_of = executor_of
-        self._write = write or _to_stderr
+        self._write = write or write_line
         self.reports: list[str] = []
         self._reported: tuple[int, int] | None = None  # (id of the executor, action index)
         self._stop_heard = stop_heard  # when the latest stop request came (time.monotonic)
@@ -115,6 +115,3 @@ class HangWatch:
         self._write(report)
         return report
 
-
-def _to_stderr(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
