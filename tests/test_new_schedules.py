@@ -3,9 +3,8 @@ sizes (and the last two refuse, naming the rule, the microbatch counts they cann
 simulator's bubble at unit costs is the published one (derived below, or computed from
 torch's own order), interleaved-zb and dualpipe-v run torch's order action by action, and
 training with them equals gradient accumulation (the plain loop's minibatch SGD) on rank
-threads and on processes, with clipping and, on threads, a weight tied across stages
-(looped-bfs, interleaved-zb; zb-v and dualpipe-v hold the embedding and the head on one
-rank, where ties are refused)."""
+threads and on processes, with clipping and a weight tied across stages (an embedding and
+the head: on two ranks with looped placements, on one rank in the V)."""
 
 from __future__ import annotations
 
@@ -477,57 +476,78 @@ def lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
 
 
-def lm_pipeline(name: str) -> Pipeline:
-    return Pipeline(lm(), lm_loss, sgd, plan=plan(name, [(0, 1), (1, 2), (2, 3), (3, 4)]),
-                    schedule=name, chunks=CHUNKS, timeout=30, ranks="threads", workers=2,
-                    clip_grad_norm=CLIP)
-
-
-@pytest.mark.parametrize("name", ["looped-bfs", "interleaved-zb"])
-def test_a_weight_tied_across_stages_trains_exactly_with_looped_stages(name: str) -> None:
-    """The embedding (stage 0, rank 0) and the output head (stage 3, rank 1) share a weight
-    (interleaved-zb: its W's of the two stages run at different times on different ranks;
-    their gradients meet at the update)."""
+def lm_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(2)
-    data = [(x, (x + 1) % VOCAB) for x in (torch.randint(0, VOCAB, (BATCH, 6), generator=g)
+    return [(x, (x + 1) % VOCAB) for x in (torch.randint(0, VOCAB, (BATCH, 6), generator=g)
                                            for _ in range(STEPS))]
-    want = train_reference_with(lm(), data, CHUNKS, lm_loss, sgd, clip_grad_norm=CLIP)
-    pipe = lm_pipeline(name)
+
+
+def lm_train(name: str, **options: Any) -> dict[str, torch.Tensor]:
+    pipe = Pipeline(lm(), lm_loss, sgd, plan=plan(name, [(0, 1), (1, 2), (2, 3), (3, 4)]),
+                    schedule=name, chunks=CHUNKS, timeout=60, clip_grad_norm=CLIP, **options)
     try:
-        list(pipe.train(data))
-        got = pipe.state_dict()
+        list(pipe.train(lm_batches()))
+        return pipe.state_dict()
     finally:
         pipe.close()
+
+
+@pytest.mark.parametrize("name", sorted(PLACEMENTS))
+def test_a_weight_tied_across_stages_trains_exactly(name: str) -> None:
+    """The embedding (stage 0) and the output head (stage 3) share a weight. Looped
+    placements hold them on ranks 0 and 1 (interleaved-zb: its W's of the two stages run at
+    different times on different ranks; their gradients meet at the update); the V holds
+    both on rank 0, each stage with a copy its optimizer steps, the copies' gradients summed
+    on the rank."""
+    want = train_reference_with(lm(), lm_batches(), CHUNKS, lm_loss, sgd, clip_grad_norm=CLIP)
+    got = lm_train(name, ranks="threads", workers=2)
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("name", ["zb-v", "dualpipe-v"])
-def test_v_schedules_refuse_an_embedding_tied_to_the_head_on_its_one_rank(name: str) -> None:
-    """The V puts the first and the last stage on rank 0, and ties are summed across ranks
-    only: a tied embedding and head is refused, by name, before any work."""
-    g = torch.Generator().manual_seed(2)
-    x = torch.randint(0, VOCAB, (BATCH, 6), generator=g)
-    with pytest.raises(ValueError, match="tied weights need their stages on different ranks"):
-        pipe = lm_pipeline(name)
-        try:
-            list(pipe.train([(x, (x + 1) % VOCAB)]))
-        finally:
-            pipe.close()
-
-
-def process_job(rank: int, world: int) -> dict[str, tuple[list[float], dict]]:
-    out = {}
+def process_job(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for name in sorted(PLACEMENTS):
         losses, state, _ = train(name, plan=plan(name), clip_grad_norm=CLIP, timeout=60)
         out[name] = (losses, state)
+        out[f"{name} tied"] = lm_train(name)
     return out
 
 
 @pytest.mark.slow
-def test_processes_equal_gradient_accumulation_with_clipping() -> None:
-    results = launch(process_job, 2, timeout=120)
+def test_processes_equal_gradient_accumulation_with_clipping_and_a_tied_weight() -> None:
+    results = launch(process_job, 2, timeout=180)
     want = reference(mlp(), batches(), CLIP)
+    want_tied = train_reference_with(lm(), lm_batches(), CHUNKS, lm_loss, sgd,
+                                     clip_grad_norm=CLIP)
     for name in PLACEMENTS:
         assert_exact(*results[0][name], want)  # rank 0 gathers every stage's weights
         assert results[1][name][0] == pytest.approx(want[0], rel=1e-6)
+        for key, value in want_tied.items():
+            torch.testing.assert_close(results[0][f"{name} tied"][key], value, rtol=1e-6,
+                                       atol=1e-6, msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("name", ["zb-v", "dualpipe-v"])
+def test_a_v_with_a_tied_weight_resumes_from_its_checkpoint_exactly(name: str, tmp_path) -> None:
+    """Rank 0's two copies of the tied weight (stages 0 and 3), and their momentum, are saved
+    and restored: two steps, a save, a load, a third step equal three uninterrupted."""
+    data = lm_batches()
+    want = train_reference_with(lm(), data, CHUNKS, lm_loss, sgd, clip_grad_norm=CLIP)
+    options: dict[str, Any] = dict(schedule=name, chunks=CHUNKS, timeout=60, ranks="threads",
+                                   workers=2, clip_grad_norm=CLIP)
+    pipe = Pipeline(lm(), lm_loss, sgd, plan=plan(name, [(0, 1), (1, 2), (2, 3), (3, 4)]),
+                    **options)
+    try:
+        list(pipe.train(data[:2]))
+        pipe.save(str(tmp_path / "ckpt"))
+    finally:
+        pipe.close()
+    restored = Pipeline.load(str(tmp_path / "ckpt"), lm(), lm_loss, sgd, **options)
+    try:
+        list(restored.train(data[2:]))
+        got = restored.state_dict()
+    finally:
+        restored.close()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-6, msg=key)

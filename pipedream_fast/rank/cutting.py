@@ -1,8 +1,8 @@
 """A rank's stages (`Stages`): capturing the model (at the first minibatch, when torch.export
 needs inputs), agreeing on a plan (the planner on rank 0), taking this rank's stages out of
-it (materialised, copied where rank threads would share a tensor), their optimizers, stage
-runtimes, transports and the agreement across stages before updates (clipping, tied
-weights, fp16).
+it (materialised; copied where rank threads would share a tensor, or where two stages of
+the rank tie one), their optimizers, stage runtimes, transports and the agreement across
+stages before updates (clipping, tied weights, fp16).
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ class Stages:
     stage `modules`, their `optimizers`, `schedulers` and `runtimes`, the training `transport`
     and the forward-only ones (`inference_transports`), `sync` (the agreement across stages
     before updates) and `scaler` (fp16), `names` (tensor id -> the model's state_dict keys),
-    `copied` (under rank threads: a model tensor's id -> this rank's copy), and rank 0's
-    per-block `profile`. Others read these; only this class changes them.
+    `copies` (by stage, a model tensor's id -> the stage's own copy, where it has one), and
+    rank 0's per-block `profile`. Others read these; only this class changes them.
 
     Two hooks let the checkpoint part put saved state in as stages are made: `on_cut()` after
     `setup`, `on_runtime(runtime)` when a stage runtime is made.
@@ -101,7 +101,7 @@ class Stages:
         self.built_on_meta = built_on_meta  # the model was built on the meta device
         # Rank threads share the caller's model (copies only where a rank needs its own).
         self.shares_model = isinstance(ctx.world, ThreadWorld)
-        self.copied: dict[int, Any] = {}
+        self.copies: dict[int, dict[int, Any]] = {}
         self.names = original_names(model)
         self.chain: LayerChain | None = None
         self.plan: Plan | None = None
@@ -134,8 +134,9 @@ class Stages:
         return self.chain.flatten_inputs(inputs)
 
     def aliases(self) -> list[tuple[str, ...]]:
-        """The groups of keys that name one tensor of the model (tied weights)."""
-        return [keys for keys in self.names.values() if len(keys) > 1]
+        """The groups of keys that name one tensor of the model (tied weights); once each,
+        though a stage's own copy of a tensor is named as the tensor is."""
+        return list(dict.fromkeys(keys for keys in self.names.values() if len(keys) > 1))
 
     def try_capture(self, example_inputs: Any) -> None:
         """Captures the model now where torch.fx can (or `example_inputs` are given); else it
@@ -328,11 +329,12 @@ class Stages:
                 self.materialize(block.module, torch.device("meta"))
             self.factory_built = False
         recompute = self.recomputed_blocks(plan)
+        self.copies = {}
         for index in self.stage_indices:
             stage_plan = plan.stages[index]
             module = self.chain.stage_module(stage_plan.start, stage_plan.stop, recompute)
-            if self.shares_model and self._needs_own_copy(plan, index):
-                module = self._own_copy(module)
+            if self._needs_own_copy(plan, index):
+                module = self._own_copy(module, index)
             self.materialize(module, self.ctx.device, index)
             self.modules[index] = module.to(self.ctx.device)
         for index, module in self.modules.items():
@@ -411,44 +413,49 @@ class Stages:
             if len(holders) < 2:
                 continue  # used twice within one stage: autograd sums it already
             ranks = sorted({r for s in holders for r in plan.stages[s].ranks})
-            name = " = ".join(self.names.get(pid, ("a weight",)))
             mine = [s for s in holders if s in self.stage_indices]
-            if len(mine) > 1:
-                raise ValueError(f"{name} is used by stages {holders}, of which this rank holds "
-                                 f"{mine}; tied weights need their stages on different ranks")
             group = self.ctx.world.new_group(ranks)  # collective: every rank, same order
             if mine:
                 assert group is not None
-                param = self.copied.get(pid, params[pid])
+                copies = tuple(self.copies.get(s, {}).get(pid, params[pid]) for s in mine)
                 src = plan.stages[holders[0]].ranks[0]
                 with torch.no_grad():
-                    group.broadcast(param.data, src=src)
-                tied.append(TiedWeight(param, group, counts_in_norm=mine[0] == holders[0],
-                                       replicas=len(plan.stages[mine[0]].ranks)))
+                    if len(ranks) > 1:
+                        group.broadcast(copies[0].data, src=src)
+                    for other in copies[1:]:
+                        other.copy_(copies[0])
+                tied.append(TiedWeight(copies, group if len(ranks) > 1 else None,
+                                       counts_in_norm=tuple(s == holders[0] for s in mine),
+                                       replicas=tuple(len(plan.stages[s].ranks) for s in mine)))
         return tied
 
     def _needs_own_copy(self, plan: Plan, index: int) -> bool:
-        """Rank threads share the caller's model: a stage's first rank trains the user's own
-        modules; a replica, or a later stage holding a weight tied to an earlier one, needs
-        tensors of its own (as a process has), made from the same values."""
-        if plan.stages[index].ranks[0] != self.ctx.rank:
+        """Whether stage `index` needs tensors of its own (made from the same values), where
+        it would otherwise share one with another stage that updates it separately: under
+        rank threads, which share the caller's model (a stage's first rank trains the user's
+        own modules), a replica, or a later stage holding a weight tied to an earlier one; in
+        a process, a later stage holding a weight tied to an earlier stage of this rank (a V
+        puts the embedding and the head on one rank; each stage's optimizer steps its copy)."""
+        if self.shares_model and plan.stages[index].ranks[0] != self.ctx.rank:
             return True
         assert self.chain is not None
         stage_of_block = {b: i for i, s in enumerate(plan.stages) for b in range(s.start, s.stop)}
-        return any(index in holders and min(holders) < index
+        return any(index in holders and any(h < index and (self.shares_model
+                                                           or h in self.stage_indices)
+                                            for h in holders)
                    for holders in ({stage_of_block[b] for b in blocks}
                                    for blocks in shared_parameters(self.chain).values()))
 
-    def _own_copy(self, module: nn.Module) -> nn.Module:
-        """A deep copy of a stage for this rank alone; its tensors keep the model's names
-        (`_names`), and `_copied` finds a copy from the original's id."""
+    def _own_copy(self, module: nn.Module, index: int) -> nn.Module:
+        """A deep copy of stage `index` for this rank alone; its tensors keep the model's
+        names (`names`), and `copies[index]` finds a copy from the original's id."""
         memo: dict[int, Any] = {}
         with GLOBAL_STATE:
             copied = copy.deepcopy(module, memo)
         for pid, keys in list(self.names.items()):
             if pid in memo and isinstance(memo[pid], torch.Tensor):
                 self.names[id(memo[pid])] = keys
-                self.copied[pid] = memo[pid]
+                self.copies.setdefault(index, {})[pid] = memo[pid]
         return copied
 
     def _check_same_model_everywhere(self, chain: Any) -> None:

@@ -7,8 +7,9 @@ other stages' gradients, so before the first update of each version a rank:
 
 1. finishes its stages' replica all-reduces and turns the accumulated gradients into the
    update's (averaged over the step's microbatches, unscaled),
-2. sums each tied weight's gradient over the ranks of the stages holding it (a replica adds
-   1/replicas of it, so the sum counts each stage once),
+2. sums each tied weight's gradient over the stages holding it, this rank's copies first
+   and then over the other holding ranks (a replica adds 1/replicas of it, so the sum counts
+   each stage once),
 3. all-reduces the sum of squared gradients over every rank, each stage counted once and a
    tied weight only on its first stage, then clips, and skips the update everywhere when the
    norm is not finite (an fp16 overflow, or NaN gradients under on_nan="skip").
@@ -34,14 +35,16 @@ from pipedream_fast.runtime.stage import StageRuntime
 
 @dataclass
 class TiedWeight:
-    """One weight held by several stages: this rank's copy, the ranks holding it (one group),
-    whether this rank's stage is the first holder (it counts the weight in the norm), and the
-    replica count of this rank's holding stage."""
+    """One weight held by several stages: this rank's copies (one per stage of this rank
+    holding it: a V puts an embedding and the head it is tied to on one rank), the group of
+    the other ranks holding it (None when this rank holds every holder), whether each copy's
+    stage is the first holder (that copy counts the weight in the norm), and each copy's
+    stage's replica count."""
 
-    param: nn.Parameter
+    params: tuple[nn.Parameter, ...]
     group: Any
-    counts_in_norm: bool
-    replicas: int
+    counts_in_norm: tuple[bool, ...]
+    replicas: tuple[int, ...]
 
 
 class LossScaler:
@@ -104,11 +107,7 @@ class GlobalUpdateSync:
                 stage.buckets.wait()
             stage.prepare_update(microbatches)
         for tie in self.tied:
-            grad = tie.param.grad
-            if grad is not None:
-                if tie.replicas > 1:
-                    grad.div_(tie.replicas)
-                tie.group.all_reduce(grad)
+            _sum_tied(tie)
         squares = self._squared_norm(stages)
         self.group.all_reduce(squares)
         norm = math.sqrt(float(squares))
@@ -137,7 +136,8 @@ class GlobalUpdateSync:
         parameter, so a tied weight can only be left out of its other holders' sums through
         its own gradient view. Every replica holds the averaged gradient, so each adds
         1/replicas of its square: the sum counts each stage once."""
-        skip = {id(t.param) for t in self.tied if not t.counts_in_norm}
+        skip = {id(p) for t in self.tied for p, counts in zip(t.params, t.counts_in_norm)
+                if not counts}
         parts = []
         for index, stage in stages.items():
             grads = [p.grad for p in stage.params if p.grad is not None and id(p) not in skip]
@@ -147,3 +147,23 @@ class GlobalUpdateSync:
                 norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
                 parts.append(norms.pow(2).sum().cpu() / self.stage_replicas[index])
         return torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
+
+
+def _sum_tied(tie: TiedWeight) -> None:
+    """Every copy of a tied weight gets the sum of all holders' gradients (a replica adds
+    1/replicas of its own): this rank's copies summed into the first, that sum all-reduced
+    over the other holding ranks, and copied back. Each stage's optimizer then steps its copy
+    alike, so the copies stay equal."""
+    grads = [(p.grad, r) for p, r in zip(tie.params, tie.replicas) if p.grad is not None]
+    if not grads:
+        return
+    total = grads[0][0]
+    for grad, replicas in grads:
+        if replicas > 1:
+            grad.div_(replicas)
+    for grad, _ in grads[1:]:
+        total.add_(grad)
+    if tie.group is not None:
+        tie.group.all_reduce(total)
+    for grad, _ in grads[1:]:
+        grad.copy_(total)

@@ -40,7 +40,8 @@ forward 2p - 1 microbatches of chunk 0, and step 4 would run a negative number o
 below that); so does this schedule, for the step and for a shorter last step, naming the
 rule. On a placement with one stage per rank there is no V to fold:
 dualpipe-v then runs ZB-H1 (as zb-v does), so every schedule runs on a plain pipeline.
-Weights tied across stages are refused with the V (the first and last stage share rank 0).
+A weight tied across the first and last stage (which the V puts on rank 0) gets a copy per
+stage there, their gradients summed on the rank before the update (`rank.cutting`).
 """
 
 from __future__ import annotations
