@@ -53,7 +53,10 @@ class Config:
 CONFIGS = [Config(*c) for c in (
     ("pipedream", 32, 1), ("pipedream", 8, 1), ("2bw", 32, 2), ("2bw", 32, 4), ("1f1b", 32, 2),
     ("1f1b", 32, 4), ("gpipe", 32, 2), ("gpipe", 32, 4), ("zb-h1", 32, 4),
-    ("interleaved-1f1b", 32, 4), ("data-parallel", 32, 2))]
+    ("interleaved-1f1b", 32, 4), ("data-parallel", 32, 2), ("zb-v", 32, 4),
+    ("dualpipe-v", 32, 4), ("interleaved-zb", 32, 4), ("looped-bfs", 32, 4))]
+LOOPED = ("interleaved-1f1b", "interleaved-zb", "looped-bfs")  # stage k on rank k mod 2
+V = ("zb-v", "dualpipe-v")  # rank r holds stages r and 3 - r
 
 
 def batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,9 +103,11 @@ def plan_for(config: Config) -> Plan:
     """Model A's stages for this schedule on 2 ranks (plan batch = microbatch)."""
     if config.schedule == "data-parallel":
         stages = [StagePlan(0, BLOCKS, 2, (0, 1), 0.0)]
-    elif config.schedule == "interleaved-1f1b":  # 4 stages looped over the 2 ranks
+    elif config.schedule in LOOPED + V:  # 4 stages over the 2 ranks, looped or in a V
         cuts = [0, 3, SPLIT, 7, BLOCKS]
-        stages = [StagePlan(cuts[i], cuts[i + 1], 1, (i % 2,), 0.0) for i in range(4)]
+        stages = [StagePlan(cuts[i], cuts[i + 1], 1, ((i % 2,) if config.schedule in LOOPED
+                                                       else (min(i, 3 - i),)), 0.0)
+                  for i in range(4)]
     else:
         stages = [StagePlan(0, SPLIT, 1, (0,), 0.0), StagePlan(SPLIT, BLOCKS, 1, (1,), 0.0)]
     return Plan("cnn", config.microbatch, 2, config.schedule, stages, 1.0, 1.0)
@@ -216,7 +221,8 @@ def markdown(rows: list[dict[str, Any]], bandwidth: float, factor: float, steps:
         f"Command: `{harness.command()}`", "",
         f"Machine: {harness.machine()}. Load average (1, 5, 15 min) at the start "
         f"{averages(load[0])}, at the end {averages(load[1])} (the machine is shared).", "",
-        "Stages: conv | fc (interleaved-1f1b: 4 on 2 ranks; data-parallel: 2 replicas). Rates: "
+        "Stages: conv | fc (interleaved-1f1b, interleaved-zb, looped-bfs: 4 looped over the 2 "
+        "ranks; zb-v, dualpipe-v: 4 in a V; data-parallel: 2 replicas). Rates: "
         f"rank 0's after {WARMUP} warm-up steps, simulated with the loopback all-reduce's "
         f"{bandwidth / 1e9:.2f} GB/s and the profile's compute x {factor:.2f}, two ranks at once "
         f"against one (\"profile alone\": unscaled); the fastest of "
