@@ -32,6 +32,8 @@ One module per concept, every name re-exported here:
                 blame of the rank that failed first
     script      `pipedream-fast run` (`run_script`): a script's ranks, their bootstrap
                 (`_RANK_BOOT`) and end (`rank_ended`, `rank_failed`, `exit_now`)
+    stderr_line `write_line`: a line to the stderr the launcher and its ranks share, in one
+                write, so that it never joins another process's line
 
 A handler installed by these modules has a `__module__` under `pipedream_fast.launch`, which
 is how `stopping.DeferredStop` recognises the launchers' handlers. Patch a module-level name
@@ -40,7 +42,7 @@ is how `stopping.DeferredStop` recognises the launchers' handlers. Patch a modul
 
 from __future__ import annotations
 
-from pipedream_fast.launch import processes, ranks, script, signals
+from pipedream_fast.launch import processes, ranks, script, signals, stderr_line
 from pipedream_fast.launch.processes import EXIT_S, LaunchError, launch
 from pipedream_fast.launch.processes import _blame as _blame
 from pipedream_fast.launch.processes import _Rank as _Rank
@@ -51,11 +53,12 @@ from pipedream_fast.launch.signals import (GRACE_S, STOP_SIGNALS, STOP_WINDOW_S,
                                            Stopped, describe_exit, on_stop_signal,
                                            raising_stop_signals, shell_status, signal_name,
                                            stop_request)
+from pipedream_fast.launch.stderr_line import write_line
 
 __all__ = [
-    "processes", "ranks", "script", "signals",
+    "processes", "ranks", "script", "signals", "stderr_line",
     "EXIT_S", "GRACE_S", "SETTLE_S", "STOP_SIGNALS", "STOP_WINDOW_S", "TERM_SIGNALS",
     "LaunchError", "Stopped", "describe_exit", "exit_now", "free_port", "launch",
     "on_stop_signal", "raising_stop_signals", "rank_environment", "rank_ended", "rank_failed",
-    "run_script", "shell_status", "signal_name", "stop_request",
+    "run_script", "shell_status", "signal_name", "stop_request", "write_line",
 ]
