@@ -166,3 +166,37 @@ def test_a_stopped_rank_exits_by_itself_within_the_default_grace_every_time(tmp_
         print(f"run {run}: stopped after step {step}; ranks ended "
               + ", ".join(f"{ended[r] - reports[r]['saved_at']:.2f} s" for r in (0, 1))
               + " after their save")
+
+
+def closed_pipeline_job(rank: int, world: int) -> tuple[bool, bool]:
+    import gc
+    import weakref
+
+    import torch
+    from torch import nn
+
+    from pipedream_fast.pipeline import Pipeline
+
+    torch.manual_seed(0)
+    pipe = Pipeline(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)),
+                    nn.functional.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                    stages=2, schedule="1f1b", chunks=2, timeout=60)
+    list(pipe.train([(torch.randn(4, 8), torch.randint(0, 2, (4,)))] * 3))
+    executor = weakref.ref(pipe._run_loop.executor)
+    transport = weakref.ref(pipe._run_loop.executor.transport)
+    gc.disable()  # what close() lets go of must go at once, not at the collector's next pass
+    try:
+        pipe.close()
+        del pipe
+        return executor() is None, transport() is None
+    finally:
+        gc.enable()
+
+
+def test_a_closed_pipeline_lets_go_of_its_executor_and_transport_at_once():
+    """A closed Pipeline's last executor, and its transport with the process groups' sockets,
+    once stayed alive in a reference cycle (the run loop's `after_run`, bound to the
+    Pipeline's `Moving`, which holds the run loop) until the garbage collector ran."""
+    from pipedream_fast.launch import launch
+
+    assert launch(closed_pipeline_job, 2, timeout=120) == [(True, True), (True, True)]

@@ -57,13 +57,13 @@ class RunLoop:
     Owns: `calibration` (the rank's running estimate of its costs, fed by every training
     run's executor), `hang_watch` (reports the rank's action in progress when it makes no
     progress for `hang_report` seconds), `trace` (whether runs record their actions),
-    `executor` (the last run's: what a stuck rank was doing), `last_stats` and `last_events` (the last run's
-    statistics and, with `trace`, the first run of the last train() call's events),
-    `last_input_bytes` (with `trace`, that run's microbatches' input bytes, on a rank that
-    feeds them), and
-    `stop_request` (the driving thread's signal, under rank threads). Between the runs of a
-    train() call it saves periodic checkpoints and calls `after_run` (the Pipeline hands
-    `Moving.after_run` in: adapt's checks).
+    `executor` (the last run's until `close`: what a stuck rank was doing), `last_stats`
+    and `last_events` (the last run's statistics and, with `trace`, the first run of the
+    last train() call's events), `last_input_bytes` (with `trace`, that run's microbatches'
+    input bytes, on a rank that feeds them), and `stop_request` (the driving thread's
+    signal, under rank threads). Between the runs of a train() call it saves periodic
+    checkpoints and calls `after_run` (the Pipeline hands `Moving.after_run` in: adapt's
+    checks).
     """
 
     def __init__(self, ctx: RankContext, stages: Stages, progress: Progress,
@@ -81,7 +81,7 @@ class RunLoop:
         self.last_input_bytes: dict[int, int] = {}
         self._feed: MicrobatchFeed | None = None  # the run's, on a rank that reads data
         self.stop_request: DeferredStop | None = None
-        self.after_run: Callable[[int, float, int], None] = lambda steps, seconds, chunks: None
+        self.after_run: Callable[[int, float, int], None] = _no_check
         self._first_run = True  # the next run is the first of its train() call
         self._first_step_done = 0.0  # when the run's first step was yielded (perf_counter)
         self.hang_watch: HangWatch | None = None
@@ -372,6 +372,15 @@ class RunLoop:
             pass
 
     def close(self) -> None:
-        """Stops the hang watch (the Pipeline is closing)."""
+        """Stops the hang watch and lets go of the last executor (with it, its transport) and
+        of `after_run` (the Pipeline is closing). `after_run` is bound to the Pipeline's
+        `Moving`, which holds this loop: kept, that cycle held the executor's transport, and
+        its process groups' sockets, until the garbage collector ran."""
         if self.hang_watch is not None:
             self.hang_watch.stop()
+        self.executor = None
+        self.after_run = _no_check
+
+
+def _no_check(steps: int, seconds: float, chunks: int) -> None:
+    """`RunLoop.after_run` when no Pipeline hands one in."""
