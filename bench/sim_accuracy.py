@@ -25,6 +25,7 @@ from pipedream_fast.launch import launch
 from pipedream_fast.models import build_cnn
 from pipedream_fast.pipeline import Pipeline
 from pipedream_fast.profiler import profile_model
+from pipedream_fast.schedules import kind, looped_ranks
 from pipedream_fast.sim import MeasuredCosts, ProfileCosts, simulate
 from pipedream_fast.training import StepTracker, build_schedule
 
@@ -55,8 +56,7 @@ CONFIGS = [Config(*c) for c in (
     ("1f1b", 32, 4), ("gpipe", 32, 2), ("gpipe", 32, 4), ("zb-h1", 32, 4),
     ("interleaved-1f1b", 32, 4), ("data-parallel", 32, 2), ("zb-v", 32, 4),
     ("dualpipe-v", 32, 4), ("interleaved-zb", 32, 4), ("looped-bfs", 32, 4))]
-LOOPED = ("interleaved-1f1b", "interleaved-zb", "looped-bfs")  # stage k on rank k mod 2
-V = ("zb-v", "dualpipe-v")  # rank r holds stages r and 3 - r
+FOUR_STAGES = ("interleaved-1f1b", "interleaved-zb", "looped-bfs", "zb-v", "dualpipe-v")
 
 
 def batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,11 +103,10 @@ def plan_for(config: Config) -> Plan:
     """Model A's stages for this schedule on 2 ranks (plan batch = microbatch)."""
     if config.schedule == "data-parallel":
         stages = [StagePlan(0, BLOCKS, 2, (0, 1), 0.0)]
-    elif config.schedule in LOOPED + V:  # 4 stages over the 2 ranks, looped or in a V
+    elif config.schedule in FOUR_STAGES:  # over the 2 ranks as the schedule places them
         cuts = [0, 3, SPLIT, 7, BLOCKS]
-        stages = [StagePlan(cuts[i], cuts[i + 1], 1, ((i % 2,) if config.schedule in LOOPED
-                                                       else (min(i, 3 - i),)), 0.0)
-                  for i in range(4)]
+        ranks = (kind(config.schedule).placement or looped_ranks)(4, 2)  # looped, or a V
+        stages = [StagePlan(cuts[i], cuts[i + 1], 1, tuple(ranks[i]), 0.0) for i in range(4)]
     else:
         stages = [StagePlan(0, SPLIT, 1, (0,), 0.0), StagePlan(SPLIT, BLOCKS, 1, (1,), 0.0)]
     return Plan("cnn", config.microbatch, 2, config.schedule, stages, 1.0, 1.0)

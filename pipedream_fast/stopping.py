@@ -32,9 +32,8 @@ from collections.abc import Callable
 
 import torch
 
-from pipedream_fast.launch.stderr_line import write_line
 from pipedream_fast.launch import (STOP_WINDOW_S, TERM_SIGNALS, Stopped, on_stop_signal,
-                                   signal_name, stop_request)
+                                   signal_name, stop_request, write_line)
 
 
 class DeferredStop:

@@ -418,13 +418,13 @@ class Stages:
             if mine:
                 assert group is not None
                 copies = tuple(self.copies.get(s, {}).get(pid, params[pid]) for s in mine)
-                src = plan.stages[holders[0]].ranks[0]
+                others = group if len(ranks) > 1 else None  # None: this rank holds them all
                 with torch.no_grad():
-                    if len(ranks) > 1:
-                        group.broadcast(copies[0].data, src=src)
+                    if others is not None:
+                        others.broadcast(copies[0].data, src=plan.stages[holders[0]].ranks[0])
                     for other in copies[1:]:
                         other.copy_(copies[0])
-                tied.append(TiedWeight(copies, group if len(ranks) > 1 else None,
+                tied.append(TiedWeight(copies, others,
                                        counts_in_norm=tuple(s == holders[0] for s in mine),
                                        replicas=tuple(len(plan.stages[s].ranks) for s in mine)))
         return tied
