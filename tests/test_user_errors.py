@@ -166,6 +166,22 @@ def test_a_loader_that_raises_at_batch_4_is_one_line_under_run(tmp_path):
     assert "rank 0 exited with code 1" in result.stderr
 
 
+@pytest.mark.slow
+def test_run_blames_the_rank_whose_error_it_was_though_its_peer_exits_first(tmp_path):
+    # Rank 0 leaves 2 s after its own error (an exit handler of the user's, or a slow
+    # release); rank 1 fails at once on the closed connection. Was: "rank 1 exited with
+    # code 1; stopping the other ranks", the first exit blamed (seen in CI, 1 run in 30).
+    late = ("import atexit, os, time\n"
+            "if os.environ['RANK'] == '0':\n"
+            "    atexit.register(time.sleep, 2.0)  # runs last: after the library's release\n")
+    (tmp_path / "data.py").write_text(late + DATA_ERROR)
+    result = cli("run", "--nproc", "2", "data.py", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    lines = error_part(result.stderr, "run")
+    assert len(lines) == 1 and lines[0].startswith("rank 0, batch 4: ValueError"), result.stderr
+    assert "pipedream-fast run: rank 0 exited with code 1" in result.stderr, result.stderr
+
+
 def one_line_under_run(tmp_path: Path, script: str) -> str:
     """The one line a failing `script` leaves under `pipedream-fast run --nproc 2`."""
     (tmp_path / "job.py").write_text(script)

@@ -106,6 +106,42 @@ def _others_failed(rank: int | None, wait_s: float) -> bool:
         time.sleep(0.05)
 
 
+_FOLLOWED = ".followed"
+"""The mark a rank of `pipedream-fast run` leaves in the job's log folder (`rank<R>.followed`)
+when its failure only followed another rank's (a closed connection; an error every rank
+raised alike and another rank says): the launcher then blames the rank whose failure was its
+own, which often exits later, having written its traceback and released its groups."""
+
+FOLLOWER_WAIT_S = 5.0
+"""How much longer than `SETTLE_S` the launcher waits for the first failure's cause to exit
+when every rank that has failed so far only followed another's."""
+
+
+def _mark_followed(rank: int | None) -> None:
+    folder = os.environ.get(_user_errors().LOG_DIR_ENV)
+    if folder and rank is not None:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            open(os.path.join(folder, f"rank{rank}{_FOLLOWED}"), "w").close()
+        except OSError:  # a full disk: the launcher then blames the first to exit
+            pass
+
+
+def _followers(folder: str) -> set[int]:
+    """The ranks whose failure only followed another rank's (their `_FOLLOWED` marks)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return set()
+    ranks = set()
+    for name in names:
+        if name.startswith("rank") and name.endswith(_FOLLOWED):
+            number = name[len("rank"):-len(_FOLLOWED)]
+            if number.isdigit():
+                ranks.add(int(number))
+    return ranks
+
+
 def _user_errors() -> Any:
     from pipedream_fast import user_errors
     return user_errors
@@ -126,6 +162,8 @@ def rank_failed(err: BaseException) -> NoReturn:
     text = "".join(traceback.format_exception(type(err), err, tb))
     line = ue.describe(err, rank, peer_symptom=_is_peer_symptom)
     said_elsewhere = ue.said_by(err) not in (None, rank)  # every rank has it; another says it
+    if said_elsewhere or (line is None and _is_peer_symptom(err)):
+        _mark_followed(rank)  # before the log, which `_others_failed` looks for
     if line is not None or _is_peer_symptom(err):
         path = ue.write_log(text, ue.log_path(rank))
         if line is not None:
@@ -212,7 +250,9 @@ def _attempt(script: str, script_args: Sequence[str], nprocs: int,
     after `grace` seconds) and its status is returned, 128 + the signal number for a rank
     killed by a signal, as shells report it; the first failure is blamed, preferring, among
     those seen within `SETTLE_S` of it, a rank killed by a signal to one that exited with an
-    error (which is how a rank reacts to its peer's death). SIGINT, SIGTERM or SIGHUP to the
+    error (which is how a rank reacts to its peer's death), and a rank whose error was its own
+    to one that marked its failure as following another's (`_FOLLOWED`; while only such
+    ranks have failed, the window stretches by up to `FOLLOWER_WAIT_S`). SIGINT, SIGTERM or SIGHUP to the
     launcher is forwarded to every rank, with the same grace period, and returns 128 + its
     number; a repeat of SIGTERM/SIGHUP within `STOP_WINDOW_S` is the same request, SIGINT
     cuts the grace period short. Each rank runs in a session of its own, so a signal to the
@@ -247,7 +287,10 @@ def _attempt(script: str, script_args: Sequence[str], nprocs: int,
                     if rank not in failures and proc.poll() not in (None, 0):
                         failures[rank] = now
                 if failures and now - min(failures.values()) >= SETTLE_S:
-                    break
+                    followers = _followers(logs)
+                    if (not set(failures) <= followers or len(failures) == len(procs)
+                            or now - min(failures.values()) >= SETTLE_S + FOLLOWER_WAIT_S):
+                        break
                 if not failures and all(p.returncode is not None for p in procs.values()):
                     return 0, False
                 time.sleep(0.05)
@@ -256,8 +299,9 @@ def _attempt(script: str, script_args: Sequence[str], nprocs: int,
             began_at = requests.received[0][1] if by_signal else None
             code = 0
             if signum is None:
+                followers = _followers(logs)
                 blamed = min(failures, key=lambda r: ((procs[r].returncode or 0) >= 0,
-                                                      failures[r]))
+                                                      r in followers, failures[r]))
                 rc = procs[blamed].returncode or 0
                 code = shell_status(rc)
 
