@@ -33,6 +33,7 @@ from torch import nn
 
 from pipedream_fast.formats import Plan, StagePlan
 from pipedream_fast.launch import launch
+from pipedream_fast.schedules import kind, looped_ranks
 from pipedream_fast.models import build_cnn
 from pipedream_fast.training import model_loss, split_microbatches
 from pipedream_fast.tuning import Tuning
@@ -49,15 +50,16 @@ CACHE_NOTE = ("- Ours runs as shipped, with its CPU block cache (`Tuning.cpu_cac
               "the two: without the cache, ours is about torch's speed on model A.")
 VOCAB, SEQ, LAYERS, HEADS, WIDTH = 64, 16, 2, 4, 64  # the transformer set's nanoGPT
 A2, A4 = [(0, 6), (6, 9)], [(0, 3), (3, 6), (6, 7), (7, 9)]  # model A's blocks [start, stop)
-# per model: ours, torch's class, stages, microbatch counts per step, placement on the ranks
-PAIRS = {"cnn": (("gpipe", "ScheduleGPipe", A2, (2, 4), "looped"),
-                 ("1f1b", "Schedule1F1B", A2, (2, 4), "looped"),
-                 ("interleaved-1f1b", "ScheduleInterleaved1F1B", A4, (4,), "looped"),
-                 ("zb-v", "ScheduleZBVZeroBubble", A4, (4, 8), "v"),
-                 ("dualpipe-v", "ScheduleDualPipeV", A4, (4, 8), "v"),
-                 ("interleaved-zb", "ScheduleInterleavedZeroBubble", A4, (4, 8), "looped"),
-                 ("looped-bfs", "ScheduleLoopedBFS", A4, (4, 8), "looped")),
-         "gpt": (("1f1b", "Schedule1F1B", [(0, 2), (2, 5)], (16, 32), "looped"),)}
+# per model: ours, torch's class, stages, microbatch counts per step (the stages on the ranks
+# as our schedule places them: `stage_ranks`)
+PAIRS = {"cnn": (("gpipe", "ScheduleGPipe", A2, (2, 4)),
+                 ("1f1b", "Schedule1F1B", A2, (2, 4)),
+                 ("interleaved-1f1b", "ScheduleInterleaved1F1B", A4, (4,)),
+                 ("zb-v", "ScheduleZBVZeroBubble", A4, (4, 8)),
+                 ("dualpipe-v", "ScheduleDualPipeV", A4, (4, 8)),
+                 ("interleaved-zb", "ScheduleInterleavedZeroBubble", A4, (4, 8)),
+                 ("looped-bfs", "ScheduleLoopedBFS", A4, (4, 8))),
+         "gpt": (("1f1b", "Schedule1F1B", [(0, 2), (2, 5)], (16, 32)),)}
 # per model, the goals (JSON key: our schedules, the least ratio to torch's); new_goal: issue 31
 GOALS = {"cnn": {"goal": (("1f1b",), 1.2),
                  "new_goal": (("zb-v", "dualpipe-v", "interleaved-zb", "looped-bfs"), 1.05)},
@@ -210,21 +212,27 @@ def sequential(model: str) -> tuple[nn.Module, Callable[..., torch.Tensor], list
             [x, x.roll(-1, 1)])
 
 
-def stage_rank(k: int, num_stages: int, placement: str) -> int:
-    """Looped: stage k on rank k mod WORLD; "v": rank r holds stages r and 2 WORLD - 1 - r."""
-    if placement == "v" and num_stages == 2 * WORLD:
-        return k if k < WORLD else num_stages - 1 - k
-    return k % WORLD
+def stage_ranks(schedule: str, num_stages: int) -> list[int]:
+    """Each stage's rank as our `schedule` places them (a V, else looped: stage k on rank k
+    mod WORLD); torch's side gets the same."""
+    place = kind(schedule).placement or looped_ranks
+    return [ranks[0] for ranks in place(num_stages, num_stages // WORLD)]
+
+
+def placement_name(schedule: str, num_stages: int) -> str:
+    """How the results name `stage_ranks`: "plain" (a stage a rank), "v" or "looped"."""
+    if num_stages <= WORLD:
+        return "plain"
+    return "v" if kind(schedule).placement else "looped"
 
 
 def side_rank(rank: int, world: int, side: str, schedule: str, model: str,
               stages: list[tuple[int, int]], chunks: int, warmup: int, steps: int,
-              placement: str) -> dict[str, Any]:
+              where: list[int]) -> dict[str, Any]:
     """One run on this rank of `side` ("ours", NO_CACHE: ours without the CPU block cache, or
     "torch") on `stages`, `chunks` microbatches."""
     began, total = time.perf_counter(), warmup + steps
     module, loss_fn, batch = sequential(model)
-    where = [stage_rank(k, len(stages), placement) for k in range(len(stages))]
     last = where[-1] == rank
     if side in ("ours", NO_CACHE):
         plan = Plan(model, BATCH, WORLD, schedule, [StagePlan(a, b, 1, (r,), 0.0)
@@ -254,17 +262,17 @@ def row_rank(rank: int, world: int, ours: str, theirs: str, repeats: int,
 
 
 def measure(model: str, ours: str, theirs: str, stages: list[tuple[int, int]], chunks: int,
-            sz: dict[str, int], placement: str) -> dict[str, Any]:
+            sz: dict[str, int]) -> dict[str, Any]:
+    where = stage_ranks(ours, len(stages))
     by_rank = launch(row_rank, WORLD, ours, theirs, sz["repeats"], model, stages, chunks,
-                     sz["warmup"], sz["steps"], placement, threads_per_rank=1)
+                     sz["warmup"], sz["steps"], where, threads_per_rank=1)
     runs = {side: [one_run(list(ranks), BATCH * sz["steps"])
                    for ranks in zip(*(r[side] for r in by_rank))] for side in ("ours", "torch")}
     gaps = [loss_gaps(a["losses"], b["losses"]) for a, b in zip(runs["ours"], runs["torch"])]
     first, last = (max(g[k] for g in gaps) for k in (0, 1))
     n = len(stages)
     return {"schedule": ours, "torch_schedule": theirs, "stages": n, "bounds": stages,
-            "placement": placement if n > WORLD else "plain",
-            "ranks": [stage_rank(k, n, placement) for k in range(n)], "microbatches": chunks,
+            "placement": placement_name(ours, n), "ranks": where, "microbatches": chunks,
             **side_by_side(runs), "first_loss": runs["torch"][0]["losses"][0],
             "first_loss_diff": first, "last_loss_diff": last,
             "losses_agree": first <= FIRST_LOSS_TOL and last <= LAST_LOSS_TOL, "runs": runs}
@@ -286,14 +294,15 @@ def goal(rows: list[dict[str, Any]], names: tuple[str, ...], least: float) -> di
 
 def run_pairs(sz: dict[str, int], model: str) -> dict[str, Any]:
     began, rows = time.monotonic(), []
-    for ours, theirs, stages, counts, placement in PAIRS[model]:
+    for ours, theirs, stages, counts in PAIRS[model]:
         for chunks in counts:
             try:
-                r = measure(model, ours, theirs, stages, chunks, sz, placement)
+                r = measure(model, ours, theirs, stages, chunks, sz)
             except Exception as error:  # noqa: BLE001 - a side that cannot run is a result
                 harness.unless_stopped(error)
                 r = {"schedule": ours, "torch_schedule": theirs, "stages": len(stages),
-                     "bounds": stages, "placement": placement, "microbatches": chunks,
+                     "bounds": stages, "placement": placement_name(ours, len(stages)),
+                     "microbatches": chunks,
                      "error": harness.shorten(error, 600)}
             rows.append(r)
             harness.say(f"{ours} {len(stages)} stages {chunks} mb: ratio "
