@@ -21,27 +21,28 @@ import vs_pipelining as pairs
 from pipedream_fast.launch import launch
 
 SIDES = ("ours", pairs.NO_CACHE, "torch")
-# ours, torch's class, stages, microbatches per step, placement
-CASES = (("1f1b", "Schedule1F1B", pairs.A2, 4, "looped"),
-         ("zb-v", "ScheduleZBVZeroBubble", pairs.A4, 4, "v"))
+# ours, torch's class, stages (placed as ours places them), microbatches per step
+CASES = (("1f1b", "Schedule1F1B", pairs.A2, 4),
+         ("zb-v", "ScheduleZBVZeroBubble", pairs.A4, 4))
 DEFAULT = {"warmup": 3, "steps": 8, "repeats": 3}
 QUICK = {"warmup": 1, "steps": 2, "repeats": 1}
 
 
 def case_rank(rank: int, world: int, ours: str, theirs: str, stages: list[tuple[int, int]],
-              chunks: int, placement: str, sz: dict[str, int]) -> dict[str, list[Any]]:
-    """The three sides in interleaved rounds in this rank process."""
+              chunks: int, where: list[int], sz: dict[str, int]) -> dict[str, list[Any]]:
+    """The three sides in interleaved rounds in this rank process. Torch keeps gloo's I/O
+    threads at our priority (`pairs.OUR_IO`): this bench isolates the cache."""
     def side(name: str) -> Any:
-        return lambda: pairs.side_rank(rank, world, name, theirs if name == "torch" else ours,
-                                       "cnn", stages, chunks, sz["warmup"], sz["steps"],
-                                       placement)
+        how = pairs.OUR_IO if name == "torch" else name
+        return lambda: pairs.side_rank(rank, world, how, theirs if name == "torch" else ours,
+                                       "cnn", stages, chunks, sz["warmup"], sz["steps"], where)
     return pairs.rounds({name: side(name) for name in SIDES}, sz["repeats"])
 
 
 def measure(case: tuple[Any, ...], sz: dict[str, int]) -> dict[str, Any]:
-    ours, theirs, stages, chunks, placement = case
-    by_rank = launch(case_rank, pairs.WORLD, ours, theirs, stages, chunks, placement, sz,
-                     threads_per_rank=1)
+    ours, theirs, stages, chunks = case
+    by_rank = launch(case_rank, pairs.WORLD, ours, theirs, stages, chunks,
+                     pairs.stage_ranks(ours, len(stages)), sz, threads_per_rank=1)
     runs = {name: [pairs.one_run(list(ranks), pairs.BATCH * sz["steps"])
                    for ranks in zip(*(r[name] for r in by_rank))] for name in SIDES}
     failed = {name: r["error"] for name, rs in runs.items() for r in rs if "error" in r}
@@ -106,7 +107,9 @@ def main() -> int:
              f"per rank; {sz['steps']} steps after {sz['warmup']} warm-up, {sz['repeats']} "
              f"interleaved rounds of the three sides in one pair of processes, each run from a "
              f"fresh model; medians. Stages as in `bench/vs_pipelining.py` (2 for 1f1b, 4 in a "
-             f"V for zb-v). Page faults: minor faults of each rank's process over the timed "
+             f"V for zb-v); torch with gloo's I/O threads at our priority (the default "
+             f"group's, which ours sets), so that only the cache differs. Page faults: minor "
+             f"faults of each rank's process over the timed "
              f"steps (getrusage), an independent count of memory faulted in; resident memory "
              f"from /proc at the end of the timed steps. Whole run {wall / 60:.1f} min."]
     outro = ["Ours without the cache against torch is the runtime alone; ours against ours "

@@ -33,6 +33,7 @@ from torch import nn
 
 from pipedream_fast.formats import Plan, StagePlan
 from pipedream_fast.launch import launch
+from pipedream_fast.runtime.transport import set_io_priority
 from pipedream_fast.schedules import kind, looped_ranks
 from pipedream_fast.models import build_cnn
 from pipedream_fast.training import model_loss, split_microbatches
@@ -44,6 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 
 BATCH, WORLD, LR = 32, 2, 0.01
 NO_CACHE = "ours, no CPU cache"  # a side: Tuning(cpu_cache_mb=0), malloc's own behaviour
+OUR_IO = "torch, our I/O priority"  # a side: torch with gloo's I/O threads as ours sets them
+IO_NOTE = ("- Torch runs as its users run it: gloo's I/O threads at their default priority, set "
+           "back before each of its runs (ours, in the same processes, sets every gloo I/O "
+           "thread of the process, the default group's too, to `Tuning.io_priority`'s choice, "
+           "idle for one compute thread). The column `torch, our I/O priority` is torch with "
+           "that setting kept, and `ours/that` the ratio without it: how much of the lead is "
+           "that one knob.")
 CACHE_NOTE = ("- Ours runs as shipped, with its CPU block cache (`Tuning.cpu_cache_mb`): freed tensor "
               "memory kept for reuse, where torch's side runs with malloc's behaviour and faults "
               "its large blocks in afresh at every step. `bench/results/cpu_cache.md` separates "
@@ -158,12 +166,17 @@ def one_run(ranks: list[dict[str, Any]], samples: int) -> dict[str, Any]:
 
 
 def side_by_side(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Medians of the runs that did not fail, their ratio, each round's, others' most CPU."""
+    """Medians of the runs that did not fail, ours/torch (and ours/`OUR_IO` where it ran),
+    each round's, others' most CPU."""
     ok = {side: [r for r in rs if "error" not in r] for side, rs in runs.items()}
     med = {side: statistics.median(r["samples_per_s"] for r in rs) if rs else None
            for side, rs in ok.items()}
+    mine = med.get(OUR_IO)  # torch with our I/O priority, where that side ran
     return {"ours_samples_per_s": med["ours"], "torch_samples_per_s": med["torch"],
             "ratio": med["ours"] / med["torch"] if med["ours"] and med["torch"] else None,
+            **({"torch_our_io_samples_per_s": mine,
+                "ratio_our_io": med["ours"] / mine if med["ours"] and mine else None}
+               if OUR_IO in runs else {}),
             "pair_ratios": [a["samples_per_s"] / b["samples_per_s"]
                             for a, b in zip(ok["ours"], ok["torch"])],
             "other_cores_max": max((r["other_cores"] for rs in ok.values() for r in rs),
@@ -229,8 +242,9 @@ def placement_name(schedule: str, num_stages: int) -> str:
 def side_rank(rank: int, world: int, side: str, schedule: str, model: str,
               stages: list[tuple[int, int]], chunks: int, warmup: int, steps: int,
               where: list[int]) -> dict[str, Any]:
-    """One run on this rank of `side` ("ours", NO_CACHE: ours without the CPU block cache, or
-    "torch") on `stages`, `chunks` microbatches."""
+    """One run on this rank of `side` ("ours", NO_CACHE: ours without the CPU block cache,
+    "torch", OUR_IO: torch with gloo's I/O threads at our priority) on `stages`, `chunks`
+    microbatches, stage k on rank `where[k]`."""
     began, total = time.perf_counter(), warmup + steps
     module, loss_fn, batch = sequential(model)
     last = where[-1] == rank
@@ -243,6 +257,9 @@ def side_rank(rank: int, world: int, side: str, schedule: str, model: str,
                           tuning=tuning)
     from torch.distributed import pipelining
 
+    # gloo's I/O threads (the default group's, which torch's stages use) as torch's users
+    # have them, or as our Pipeline sets them (`Tuning.io_priority`'s "auto")
+    set_io_priority("auto" if side == OUR_IO else "normal")
     blocks = list(module.children())
     parts = [pipelining.PipelineStage(nn.Sequential(*blocks[a:b]), k, len(stages),
                                       torch.device("cpu"))
@@ -258,7 +275,8 @@ def row_rank(rank: int, world: int, ours: str, theirs: str, repeats: int,
              *args: Any) -> dict[str, list[Any]]:
     """Both sides in interleaved rounds in this rank process, each run from a fresh model."""
     return rounds({"ours": lambda: side_rank(rank, world, "ours", ours, *args),
-                   "torch": lambda: side_rank(rank, world, "torch", theirs, *args)}, repeats)
+                   "torch": lambda: side_rank(rank, world, "torch", theirs, *args),
+                   OUR_IO: lambda: side_rank(rank, world, OUR_IO, theirs, *args)}, repeats)
 
 
 def measure(model: str, ours: str, theirs: str, stages: list[tuple[int, int]], chunks: int,
@@ -267,7 +285,8 @@ def measure(model: str, ours: str, theirs: str, stages: list[tuple[int, int]], c
     by_rank = launch(row_rank, WORLD, ours, theirs, sz["repeats"], model, stages, chunks,
                      sz["warmup"], sz["steps"], where, threads_per_rank=1)
     runs = {side: [one_run(list(ranks), BATCH * sz["steps"])
-                   for ranks in zip(*(r[side] for r in by_rank))] for side in ("ours", "torch")}
+                   for ranks in zip(*(r[side] for r in by_rank))]
+            for side in ("ours", "torch", OUR_IO)}
     gaps = [loss_gaps(a["losses"], b["losses"]) for a, b in zip(runs["ours"], runs["torch"])]
     first, last = (max(g[k] for g in gaps) for k in (0, 1))
     n = len(stages)
@@ -331,30 +350,34 @@ def pairs_markdown(result: dict[str, Any]) -> str:
         f"- {model}; the same on both sides. One fixed batch, SGD lr {s['lr']}; {s['ranks']} "
         f"ranks, gloo on loopback, 1 thread per rank.",
         f"- Samples/s: {s['steps']} steps after {s['warmup']} warm-up; {s['repeats']} run(s) of "
-        f"each side in interleaved rounds (ours, torch, then torch, ours, ...) in one pair of "
+        f"each side in interleaved rounds (ours, torch, torch with our I/O priority, then the "
+        f"other way round, ...) in one pair of "
         f"processes, each from a fresh model; medians, their ratio; per round: the lowest and "
         f"highest round's ratio (the noise). Others: the most CPU other processes took in a "
         f"window (of {result['machine']['cores']} cores).",
         f"- Losses: first and last step's mean microbatch loss, ours against torch, largest "
         f"difference; agreed within {FIRST_LOSS_TOL:g} and {LAST_LOSS_TOL:g}.",
-        CACHE_NOTE])
+        IO_NOTE, CACHE_NOTE])
     table, errors = [], []
     for r in result["rows"]:
         row = [f"{r['schedule']} / {r['torch_schedule']}", r["stages"],
                ", ".join(map(str, r.get("ranks", []))) or "-", r["microbatches"]]
         if "error" in r:
-            table.append(row + ["failed", "failed"] + ["-"] * 6)
+            table.append(row + ["failed", "failed"] + ["-"] * 8)
             errors.append(f"- {row[0]}, {r['microbatches']} microbatches: `{r['error']}`")
             continue
         table.append(row + [f"{r['torch_samples_per_s']:.1f}", f"{r['ours_samples_per_s']:.1f}",
                             f"{r['ratio']:.2f}x",
                             f"{min(r['pair_ratios']):.2f}-{max(r['pair_ratios']):.2f}",
+                            harness.fmt(r.get("torch_our_io_samples_per_s"), ".1f", "-"),
+                            harness.fmt(r.get("ratio_our_io"), ".2f", "-") + "x",
                             f"{r['first_loss_diff']:.1e}", f"{r['last_loss_diff']:.1e}",
                             "yes" if r["losses_agree"] else "**NO**",
                             f"{r['other_cores_max']:.2f}"])
     lines += harness.markdown_table(
         ["schedule (ours / torch)", "stages", "ranks", "microbatches", "torch samples/s",
-         "ours samples/s", "ours/torch", "per round", "first-step loss diff", "last-step loss diff",
+         "ours samples/s", "ours/torch", "per round", "torch, our I/O priority samples/s",
+         "ours/that", "first-step loss diff", "last-step loss diff",
          "losses agree", "others (cores)"], table)
     lines += ["", "Failed rows (the error, as raised):", "", *errors] if errors else []
     for g in (result[key] for key in ("goal", "new_goal") if key in result):
@@ -385,7 +408,7 @@ def run_model_a(sz: dict[str, int], out: str | None) -> None:
 
     def solo(side: str, schedule: str, chunks: int) -> float:
         ranks = launch(side_rank, WORLD, side, schedule, "cnn", A2, chunks, sz["warmup"],
-                       sz["steps"], "looped", threads_per_rank=1)
+                       sz["steps"], stage_ranks("1f1b", len(A2)), threads_per_rank=1)
         return harness.window(ranks, BATCH * sz["steps"])["samples_per_s"]
 
     rows: list[tuple[str, float]] = []
