@@ -127,19 +127,9 @@ def _mark_followed(rank: int | None) -> None:
             pass
 
 
-def _followers(folder: str) -> set[int]:
-    """The ranks whose failure only followed another rank's (their `_FOLLOWED` marks)."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return set()
-    ranks = set()
-    for name in names:
-        if name.startswith("rank") and name.endswith(_FOLLOWED):
-            number = name[len("rank"):-len(_FOLLOWED)]
-            if number.isdigit():
-                ranks.add(int(number))
-    return ranks
+def _followed(folder: str, rank: int) -> bool:
+    """Whether `rank` marked its failure as following another rank's (`_FOLLOWED`)."""
+    return os.path.exists(os.path.join(folder, f"rank{rank}{_FOLLOWED}"))
 
 
 def _user_errors() -> Any:
@@ -287,8 +277,8 @@ def _attempt(script: str, script_args: Sequence[str], nprocs: int,
                     if rank not in failures and proc.poll() not in (None, 0):
                         failures[rank] = now
                 if failures and now - min(failures.values()) >= SETTLE_S:
-                    followers = _followers(logs)
-                    if (not set(failures) <= followers or len(failures) == len(procs)
+                    if (not all(_followed(logs, r) for r in failures)
+                            or len(failures) == len(procs)
                             or now - min(failures.values()) >= SETTLE_S + FOLLOWER_WAIT_S):
                         break
                 if not failures and all(p.returncode is not None for p in procs.values()):
@@ -299,9 +289,8 @@ def _attempt(script: str, script_args: Sequence[str], nprocs: int,
             began_at = requests.received[0][1] if by_signal else None
             code = 0
             if signum is None:
-                followers = _followers(logs)
                 blamed = min(failures, key=lambda r: ((procs[r].returncode or 0) >= 0,
-                                                      r in followers, failures[r]))
+                                                      _followed(logs, r), failures[r]))
                 rc = procs[blamed].returncode or 0
                 code = shell_status(rc)
 
